@@ -1,0 +1,172 @@
+"""The public entry point: :class:`SpeculativeDecoder`."""
+
+from __future__ import annotations
+
+from typing import Any, Mapping, Sequence
+
+from pydantic import ValidationError
+
+from .errors import ConfigError, describe_validation_error
+from .sampling import SamplingParams
+from .types import GenerationResult, TargetInfo
+
+
+def _eos_ids(model, tokenizer) -> tuple[int, ...]:
+    ids: set[int] = set()
+    for source in (getattr(model, "generation_config", None), model.config):
+        value = getattr(source, "eos_token_id", None) if source is not None else None
+        if value is not None:
+            ids.update([value] if isinstance(value, int) else value)
+    if tokenizer is not None and tokenizer.eos_token_id is not None:
+        ids.add(tokenizer.eos_token_id)
+    return tuple(sorted(ids))
+
+
+class SpeculativeDecoder:
+    """Speculative decoding of a target model with a pluggable drafter.
+
+    Output is token-identical to plain greedy decoding at temperature 0 and distributed
+    exactly as plain sampling from the target otherwise.
+
+    >>> dec = SpeculativeDecoder.from_pretrained(drafter="ngram")      # doctest: +SKIP
+    >>> dec.generate("Name three colours.", max_new_tokens=32)[0].text  # doctest: +SKIP
+    """
+
+    def __init__(
+        self,
+        model,
+        tokenizer=None,
+        drafter: str | Any = "ngram",
+        spec_length: int = 4,
+        drafter_options: Mapping[str, Any] | None = None,
+        *,
+        target_name: str = "",
+    ) -> None:
+        from .drafters.base import Drafter
+        from .plugins import get_registry
+        from .verifier import Verifier
+
+        if isinstance(spec_length, bool) or not isinstance(spec_length, int) or spec_length < 1:
+            raise ConfigError(f"spec_length must be an integer >= 1 (got {spec_length!r})")
+        self.model = model.eval()
+        self.tokenizer = tokenizer
+        config = model.config.get_text_config()
+        self.target = TargetInfo(
+            vocab_size=model.get_output_embeddings().weight.shape[0],
+            device=model.device,
+            dtype=model.dtype,
+            max_context=int(getattr(config, "max_position_embeddings", 0) or 2**31 - 1),
+            eos_token_ids=_eos_ids(model, tokenizer),
+            tokenizer=tokenizer,
+            config=config,
+            name=target_name or getattr(config, "_name_or_path", ""),
+        )
+        if isinstance(drafter, Drafter):
+            if drafter_options:
+                raise ConfigError("drafter_options only apply when the drafter is given by name")
+            self.drafter = drafter
+        else:
+            self.drafter = get_registry().create(str(drafter), drafter_options, self.target)
+        self.spec_length = spec_length
+        self._verifier = Verifier(model, self.drafter, spec_length, self.target)
+
+    @classmethod
+    def from_pretrained(
+        cls,
+        target: str | None = None,
+        drafter: str | Any = "ngram",
+        spec_length: int = 4,
+        drafter_options: Mapping[str, Any] | None = None,
+        dtype: Any = None,
+        device: Any = None,
+    ) -> "SpeculativeDecoder":
+        """Load ``target`` (None = SmolLM2-135M-Instruct, offline; else hub id, folder or .gguf)."""
+        from .models import load_target
+
+        model, tokenizer, name = load_target(target, dtype=dtype, device=device)
+        return cls(model, tokenizer, drafter, spec_length, drafter_options, target_name=name)
+
+    # -- generation ---------------------------------------------------------------------
+
+    def generate(
+        self,
+        prompts: str | Sequence[str],
+        max_new_tokens: int = 128,
+        temperature: float = 0.0,
+        top_k: int = 0,
+        top_p: float = 1.0,
+        seed: int | None = None,
+        stop: str | Sequence[str] | None = None,
+        raw: bool = False,
+    ) -> list[GenerationResult]:
+        """Generate for one prompt or a list of prompts; one result per prompt.
+
+        Instruct models get their chat template (the prompt is the user's message) unless
+        ``raw`` is True, in which case the prompt is tokenized as is.
+        """
+        if self.tokenizer is None:
+            raise ConfigError("this decoder has no tokenizer; use generate_ids() with token ids")
+        texts = [prompts] if isinstance(prompts, str) else list(prompts)
+        if not texts:
+            raise ConfigError("no prompts given")
+        for i, text in enumerate(texts):
+            if not isinstance(text, str) or not text.strip():
+                raise ConfigError(f"prompt {i} is empty; give some text to continue")
+        return self.generate_ids([self.encode(t, raw=raw) for t in texts], max_new_tokens=max_new_tokens,
+                                 temperature=temperature, top_k=top_k, top_p=top_p, seed=seed, stop=stop)
+
+    def encode(self, prompt: str, raw: bool = False) -> list[int]:
+        """Token ids for ``prompt``: through the chat template unless ``raw`` or there is none."""
+        tok = self.tokenizer
+        if not raw and getattr(tok, "chat_template", None):
+            prompt = tok.apply_chat_template(
+                [{"role": "user", "content": prompt}], add_generation_prompt=True, tokenize=False
+            )
+            return tok(prompt, add_special_tokens=False).input_ids
+        return tok(prompt).input_ids
+
+    def generate_ids(
+        self,
+        prompt_ids: Sequence[Sequence[int]],
+        max_new_tokens: int = 128,
+        temperature: float = 0.0,
+        top_k: int = 0,
+        top_p: float = 1.0,
+        seed: int | None = None,
+        stop: str | Sequence[str] | None = None,
+    ) -> list[GenerationResult]:
+        """Generate from token ids (one list per sequence); no chat template is applied."""
+        try:
+            sampling = SamplingParams(temperature=temperature, top_k=top_k, top_p=top_p)
+        except ValidationError as exc:
+            raise ConfigError(f"invalid sampling settings: {describe_validation_error(exc)}") from None
+        if isinstance(max_new_tokens, bool) or not isinstance(max_new_tokens, int) or max_new_tokens < 1:
+            raise ConfigError(f"max_new_tokens must be an integer >= 1 (got {max_new_tokens!r})")
+        if seed is not None and (isinstance(seed, bool) or not isinstance(seed, int) or seed < 0):
+            raise ConfigError(f"seed must be a non-negative integer or None (got {seed!r})")
+        stops = [stop] if isinstance(stop, str) else list(stop or ())
+        if any(not isinstance(s, str) or not s for s in stops):
+            raise ConfigError("stop strings must be non-empty strings")
+        prompts = self._check_prompt_ids(prompt_ids)
+        return self._verifier.generate(prompts, max_new_tokens, sampling, seed=seed, stop=stops)
+
+    def _check_prompt_ids(self, prompt_ids) -> list[list[int]]:
+        if isinstance(prompt_ids, (str, bytes)) or not prompt_ids:
+            raise ConfigError("prompt_ids must be a non-empty list of token-id lists")
+        if all(isinstance(t, int) for t in prompt_ids):
+            raise ConfigError("prompt_ids must be a list of lists (one per sequence); wrap a single prompt: [ids]")
+        vocab, context = self.target.vocab_size, self.target.max_context
+        prompts = []
+        for i, ids in enumerate(prompt_ids):
+            ids = [int(t) for t in ids]
+            if not ids:
+                raise ConfigError(f"prompt {i} is empty; give at least one token")
+            if min(ids) < 0 or max(ids) >= vocab:
+                raise ConfigError(f"prompt {i} has token ids outside [0, {vocab})")
+            if len(ids) >= context:
+                raise ConfigError(
+                    f"prompt {i} has {len(ids)} tokens but the model's context holds {context}; "
+                    f"shorten it to at most {context - 1} tokens"
+                )
+            prompts.append(ids)
+        return prompts

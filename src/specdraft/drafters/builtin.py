@@ -1,0 +1,16 @@
+"""The built-in drafters, registered through the same hook as any third-party plugin."""
+
+from __future__ import annotations
+
+from ..hookspecs import hookimpl
+
+
+@hookimpl
+def register_drafters(register):
+    from .ngram import NGramDrafter
+    from .none import NoDrafter
+    from .prompt_lookup import PromptLookupDrafter
+
+    register("ngram", NGramDrafter)
+    register("prompt-lookup", PromptLookupDrafter, aliases=("pld",))
+    register("none", NoDrafter, aliases=("plain",))

@@ -1,0 +1,144 @@
+"""``ngram``: an FNV-1a hashed n-gram predictor that learns from the request as it goes."""
+
+from __future__ import annotations
+
+from collections import deque
+from typing import Iterable, Sequence
+
+from pydantic import BaseModel, ConfigDict, Field, model_validator
+
+from ..types import Draft, DraftContext
+from .base import Drafter
+
+FNV_OFFSET_BASIS = 0xCBF29CE484222325
+FNV_PRIME = 0x100000001B3
+_MASK64 = (1 << 64) - 1
+
+
+def fnv1a_64(tokens: Iterable[int]) -> int:
+    """64-bit FNV-1a over the 4 little-endian bytes of each token id.
+
+    >>> hex(fnv1a_64([]))          # the offset basis
+    '0xcbf29ce484222325'
+    >>> fnv1a_64([1, 2]) == fnv1a_64([2, 1])
+    False
+    """
+    h = FNV_OFFSET_BASIS
+    for token in tokens:
+        for shift in (0, 8, 16, 24):
+            h ^= (token >> shift) & 0xFF
+            h = (h * FNV_PRIME) & _MASK64
+    return h
+
+
+class NGramPredictor:
+    """Counts which token follows each context of 1..3 tokens and chains predictions.
+
+    An order-``n`` table maps the FNV-1a hash of ``n - 1`` context tokens to the counts of
+    the tokens seen after it, and remembers the most frequent one (ties go to the most
+    recent). Prediction uses the longest context that has been seen. Tokens stream through
+    a sliding history of ``history`` tokens; the tables are never pruned.
+
+    Worked example: after ``5 6 7 5 6 8 5 6`` the trailing 3-token context ``8 5 6`` is
+    new, so the 2-token context ``5 6`` decides; it was followed once by 7 and once by 8,
+    and the tie goes to the more recent 8. Chaining then sees ``5 6 8`` (followed by 5),
+    ``6 8 5`` (followed by 6), and ``8 5 6`` falls back to ``5 6`` again:
+
+    >>> p = NGramPredictor()
+    >>> p.extend([5, 6, 7, 5, 6, 8, 5, 6])
+    >>> p.predict(4)
+    [8, 5, 6, 8]
+    >>> p.predict_next([7])       # 1-token context: 7 was followed by 5
+    5
+    >>> p.predict_next([9]) is None
+    True
+    """
+
+    def __init__(self, min_order: int = 2, max_order: int = 4, history: int = 512) -> None:
+        self.orders = range(max_order, min_order - 1, -1)  # longest context first
+        # order -> {context hash: [counts {token: n}, best token, best count]}
+        self.tables: dict[int, dict[int, list]] = {order: {} for order in self.orders}
+        self.history: deque[int] = deque(maxlen=history)
+        self.max_context = max_order - 1
+
+    def add(self, token: int) -> None:
+        """Count ``token`` after every context the history ends with, then append it."""
+        tail = list(self.history)[-self.max_context:] if self.history else []
+        for order, table in self.tables.items():
+            n = order - 1
+            if len(tail) < n:
+                continue
+            entry = table.setdefault(fnv1a_64(tail[len(tail) - n:]), [{}, -1, 0])
+            counts = entry[0]
+            count = counts[token] = counts.get(token, 0) + 1
+            if count >= entry[2]:
+                entry[1], entry[2] = token, count
+        self.history.append(token)
+
+    def extend(self, tokens: Iterable[int]) -> None:
+        for token in tokens:
+            self.add(token)
+
+    def predict_next(self, context: Sequence[int]) -> int | None:
+        """Most frequent continuation of the longest matching suffix of ``context``."""
+        for order, table in self.tables.items():
+            n = order - 1
+            if len(context) < n:
+                continue
+            entry = table.get(fnv1a_64(context[len(context) - n:]))
+            if entry is not None:
+                return entry[1]
+        return None
+
+    def predict(self, k: int) -> list[int]:
+        """Chain up to ``k`` predictions, each appended to the context of the next."""
+        context = list(self.history)[-self.max_context:]
+        out: list[int] = []
+        for _ in range(k):
+            token = self.predict_next(context)
+            if token is None:
+                break
+            out.append(token)
+            context = (context + [token])[-self.max_context:]
+        return out
+
+
+class NGramDrafter(Drafter):
+    """Drafts by chaining an :class:`NGramPredictor` seeded with the prompt.
+
+    Each row has its own predictor; it is fed the prompt on first sight and then every
+    accepted token (including the target's correction/bonus token) before each proposal.
+    """
+
+    class Options(BaseModel):
+        model_config = ConfigDict(extra="forbid")
+        min_order: int = Field(2, ge=2, description="shortest n-gram (context of n-1 tokens)")
+        max_order: int = Field(4, ge=2, le=8, description="longest n-gram")
+        history: int = Field(512, ge=8, description="sliding history window, in tokens")
+
+        @model_validator(mode="after")
+        def _orders(self):
+            if self.min_order > self.max_order:
+                raise ValueError(f"min_order ({self.min_order}) must be <= max_order ({self.max_order})")
+            return self
+
+    def reset(self) -> None:
+        self._rows: dict[int, tuple[NGramPredictor, int]] = {}
+
+    def _sync(self, row: int, tokens: list[int]) -> NGramPredictor:
+        predictor, seen = self._rows.get(row, (None, 0))
+        if predictor is None:
+            o = self.options
+            predictor = NGramPredictor(o.min_order, o.max_order, o.history)
+        predictor.extend(tokens[seen:])
+        self._rows[row] = (predictor, len(tokens))
+        return predictor
+
+    def propose(self, ctx: DraftContext, k: int) -> Draft:
+        if not hasattr(self, "_rows"):
+            self.reset()
+        rows = [
+            self._sync(b, tokens).predict(k) if ctx.active[b] else []
+            for b, tokens in enumerate(ctx.token_ids)
+        ]
+        return Draft.from_lists(rows, device=ctx.device)

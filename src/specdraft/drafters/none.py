@@ -1,0 +1,13 @@
+"""``none``: proposes nothing, so every round is one plain decoding step of the target."""
+
+from __future__ import annotations
+
+from ..types import Draft, DraftContext
+from .base import Drafter
+
+
+class NoDrafter(Drafter):
+    """Plain autoregressive decoding through the same engine and cache (the baseline)."""
+
+    def propose(self, ctx: DraftContext, k: int) -> Draft:
+        return Draft.empty(ctx.batch_size, device=ctx.device)

@@ -1,0 +1,66 @@
+"""``prompt-lookup``: copy what followed the last earlier occurrence of the trailing n-gram."""
+
+from __future__ import annotations
+
+from typing import Sequence
+
+from pydantic import BaseModel, ConfigDict, Field, model_validator
+
+from ..types import Draft, DraftContext
+from .base import Drafter
+
+
+def prompt_lookup(tokens: Sequence[int], k: int, min_ngram: int = 1, max_ngram: int = 3) -> list[int]:
+    """Find the most recent earlier occurrence of the trailing n-gram and return what followed.
+
+    n goes from ``max_ngram`` down to ``min_ngram``; the first n with a match wins, and up
+    to ``k`` tokens after the match are returned (fewer near the end). The trailing
+    n-gram itself does not count as an occurrence.
+
+    >>> prompt_lookup([1, 2, 3, 4, 9, 1, 2, 3], k=2)           # "1 2 3" was followed by "4 9"
+    [4, 9]
+    >>> prompt_lookup([7, 1, 5, 2, 1, 5, 3, 1, 5], k=3)        # most recent "1 5" wins
+    [3, 1, 5]
+    >>> prompt_lookup([7, 1, 5, 2, 6, 5], k=2)                 # only "5" matches (n=1)
+    [2, 6]
+    >>> prompt_lookup([7, 1, 5, 2, 6, 5], k=2, min_ngram=2)
+    []
+    """
+    import numpy as np
+    from numpy.lib.stride_tricks import sliding_window_view
+
+    arr = np.asarray(tokens, dtype=np.int64)
+    length = arr.shape[0]
+    for n in range(max_ngram, min_ngram - 1, -1):
+        if length <= n:
+            continue
+        # windows start at 0..length-1-n, so the trailing n-gram (start length-n) is excluded
+        windows = sliding_window_view(arr[: length - 1], n)
+        hits = np.flatnonzero((windows == arr[length - n:]).all(axis=1))
+        if hits.size:
+            start = int(hits[-1]) + n
+            return arr[start : start + k].tolist()
+    return []
+
+
+class PromptLookupDrafter(Drafter):
+    """Prompt lookup decoding (Saxena, 2023) over prompt + output, per row."""
+
+    class Options(BaseModel):
+        model_config = ConfigDict(extra="forbid")
+        min_ngram: int = Field(1, ge=1, description="shortest trailing n-gram to look up")
+        max_ngram: int = Field(3, ge=1, description="longest trailing n-gram to look up")
+
+        @model_validator(mode="after")
+        def _range(self):
+            if self.min_ngram > self.max_ngram:
+                raise ValueError(f"min_ngram ({self.min_ngram}) must be <= max_ngram ({self.max_ngram})")
+            return self
+
+    def propose(self, ctx: DraftContext, k: int) -> Draft:
+        o = self.options
+        rows = [
+            prompt_lookup(tokens, k, o.min_ngram, o.max_ngram) if ctx.active[b] else []
+            for b, tokens in enumerate(ctx.token_ids)
+        ]
+        return Draft.from_lists(rows, device=ctx.device)

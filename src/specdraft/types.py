@@ -1,0 +1,171 @@
+"""Dataclasses shared by the verifier, the drafters and the public API.
+
+Nothing here imports torch at module level, so listing plugins stays instant.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Any, Sequence
+
+if TYPE_CHECKING:  # pragma: no cover
+    import torch
+
+    from .sampling import SamplingParams
+
+
+@dataclass(frozen=True)
+class TargetInfo:
+    """What a drafter may know about the target model, handed over once at construction.
+
+    Deliberately small: drafters that need more (a second model, heads) load it themselves
+    from their own options, and check it against this description.
+    """
+
+    vocab_size: int  # rows of the target's logits (may exceed len(tokenizer))
+    device: Any  # torch.device the target runs on
+    dtype: Any  # torch.dtype of the target's weights
+    max_context: int  # positions the target supports
+    eos_token_ids: tuple[int, ...] = ()
+    tokenizer: Any = None  # a transformers tokenizer, or None for id-only use
+    config: Any = None  # the target's transformers config, or None
+    name: str = ""  # what the user asked for (hub id, path, or the default's name)
+
+
+@dataclass
+class DraftContext:
+    """Everything a drafter sees in one round.
+
+    ``token_ids[b]`` is prompt + accepted output of sequence ``b``: the drafter proposes
+    what comes after its last token. Rows whose ``active[b]`` is False have finished;
+    a drafter may skip them (their proposals are ignored).
+    """
+
+    token_ids: list[list[int]]  # [batch][seq_len_b]
+    prompt_lengths: list[int]  # [batch]
+    active: list[bool]  # [batch]
+    vocab_size: int
+    device: Any
+    sampling: "SamplingParams"
+    generator: "torch.Generator | None" = None  # use it for any randomness (seeded runs)
+
+    @property
+    def batch_size(self) -> int:
+        return len(self.token_ids)
+
+
+@dataclass
+class Draft:
+    """A drafter's proposal for one round.
+
+    ``token_ids``  LongTensor  # [batch, k']   0 <= k' <= k
+    ``probs``      FloatTensor # [batch, k', vocab] the distribution each token was drawn
+                               # from, after the same temperature/top-k/top-p processing as
+                               # the target (see ``specdraft.sampling.logits_to_probs``), or
+                               # None for a deterministic draft (treated as one-hot).
+    ``lengths``    LongTensor  # [batch] how many of the k' columns are real for each row;
+                               # None means all k'. Columns past a row's length are ignored.
+    """
+
+    token_ids: "torch.Tensor"
+    probs: "torch.Tensor | None" = None
+    lengths: "torch.Tensor | None" = None
+
+    @classmethod
+    def from_lists(cls, rows: Sequence[Sequence[int]], device: Any = None) -> "Draft":
+        """Build a deterministic draft from one list of token ids per row (ragged is fine)."""
+        import torch
+
+        width = max((len(r) for r in rows), default=0)
+        ids = torch.zeros((len(rows), width), dtype=torch.long)
+        for b, row in enumerate(rows):
+            if row:
+                ids[b, : len(row)] = torch.as_tensor(list(row), dtype=torch.long)
+        lengths = torch.tensor([len(r) for r in rows], dtype=torch.long)
+        if device is not None:
+            ids, lengths = ids.to(device), lengths.to(device)
+        return cls(token_ids=ids, lengths=lengths)
+
+    @classmethod
+    def empty(cls, batch_size: int, device: Any = None) -> "Draft":
+        return cls.from_lists([[] for _ in range(batch_size)], device=device)
+
+
+@dataclass
+class GenerationStats:
+    """Per-request speculation metrics.
+
+    Times of a batched call are the batch's: every row of it reports the same clock.
+    """
+
+    prompt_tokens: int = 0
+    new_tokens: int = 0
+    drafted_tokens: int = 0
+    accepted_tokens: int = 0
+    target_passes: int = 0  # verify passes (the prompt's prefill is not counted)
+    drafted_per_position: list[int] = field(default_factory=list)  # [k]
+    accepted_per_position: list[int] = field(default_factory=list)  # [k]
+    prefill_time_s: float = 0.0
+    draft_time_s: float = 0.0
+    verify_time_s: float = 0.0
+    total_time_s: float = 0.0
+
+    @property
+    def acceptance_rate(self) -> float:
+        """Accepted draft tokens / drafted tokens (0.0 when nothing was drafted)."""
+        return self.accepted_tokens / self.drafted_tokens if self.drafted_tokens else 0.0
+
+    @property
+    def tokens_per_pass(self) -> float:
+        """Mean tokens emitted per target pass, bonus/correction token included."""
+        return self.new_tokens / self.target_passes if self.target_passes else 0.0
+
+    @property
+    def acceptance_by_position(self) -> list[float]:
+        """P(draft position i accepted | position i drafted), for i = 0..k-1."""
+        return [a / d if d else 0.0 for a, d in zip(self.accepted_per_position, self.drafted_per_position)]
+
+    @property
+    def tokens_per_second(self) -> float:
+        return self.new_tokens / self.total_time_s if self.total_time_s > 0 else 0.0
+
+    def record_round(self, num_drafted: int, num_accepted: int) -> None:
+        """Count one verify pass in which ``num_drafted`` tokens were checked and ``num_accepted`` kept."""
+        self.target_passes += 1
+        self.drafted_tokens += num_drafted
+        self.accepted_tokens += num_accepted
+        if len(self.drafted_per_position) < num_drafted:
+            grow = num_drafted - len(self.drafted_per_position)
+            self.drafted_per_position.extend([0] * grow)
+            self.accepted_per_position.extend([0] * grow)
+        for i in range(num_drafted):
+            self.drafted_per_position[i] += 1
+            if i < num_accepted:
+                self.accepted_per_position[i] += 1
+
+    def to_dict(self) -> dict[str, Any]:
+        return {
+            "prompt_tokens": self.prompt_tokens,
+            "new_tokens": self.new_tokens,
+            "drafted_tokens": self.drafted_tokens,
+            "accepted_tokens": self.accepted_tokens,
+            "acceptance_rate": self.acceptance_rate,
+            "target_passes": self.target_passes,
+            "tokens_per_pass": self.tokens_per_pass,
+            "acceptance_by_position": self.acceptance_by_position,
+            "prefill_time_s": self.prefill_time_s,
+            "draft_time_s": self.draft_time_s,
+            "verify_time_s": self.verify_time_s,
+            "total_time_s": self.total_time_s,
+            "tokens_per_second": self.tokens_per_second,
+        }
+
+
+@dataclass
+class GenerationResult:
+    """One request's output. ``token_ids`` are the new tokens only (EOS included if hit)."""
+
+    token_ids: list[int]
+    text: str | None
+    finish_reason: str  # "eos" | "length" | "stop" | "context"
+    stats: GenerationStats
