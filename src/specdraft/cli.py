@@ -1,0 +1,131 @@
+"""Command line: ``specdraft generate`` and ``specdraft drafters``.
+
+torch and transformers are imported only inside ``generate``, so ``--help`` and
+``specdraft drafters`` answer at once.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from typing import Sequence
+
+from .errors import ConfigError, SpecdraftError
+
+
+def _parse_option(text: str) -> tuple[str, str]:
+    key, sep, value = text.partition("=")
+    if not sep or not key.strip():
+        raise argparse.ArgumentTypeError(f"expected key=value, got {text!r}")
+    return key.strip(), value
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="specdraft", description="Exact speculative decoding with pluggable drafters.")
+    sub = parser.add_subparsers(dest="command", required=True)
+
+    gen = sub.add_parser("generate", help="generate text from a prompt",
+                         description="Generate text; output equals plain decoding of the target.")
+    gen.add_argument("prompt", help="the prompt (the user's message for chat models); '-' reads stdin")
+    gen.add_argument("--target", default=None, help="hub id, local folder or .gguf file (default: SmolLM2-135M-Instruct, offline)")
+    gen.add_argument("--drafter", default="ngram", help="drafter name (see `specdraft drafters`; default: ngram)")
+    gen.add_argument("--drafter-option", dest="drafter_options", action="append", type=_parse_option, default=[],
+                     metavar="KEY=VALUE", help="an option for the drafter (repeatable)")
+    gen.add_argument("--spec-length", type=int, default=4, metavar="K", help="tokens drafted per round (default: 4)")
+    gen.add_argument("--max-new-tokens", type=int, default=128, metavar="N", help="default: 128")
+    gen.add_argument("--temperature", type=float, default=0.0, help="0 = greedy (default)")
+    gen.add_argument("--top-k", type=int, default=0, help="0 = off (default)")
+    gen.add_argument("--top-p", type=float, default=1.0, help="1.0 = off (default)")
+    gen.add_argument("--seed", type=int, default=None, help="seed for reproducible sampling")
+    gen.add_argument("--stop", action="append", default=[], metavar="STR", help="stop string (repeatable)")
+    gen.add_argument("--raw", action="store_true", help="do not apply the chat template")
+    gen.add_argument("--stats", action="store_true", help="print speculation metrics to stderr")
+    gen.add_argument("--dtype", default=None, help="float32 (CPU default), bfloat16 (GPU default), float16, float64")
+    gen.add_argument("--device", default=None, help="cpu, cuda, cuda:1, ... (default: cuda if available)")
+
+    lst = sub.add_parser("drafters", help="list registered drafters and the plugins providing them")
+    lst.add_argument("--json", action="store_true", help="print JSON")
+    return parser
+
+
+def format_stats(stats, drafter: str, spec_length: int) -> str:
+    by_pos = " ".join(f"{a:.2f}" for a in stats.acceptance_by_position) or "-"
+    return "\n".join([
+        f"drafter: {drafter}  spec_length: {spec_length}",
+        f"new tokens: {stats.new_tokens}  time: {stats.total_time_s:.2f} s  tokens/s: {stats.tokens_per_second:.1f}",
+        f"target passes: {stats.target_passes}  tokens per pass: {stats.tokens_per_pass:.2f}",
+        f"drafted: {stats.drafted_tokens}  accepted: {stats.accepted_tokens}  acceptance rate: {stats.acceptance_rate:.3f}",
+        f"acceptance by position: {by_pos}",
+        f"time split: prefill {stats.prefill_time_s:.2f} s, drafting {stats.draft_time_s:.2f} s, "
+        f"verifying {stats.verify_time_s:.2f} s",
+    ])
+
+
+def _generate(args) -> int:
+    prompt = sys.stdin.read() if args.prompt == "-" else args.prompt
+    if not prompt.strip():
+        raise ConfigError("the prompt is empty; give some text to continue")
+    from .decoder import SpeculativeDecoder
+
+    decoder = SpeculativeDecoder.from_pretrained(
+        target=args.target, drafter=args.drafter, spec_length=args.spec_length,
+        drafter_options=dict(args.drafter_options), dtype=args.dtype, device=args.device,
+    )
+    result = decoder.generate(
+        prompt, max_new_tokens=args.max_new_tokens, temperature=args.temperature, top_k=args.top_k,
+        top_p=args.top_p, seed=args.seed, stop=args.stop, raw=args.raw,
+    )[0]
+    print(result.text)
+    if args.stats:
+        print(format_stats(result.stats, decoder.drafter.name or args.drafter, args.spec_length), file=sys.stderr)
+    return 0
+
+
+def _drafters(args) -> int:
+    from .plugins import get_registry
+
+    registry = get_registry()
+    rows = [
+        {
+            "name": spec.name,
+            "aliases": list(spec.aliases),
+            "plugin": spec.plugin,
+            "options": list(getattr(spec.cls, "Options").model_fields),
+            "defaults": dict(spec.defaults),
+        }
+        for spec in registry.specs()
+    ]
+    problems = [{"plugin": p, "error": e} for p, e in registry.errors]
+    problems += [
+        {"plugin": " and ".join(owners), "error": f"drafter name {name!r} registered more than once"}
+        for name, owners in registry.claims.items() if len(owners) > 1
+    ]
+    if args.json:
+        print(json.dumps({"drafters": rows, "errors": problems}, indent=2))
+    else:
+        width = max((len(r["name"]) for r in rows), default=4)
+        for r in rows:
+            aliases = f" (aliases: {', '.join(r['aliases'])})" if r["aliases"] else ""
+            options = ", ".join(r["options"]) or "-"
+            print(f"{r['name']:<{width}}  plugin: {r['plugin']}{aliases}  options: {options}")
+    for p in problems:
+        print(f"warning: plugin {p['plugin']!r}: {p['error']}", file=sys.stderr)
+    return 0
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    try:
+        if args.command == "generate":
+            return _generate(args)
+        return _drafters(args)
+    except SpecdraftError as exc:
+        print(f"specdraft: error: {exc}", file=sys.stderr)
+        return 2
+    except KeyboardInterrupt:
+        return 130
+
+
+if __name__ == "__main__":  # pragma: no cover
+    sys.exit(main())
