@@ -66,8 +66,13 @@ def _generate(args) -> int:
     prompt = sys.stdin.read() if args.prompt == "-" else args.prompt
     if not prompt.strip():
         raise ConfigError("the prompt is empty; give some text to continue")
-    from .decoder import SpeculativeDecoder
+    from .decoder import SpeculativeDecoder, check_generation_args, check_spec_length
+    from .plugins import get_registry
 
+    # Cheap checks first, so a typo fails in a blink rather than after loading a model.
+    check_spec_length(args.spec_length)
+    check_generation_args(args.max_new_tokens, args.temperature, args.top_k, args.top_p, args.seed, args.stop)
+    get_registry().validate_options(args.drafter, dict(args.drafter_options))
     decoder = SpeculativeDecoder.from_pretrained(
         target=args.target, drafter=args.drafter, spec_length=args.spec_length,
         drafter_options=dict(args.drafter_options), dtype=args.dtype, device=args.device,

@@ -22,6 +22,31 @@ def _eos_ids(model, tokenizer) -> tuple[int, ...]:
     return tuple(sorted(ids))
 
 
+def _is_int(value) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool)
+
+
+def check_spec_length(spec_length) -> None:
+    if not _is_int(spec_length) or spec_length < 1:
+        raise ConfigError(f"spec_length must be an integer >= 1 (got {spec_length!r})")
+
+
+def check_generation_args(max_new_tokens, temperature, top_k, top_p, seed, stop) -> tuple[SamplingParams, list[str]]:
+    """Validate per-call settings; returns ``(sampling params, stop strings)`` or raises ConfigError."""
+    try:
+        sampling = SamplingParams(temperature=temperature, top_k=top_k, top_p=top_p)
+    except ValidationError as exc:
+        raise ConfigError(f"invalid sampling settings: {describe_validation_error(exc)}") from None
+    if not _is_int(max_new_tokens) or max_new_tokens < 1:
+        raise ConfigError(f"max_new_tokens must be an integer >= 1 (got {max_new_tokens!r})")
+    if seed is not None and (not _is_int(seed) or seed < 0):
+        raise ConfigError(f"seed must be a non-negative integer or None (got {seed!r})")
+    stops = [stop] if isinstance(stop, str) else list(stop or ())
+    if any(not isinstance(s, str) or not s for s in stops):
+        raise ConfigError("stop strings must be non-empty strings")
+    return sampling, stops
+
+
 class SpeculativeDecoder:
     """Speculative decoding of a target model with a pluggable drafter.
 
@@ -46,8 +71,7 @@ class SpeculativeDecoder:
         from .plugins import get_registry
         from .verifier import Verifier
 
-        if isinstance(spec_length, bool) or not isinstance(spec_length, int) or spec_length < 1:
-            raise ConfigError(f"spec_length must be an integer >= 1 (got {spec_length!r})")
+        check_spec_length(spec_length)
         self.model = model.eval()
         self.tokenizer = tokenizer
         config = model.config.get_text_config()
@@ -136,17 +160,7 @@ class SpeculativeDecoder:
         stop: str | Sequence[str] | None = None,
     ) -> list[GenerationResult]:
         """Generate from token ids (one list per sequence); no chat template is applied."""
-        try:
-            sampling = SamplingParams(temperature=temperature, top_k=top_k, top_p=top_p)
-        except ValidationError as exc:
-            raise ConfigError(f"invalid sampling settings: {describe_validation_error(exc)}") from None
-        if isinstance(max_new_tokens, bool) or not isinstance(max_new_tokens, int) or max_new_tokens < 1:
-            raise ConfigError(f"max_new_tokens must be an integer >= 1 (got {max_new_tokens!r})")
-        if seed is not None and (isinstance(seed, bool) or not isinstance(seed, int) or seed < 0):
-            raise ConfigError(f"seed must be a non-negative integer or None (got {seed!r})")
-        stops = [stop] if isinstance(stop, str) else list(stop or ())
-        if any(not isinstance(s, str) or not s for s in stops):
-            raise ConfigError("stop strings must be non-empty strings")
+        sampling, stops = check_generation_args(max_new_tokens, temperature, top_k, top_p, seed, stop)
         prompts = self._check_prompt_ids(prompt_ids)
         return self._verifier.generate(prompts, max_new_tokens, sampling, seed=seed, stop=stops)
 

@@ -117,18 +117,24 @@ def resolve_target(target: str | os.PathLike | None) -> tuple[str, str]:
         if not (path / "config.json").is_file():
             raise ModelLoadError(f"{target!r} is a directory without config.json; point at a transformers model folder")
         return target, str(path)
+    if target.startswith(("/", "./", "../", "~")) or target.count("/") > 1 or "\\" in target:
+        raise ModelLoadError(f"no such model directory: {target!r}")
     return target, target  # a hub id
 
 
 def load_target(target=None, dtype=None, device=None):
     """Load ``(model, tokenizer, name)`` for ``target`` (None = the offline default model)."""
-    import torch
-    from transformers import AutoModelForCausalLM, AutoTokenizer
+    from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
 
     device = resolve_device(device)
     dtype = resolve_dtype(dtype, device)
     name, source = resolve_target(target)
+    from transformers.utils import logging as hf_logging
+
+    quiet = not hf_logging.is_progress_bar_enabled()
+    hf_logging.disable_progress_bar()  # a sub-second load needs no progress bar
     try:
+        AutoConfig.from_pretrained(source)  # fails fast (and once) when a hub id is unavailable
         tokenizer = AutoTokenizer.from_pretrained(source)
         model = AutoModelForCausalLM.from_pretrained(source, dtype=dtype)
     except OSError as exc:
@@ -137,5 +143,8 @@ def load_target(target=None, dtype=None, device=None):
             f"and the hub could not provide it ({str(exc).splitlines()[0]}). Pass a local directory or a "
             ".gguf file to --target"
         ) from None
+    finally:
+        if not quiet:
+            hf_logging.enable_progress_bar()
     model.to(device).eval()
     return model, tokenizer, name

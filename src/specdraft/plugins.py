@@ -121,21 +121,24 @@ class Registry:
             )
         return self.drafters[key]
 
-    def create(self, name: str, options: Mapping[str, Any] | None, target: Any):
-        """Validate ``options`` against the drafter's ``Options`` and build the drafter."""
+    def validate_options(self, name: str, options: Mapping[str, Any] | None):
+        """The drafter's ``Options`` instance for ``options`` (over its registered defaults)."""
         from pydantic import ValidationError
 
         spec = self.get(name)
-        merged = {**spec.defaults, **(options or {})}
-        options_cls = getattr(spec.cls, "Options", None)
+        options_cls = getattr(spec.cls, "Options")
         try:
-            opts = options_cls.model_validate(merged)
+            return options_cls.model_validate({**spec.defaults, **(options or {})})
         except ValidationError as exc:
-            problems = describe_validation_error(exc)
             valid = ", ".join(options_cls.model_fields) or "(none)"
             raise ConfigError(
-                f"invalid options for drafter {spec.name!r}: {problems}. Valid options: {valid}"
+                f"invalid options for drafter {spec.name!r}: {describe_validation_error(exc)}. Valid options: {valid}"
             ) from None
+
+    def create(self, name: str, options: Mapping[str, Any] | None, target: Any):
+        """Validate ``options`` against the drafter's ``Options`` and build the drafter."""
+        spec = self.get(name)
+        opts = self.validate_options(name, options)
         try:
             drafter = spec.cls(opts, target)
         except Exception as exc:  # noqa: BLE001 - surface the plugin's failure by name

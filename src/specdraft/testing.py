@@ -1,0 +1,116 @@
+"""Helpers for testing drafters, built-in or third-party.
+
+``check_drafter`` is the conformance suite: run any drafter through it with a small
+model (see :func:`tiny_llama`) and it checks the Draft contract, rollback after partial
+acceptance, and greedy parity with plain decoding::
+
+    from specdraft.testing import check_drafter, tiny_llama
+    check_drafter("my-drafter", tiny_llama())
+"""
+
+from __future__ import annotations
+
+from typing import Any, Mapping, Sequence
+
+
+def tiny_llama(vocab_size: int = 64, seed: int = 0, layers: int = 2, max_positions: int = 256, dtype=None):
+    """A small random Llama (float64 by default, so greedy ties cannot flip between paths)."""
+    import torch
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    torch.manual_seed(seed)
+    config = LlamaConfig(
+        vocab_size=vocab_size, hidden_size=32, intermediate_size=64, num_hidden_layers=layers,
+        num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=max_positions,
+        bos_token_id=None, eos_token_id=None, pad_token_id=0, tie_word_embeddings=False,
+    )
+    return LlamaForCausalLM(config).to(dtype or torch.float64).eval()
+
+
+def plain_greedy(model, prompt: Sequence[int], max_new_tokens: int) -> list[int]:
+    """Reference: transformers' own greedy ``generate`` (no specdraft code involved)."""
+    import torch
+
+    out = model.generate(
+        torch.tensor([list(prompt)], device=model.device), max_new_tokens=max_new_tokens,
+        min_new_tokens=max_new_tokens, do_sample=False, pad_token_id=0,
+    )
+    return out[0, len(prompt):].tolist()
+
+
+def repetitive_prompts(vocab_size: int, seed: int = 0) -> list[list[int]]:
+    """Prompts with repeats (so copy-style drafters get accepted) and of different lengths."""
+    import random
+
+    rng = random.Random(seed)
+    motif = [rng.randrange(vocab_size) for _ in range(5)]
+    return [
+        motif * 3 + motif[:2],
+        [rng.randrange(vocab_size) for _ in range(11)],
+        [rng.randrange(vocab_size)],
+        (motif[::-1] * 2)[:7],
+    ]
+
+
+def check_drafter(
+    drafter: str | Any,
+    model,
+    drafter_options: Mapping[str, Any] | None = None,
+    spec_lengths: Sequence[int] = (1, 3, 5),
+    max_new_tokens: int = 24,
+) -> None:
+    """Conformance suite; raises ``AssertionError`` describing the first violation.
+
+    * every proposal is a valid Draft (shape, dtype, token range, probability rows);
+    * batched greedy speculative decoding equals transformers' plain greedy decoding for
+      every K in ``spec_lengths`` -- which also covers rollback after partial acceptance;
+    * a second call on the same decoder gives the same output (``reset`` works).
+    """
+    from .decoder import SpeculativeDecoder
+    from .verifier import check_draft
+
+    vocab = model.get_output_embeddings().weight.shape[0]
+    prompts = repetitive_prompts(vocab)
+    expected = [plain_greedy(model, p, max_new_tokens) for p in prompts]
+    for k in spec_lengths:
+        dec = SpeculativeDecoder(model, None, drafter=drafter, spec_length=k, drafter_options=drafter_options)
+        inner, proposals = dec.drafter.propose, []
+
+        def spy(ctx, kk, _inner=inner, _proposals=proposals):
+            draft = _inner(ctx, kk)
+            _proposals.append((draft, ctx.batch_size, kk))
+            return draft
+
+        dec.drafter.propose = spy
+        try:
+            got = [r.token_ids for r in dec.generate_ids(prompts, max_new_tokens=max_new_tokens)]
+        finally:
+            del dec.drafter.propose
+        for draft, batch, kk in proposals:
+            check_draft(draft, batch, kk, vocab, repr(dec.drafter.name), model.device)
+        for i, (g, e) in enumerate(zip(got, expected)):
+            assert g == e, f"K={k}, prompt {i}: speculative output differs from plain greedy\n  got      {g}\n  expected {e}"
+        again = [r.token_ids for r in dec.generate_ids(prompts, max_new_tokens=max_new_tokens)]
+        assert again == got, f"K={k}: a second generate call on the same decoder gave different output"
+
+
+def chi_square_pvalue(observed, expected_probs, min_expected: float = 5.0) -> float:
+    """Pearson chi-square goodness-of-fit p-value (cells with small expectation are pooled)."""
+    import torch
+
+    observed = torch.as_tensor(observed, dtype=torch.float64).flatten()
+    probs = torch.as_tensor(expected_probs, dtype=torch.float64).flatten()
+    n = observed.sum()
+    expected = probs * n
+    if bool((observed[expected == 0] > 0).any()):
+        return 0.0  # a sample where the target puts no mass: certainly wrong
+    big = expected >= min_expected
+    obs = torch.cat([observed[big], observed[~big].sum()[None]])
+    exp = torch.cat([expected[big], expected[~big].sum()[None]])
+    keep = exp > 0
+    obs, exp = obs[keep], exp[keep]
+    stat = ((obs - exp) ** 2 / exp).sum()
+    dof = obs.numel() - 1
+    if dof < 1:
+        return 1.0
+    return float(torch.special.gammaincc(torch.tensor(dof / 2.0, dtype=torch.float64), stat / 2.0))
