@@ -12,6 +12,10 @@ from __future__ import annotations
 
 from typing import Any, Mapping, Sequence
 
+#: Significance level of specdraft's statistical tests. Their seeds are fixed, so a run is
+#: deterministic; the level says how far from the target a sampler may drift and still pass.
+SIGNIFICANCE = 1e-3
+
 
 def tiny_llama(vocab_size: int = 64, seed: int = 0, layers: int = 2, max_positions: int = 256, dtype=None):
     """A small random Llama (float64 by default, so greedy ties cannot flip between paths)."""

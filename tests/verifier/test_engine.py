@@ -1,0 +1,191 @@
+"""The whole verify loop on tiny real models: greedy parity, exact sampling, stops, limits."""
+
+from __future__ import annotations
+
+import itertools
+
+import pytest
+import torch
+
+import specdraft
+from specdraft import Draft, Drafter, SpeculativeDecoder
+from specdraft.sampling import SamplingParams, logits_to_probs
+from specdraft.testing import SIGNIFICANCE as ALPHA
+from specdraft.testing import chi_square_pvalue, plain_greedy, repetitive_prompts
+
+
+class OracleDrafter(Drafter):
+    """Proposes the true greedy continuation, corrupted after ``correct`` tokens (-1 = never)."""
+
+    def __init__(self, reference: dict, correct: int = -1):
+        super().__init__(None, None)
+        self.reference, self.correct = reference, correct
+
+    def propose(self, ctx, k):
+        rows = []
+        for b, tokens in enumerate(ctx.token_ids):
+            prompt = tuple(tokens[: ctx.prompt_lengths[b]])
+            done = len(tokens) - len(prompt)
+            truth = self.reference[prompt][done : done + k]
+            if self.correct >= 0:
+                truth = [t if i < self.correct else (t + 1) % ctx.vocab_size for i, t in enumerate(truth)]
+            rows.append(truth if ctx.active[b] else [])
+        return Draft.from_lists(rows)
+
+
+class RandomDrafter(Drafter):
+    """Draws tokens from random distributions (processed like the target's): a stress test."""
+
+    def propose(self, ctx, k):
+        batch = ctx.batch_size
+        logits = torch.randn(batch, k, ctx.vocab_size, generator=ctx.generator, dtype=torch.float64) * 2
+        probs = logits_to_probs(logits, ctx.sampling)
+        if ctx.sampling.greedy:
+            return Draft(token_ids=probs.argmax(-1))
+        tokens = torch.multinomial(probs.reshape(-1, ctx.vocab_size), 1, generator=ctx.generator).reshape(batch, k)
+        return Draft(token_ids=tokens, probs=probs)
+
+
+def _reference(model, prompts, n):
+    return {tuple(p): plain_greedy(model, p, n) for p in prompts}
+
+
+@pytest.mark.parametrize("drafter", ["ngram", "prompt-lookup", "none"])
+@pytest.mark.parametrize("k", [1, 3, 5])
+def test_greedy_parity_builtin_drafters(tiny_model, drafter, k):
+    prompts = repetitive_prompts(64)
+    expected = _reference(tiny_model, prompts, 40)
+    dec = SpeculativeDecoder(tiny_model, None, drafter=drafter, spec_length=k)
+    batched = dec.generate_ids(prompts, max_new_tokens=40)
+    for p, r in zip(prompts, batched):
+        assert r.token_ids == expected[tuple(p)]
+    for p in prompts:  # one at a time too (uniform cache writes instead of scattered ones)
+        assert dec.generate_ids([p], max_new_tokens=40)[0].token_ids == expected[tuple(p)]
+
+
+@pytest.mark.parametrize("correct", [-1, 0, 1, 2])
+def test_greedy_parity_with_oracle_drafts(tiny_model, correct):
+    """Full acceptance (bonus path) and rejection at every position (rollback path)."""
+    prompts = repetitive_prompts(64, seed=3)
+    reference = _reference(tiny_model, prompts, 30)
+    dec = SpeculativeDecoder(tiny_model, None, drafter=OracleDrafter(reference, correct), spec_length=3)
+    results = dec.generate_ids(prompts, max_new_tokens=30)
+    for p, r in zip(prompts, results):
+        assert r.token_ids == reference[tuple(p)]
+        if correct == -1:  # every round accepts K and emits K+1
+            assert r.stats.acceptance_rate == 1.0
+            assert r.stats.target_passes == -(-30 // 4)
+        else:
+            assert r.stats.accepted_tokens == correct * r.stats.target_passes or r.stats.new_tokens < 4
+
+
+def test_greedy_parity_random_drafter(tiny_model):
+    prompts = repetitive_prompts(64, seed=5)
+    reference = _reference(tiny_model, prompts, 25)
+    dec = SpeculativeDecoder(tiny_model, None, drafter=RandomDrafter(None, None), spec_length=4)
+    for p, r in zip(prompts, dec.generate_ids(prompts, max_new_tokens=25, seed=0)):
+        assert r.token_ids == reference[tuple(p)]
+
+
+def _exact_joint(model, prompt, params, steps=2):
+    """P(first `steps` tokens) under plain sampling from the target, by enumeration."""
+    vocab = model.config.vocab_size
+    joint = torch.zeros([vocab] * steps, dtype=torch.float64)
+    for seq in itertools.product(range(vocab), repeat=steps - 1):
+        ids = torch.tensor([prompt + list(seq)])
+        logits = model(ids).logits[0, len(prompt) - 1 :]  # [steps, vocab]
+        probs = logits_to_probs(logits, params)
+        prefix = 1.0
+        for i, t in enumerate(seq):
+            prefix *= float(probs[i, t])
+        joint[seq] = prefix * probs[steps - 1]
+    return joint
+
+
+@pytest.mark.parametrize("params", [
+    SamplingParams(temperature=1.0),
+    SamplingParams(temperature=0.8, top_k=4),
+    SamplingParams(temperature=1.0, top_p=0.7),
+])
+@pytest.mark.parametrize("drafter", ["random", "ngram"])
+def test_sampling_matches_target_joint_distribution(small_vocab_model, params, drafter):
+    """Speculative sampling's first two tokens ~ the target's exact joint (chi-square, ALPHA)."""
+    prompt = [3, 5, 3, 5, 3]
+    n = 12_000
+    with torch.no_grad():
+        exact = _exact_joint(small_vocab_model, prompt, params)
+    d = RandomDrafter(None, None) if drafter == "random" else drafter
+    dec = SpeculativeDecoder(small_vocab_model, None, drafter=d, spec_length=3)
+    results = dec.generate_ids([prompt] * n, max_new_tokens=2, seed=1234, temperature=params.temperature,
+                               top_k=params.top_k, top_p=params.top_p)
+    counts = torch.zeros_like(exact)
+    for r in results:
+        counts[tuple(r.token_ids)] += 1
+    assert sum(r.stats.drafted_tokens for r in results) > n / 2  # the drafts were really tested
+    assert chi_square_pvalue(counts, exact) > ALPHA
+
+
+def test_seeded_sampling_is_reproducible(tiny_model):
+    dec = SpeculativeDecoder(tiny_model, None, drafter="ngram", spec_length=3)
+    prompts = repetitive_prompts(64)
+    a = dec.generate_ids(prompts, max_new_tokens=20, temperature=1.0, seed=7)
+    b = dec.generate_ids(prompts, max_new_tokens=20, temperature=1.0, seed=7)
+    c = dec.generate_ids(prompts, max_new_tokens=20, temperature=1.0, seed=8)
+    assert [r.token_ids for r in a] == [r.token_ids for r in b]
+    assert [r.token_ids for r in a] != [r.token_ids for r in c]
+
+
+def test_eos_inside_accepted_draft_stops_and_discards_the_rest(tiny_model):
+    prompt = repetitive_prompts(64)[0]
+    reference = plain_greedy(tiny_model, prompt, 30)
+    eos = reference[7]
+    cut = reference.index(eos) + 1
+    dec = SpeculativeDecoder(tiny_model, None, drafter=OracleDrafter({tuple(prompt): reference}), spec_length=4)
+    dec.target = dec._verifier.target = type(dec.target)(**{**dec.target.__dict__, "eos_token_ids": (eos,)})
+    r = dec.generate_ids([prompt], max_new_tokens=30)[0]
+    assert r.token_ids == reference[:cut] and r.finish_reason == "eos"
+
+
+@pytest.mark.parametrize("n", [1, 2, 7])
+def test_max_new_tokens_is_exact(tiny_model, n):
+    prompt = repetitive_prompts(64)[0]
+    reference = plain_greedy(tiny_model, prompt, n)
+    dec = SpeculativeDecoder(tiny_model, None, drafter=OracleDrafter({tuple(prompt): reference + [0] * 8}), spec_length=5)
+    r = dec.generate_ids([prompt], max_new_tokens=n)[0]
+    assert r.token_ids == reference and r.finish_reason == "length"
+    assert r.stats.drafted_tokens <= max(n - 1, 0) * r.stats.target_passes  # never drafts past the budget
+
+
+def test_spec_length_shrinks_at_the_context_limit():
+    from specdraft.testing import tiny_llama
+
+    model = tiny_llama(vocab_size=64, seed=2, max_positions=40)
+    prompt = repetitive_prompts(64)[0] * 2  # 34 tokens, 6 positions left
+    reference = plain_greedy(model, prompt, 6)
+    dec = SpeculativeDecoder(model, None, drafter="prompt-lookup", spec_length=5)
+    r = dec.generate_ids([prompt], max_new_tokens=50)[0]
+    assert r.token_ids == reference and len(prompt) + len(r.token_ids) == 40
+    assert r.finish_reason == "length"
+
+
+def test_empty_draft_is_a_plain_one_token_step(tiny_model):
+    widths = []
+    hook = tiny_model.model.register_forward_pre_hook(lambda mod, args, kw: widths.append(kw["input_ids"].shape[1]),
+                                                      with_kwargs=True)
+    try:
+        dec = SpeculativeDecoder(tiny_model, None, drafter="none", spec_length=4)
+        r = dec.generate_ids([[1, 2, 3]], max_new_tokens=5)[0]
+    finally:
+        hook.remove()
+    assert widths == [2, 1, 1, 1, 1, 1]  # prefill of the prompt minus its last token, then 1 per round
+    assert r.stats.target_passes == 5 and r.stats.drafted_tokens == 0
+
+
+def test_stats_count_positions(tiny_model):
+    prompt = repetitive_prompts(64)[0]
+    reference = plain_greedy(tiny_model, prompt, 12)
+    dec = SpeculativeDecoder(tiny_model, None, drafter=OracleDrafter({tuple(prompt): reference}, correct=2), spec_length=3)
+    s = dec.generate_ids([prompt], max_new_tokens=12)[0].stats
+    assert s.acceptance_by_position[:3] == [1.0, 1.0, 0.0]
+    assert s.tokens_per_pass == s.new_tokens / s.target_passes == 3.0
+    assert s.draft_time_s >= 0 and s.verify_time_s > 0 and s.total_time_s >= s.verify_time_s
