@@ -20,7 +20,8 @@ class Drafter(ABC):
     Lifecycle, driven by the verifier:
 
     1. ``__init__(options, target)`` once, with the drafter's own validated ``Options``
-       and a :class:`~specdraft.TargetInfo` describing the target model.
+       and a :class:`~specdraft.TargetInfo` describing the target model; it ends by
+       calling ``reset()``, so per-request state exists from the start.
     2. ``reset()`` at the start of every ``generate`` call (a new batch of requests).
     3. each round: ``propose(ctx, k)`` returns up to ``k`` tokens per row, the target
        verifies them, then ``on_verified(ctx, num_accepted)`` reports how many of each
@@ -41,6 +42,7 @@ class Drafter(ABC):
     def __init__(self, options: BaseModel, target: TargetInfo) -> None:
         self.options = options
         self.target = target
+        self.reset()
 
     @abstractmethod
     def propose(self, ctx: DraftContext, k: int) -> Draft:

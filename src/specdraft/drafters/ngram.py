@@ -135,8 +135,6 @@ class NGramDrafter(Drafter):
         return predictor
 
     def propose(self, ctx: DraftContext, k: int) -> Draft:
-        if not hasattr(self, "_rows"):
-            self.reset()
         rows = [
             self._sync(b, tokens).predict(k) if ctx.active[b] else []
             for b, tokens in enumerate(ctx.token_ids)

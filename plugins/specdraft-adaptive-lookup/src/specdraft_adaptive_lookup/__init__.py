@@ -1,0 +1,48 @@
+"""specdraft-adaptive-lookup: a complete, minimal third-party specdraft drafter."""
+
+from __future__ import annotations
+
+from pydantic import BaseModel, ConfigDict, Field
+
+import specdraft
+from specdraft.drafters.prompt_lookup import prompt_lookup
+
+
+class AdaptiveLookupDrafter(specdraft.Drafter):
+    """Prompt lookup with a per-row draft length that follows the acceptance it gets."""
+
+    class Options(BaseModel):
+        model_config = ConfigDict(extra="forbid")
+        min_ngram: int = Field(1, ge=1)
+        max_ngram: int = Field(3, ge=1)
+        start: int = Field(3, ge=1, description="draft length of a new sequence")
+        max_length: int = Field(8, ge=1, description="longest draft it will grow to")
+
+    def reset(self) -> None:
+        self.lengths: dict[int, int] = {}  # row -> current draft length
+        self.proposed: dict[int, int] = {}  # row -> tokens proposed in the last round
+
+    def propose(self, ctx: specdraft.DraftContext, k: int) -> specdraft.Draft:
+        o = self.options
+        rows = []
+        for b, tokens in enumerate(ctx.token_ids):
+            want = min(k, self.lengths.setdefault(b, o.start))
+            draft = prompt_lookup(tokens, want, o.min_ngram, o.max_ngram) if ctx.active[b] else []
+            self.proposed[b] = len(draft)
+            rows.append(draft)
+        return specdraft.Draft.from_lists(rows, device=ctx.device)
+
+    def on_verified(self, ctx: specdraft.DraftContext, num_accepted: list[int]) -> None:
+        for b, accepted in enumerate(num_accepted):
+            proposed = self.proposed.get(b, 0)
+            if proposed == 0:
+                continue
+            if accepted == proposed:
+                self.lengths[b] = min(self.lengths[b] + 2, self.options.max_length)
+            else:
+                self.lengths[b] = max(self.lengths[b] - 1, 1)
+
+
+@specdraft.hookimpl
+def register_drafters(register):
+    register("adaptive-lookup", AdaptiveLookupDrafter, aliases=("alookup",))

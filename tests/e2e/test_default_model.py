@@ -1,0 +1,93 @@
+"""End to end on the real default model."""
+
+from __future__ import annotations
+
+import pytest
+
+from specdraft import ConfigError, SpeculativeDecoder
+from specdraft.models import cache_dir, resolve_target
+
+pytestmark = pytest.mark.e2e
+NEW = 40
+
+
+@pytest.fixture(scope="module")
+def plain_outputs(default_f64, prompts):
+    model, tok = default_f64
+    dec = SpeculativeDecoder(model, tok, drafter="none")
+    return {cat: dec.generate(p, max_new_tokens=NEW)[0] for cat, p in prompts.items()}
+
+
+def test_plain_engine_equals_transformers_generate(default_f64, plain_outputs, prompts):
+    import torch
+
+    model, tok = default_f64
+    dec = SpeculativeDecoder(model, tok, drafter="none")
+    for cat, prompt in prompts.items():
+        ids = dec.encode(prompt)
+        out = model.generate(torch.tensor([ids]), max_new_tokens=NEW, do_sample=False, pad_token_id=tok.eos_token_id)
+        assert plain_outputs[cat].token_ids == out[0, len(ids):].tolist(), cat
+
+
+@pytest.mark.parametrize("drafter", ["ngram", "prompt-lookup"])
+def test_greedy_parity_on_real_prompts(default_f64, plain_outputs, prompts, drafter):
+    model, tok = default_f64
+    dec = SpeculativeDecoder(model, tok, drafter=drafter, spec_length=4)
+    results = dec.generate(list(prompts.values()), max_new_tokens=NEW)  # batched, different lengths
+    drafted = 0
+    for (cat, _), r in zip(prompts.items(), results):
+        assert r.token_ids == plain_outputs[cat].token_ids, cat
+        assert r.text == plain_outputs[cat].text
+        drafted += r.stats.drafted_tokens
+    assert drafted > 0 and sum(r.stats.accepted_tokens for r in results) > 0
+
+
+def test_stop_string_cuts_text_like_plain(default_f32, prompts):
+    model, tok = default_f32
+    prompt = prompts["qa"]
+    plain = SpeculativeDecoder(model, tok, drafter="none").generate(prompt, max_new_tokens=60)[0]
+    assert "." in plain.text
+    r = SpeculativeDecoder(model, tok, drafter="ngram").generate(prompt, max_new_tokens=60, stop=".")[0]
+    assert r.finish_reason == "stop"
+    assert r.text == plain.text[: plain.text.index(".")]
+    assert r.token_ids == plain.token_ids[: len(r.token_ids)]
+
+
+def test_seeded_sampling_reproducible_on_real_model(default_f32, prompts):
+    model, tok = default_f32
+    dec = SpeculativeDecoder(model, tok, drafter="prompt-lookup")
+    kw = dict(max_new_tokens=24, temperature=0.8, top_p=0.9, top_k=50, seed=11)
+    assert dec.generate(prompts["coding"], **kw)[0].token_ids == dec.generate(prompts["coding"], **kw)[0].token_ids
+
+
+def test_prompt_longer_than_context(default_f32):
+    model, tok = default_f32
+    dec = SpeculativeDecoder(model, tok, drafter="ngram")
+    with pytest.raises(ConfigError, match="context holds 8192; shorten it"):
+        dec.generate("word " * 9000, max_new_tokens=4, raw=True)
+
+
+def test_empty_prompt(default_f32):
+    model, tok = default_f32
+    with pytest.raises(ConfigError, match="prompt 0 is empty"):
+        SpeculativeDecoder(model, tok).generate("   ")
+
+
+def test_chat_template_and_raw(default_f32):
+    model, tok = default_f32
+    dec = SpeculativeDecoder(model, tok)
+    templated, raw = dec.encode("Hi"), dec.encode("Hi", raw=True)
+    assert tok.decode(templated).endswith("<|im_start|>assistant\n")
+    assert tok.decode(raw) == "Hi"
+
+
+def test_gguf_is_converted_once_to_safetensors():
+    name, path = resolve_target(None)
+    assert name == "SmolLM2-135M-Instruct"
+    assert path.startswith(str(cache_dir()))
+    import json
+    from pathlib import Path
+
+    folder = Path(path)
+    assert (folder / "model.safetensors").is_file()
+    assert "quantization_config" not in json.loads((folder / "config.json").read_text())
