@@ -23,6 +23,8 @@ from typing import Sequence
 import torch
 from transformers.cache_utils import Cache, CacheLayerMixin
 
+from ..fastpath import few_row_linears
+
 
 class _Layer(CacheLayerMixin):
     """One layer's buffers; writes go where the owning :class:`KVCache` says."""
@@ -122,32 +124,6 @@ class KVCache(Cache):
         self.lengths = [length + n for length in self.lengths]
 
 
-# Architectures whose causal-LM forward is exactly ``lm_head(decoder(...))``: for these
-# specdraft applies the output head itself (see ``output_logits``); anything else runs the
-# model's own forward, so its logit scaling or soft-capping is kept.
-PLAIN_HEAD_MODEL_TYPES = frozenset({"llama", "mistral", "qwen2", "qwen3", "phi3", "olmo", "olmo2", "smollm3"})
-
-
-def output_logits(head: torch.nn.Linear, hidden: torch.Tensor) -> torch.Tensor:
-    """``head(hidden)`` # [batch, n, vocab] from hidden # [batch, n, dim], computed fast on CPU.
-
-    On CPU, MKL's ``hidden @ weight.T`` for a handful of rows against a wide vocabulary is
-    3-5x slower than ``(weight @ hidden.T).T`` (measured for SmolLM2's 49152 x 576 head:
-    11.8 ms vs 3.5 ms at 5 rows), and a single row falls to a slow matrix-vector path that
-    a duplicated row avoids (6.6 ms vs 2.2 ms). The values agree up to float rounding.
-    """
-    batch, n, dim = hidden.shape
-    if hidden.device.type != "cpu":
-        return head(hidden)
-    flat = hidden.reshape(batch * n, dim)
-    if flat.shape[0] == 1:
-        flat = torch.cat([flat, flat])  # a real copy: a stride-0 expand is slower still
-    logits = torch.mm(head.weight, flat.T).T[: batch * n]  # [batch * n, vocab], transposed view
-    if head.bias is not None:
-        logits = logits + head.bias
-    return logits.reshape(batch, n, -1) if logits.is_contiguous() else logits.unflatten(0, (batch, n))
-
-
 def forward_step(model, cache: KVCache, input_ids: torch.Tensor, logits_to_keep: int = 0) -> torch.Tensor:
     """Run ``model`` over ``input_ids`` ``# [batch, n]`` appended to ``cache``.
 
@@ -156,14 +132,7 @@ def forward_step(model, cache: KVCache, input_ids: torch.Tensor, logits_to_keep:
     """
     n = input_ids.shape[1]
     position_ids, mask = cache.prepare(n, input_ids.device, model.dtype)
-    head = model.get_output_embeddings()
-    if model.config.model_type in PLAIN_HEAD_MODEL_TYPES and type(head) is torch.nn.Linear:
-        hidden = model.get_decoder()(
-            input_ids=input_ids, position_ids=position_ids, attention_mask=mask,
-            past_key_values=cache, use_cache=True,
-        ).last_hidden_state  # [batch, n, dim]
-        logits = output_logits(head, hidden[:, -logits_to_keep:] if logits_to_keep else hidden)
-    else:
+    with few_row_linears(model, enabled=input_ids.device.type == "cpu"):
         logits = model(
             input_ids=input_ids, position_ids=position_ids, attention_mask=mask,
             past_key_values=cache, use_cache=True, logits_to_keep=logits_to_keep,
