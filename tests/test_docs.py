@@ -11,14 +11,14 @@ from specdraft.cli import build_parser
 DOCS = Path(__file__).resolve().parents[1] / "docs"
 
 
-@pytest.mark.parametrize("command", ["generate", "drafters"])
+@pytest.mark.parametrize("command", ["generate", "bench", "drafters"])
 def test_cli_reference_quotes_the_real_help(command, monkeypatch, capsys):
     monkeypatch.setenv("COLUMNS", "100")
     with pytest.raises(SystemExit):
         build_parser().parse_args([command, "--help"])
     help_text = capsys.readouterr().out.replace("python -m pytest", "specdraft")
     help_text = help_text.replace(f"usage: {build_parser().prog}", "usage: specdraft")
-    assert help_text.strip() in (DOCS / "cli.md").read_text(), f"docs/cli.md is out of date for `{command}`"
+    assert help_text.strip() in (DOCS / "cli.md").read_text(), f"docs/cli.md is out of date for `{command}`: run scripts/cli-docs.sh"
 
 
 def test_docs_exist_and_link_the_example_plugin():

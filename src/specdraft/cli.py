@@ -32,7 +32,10 @@ def build_parser() -> argparse.ArgumentParser:
     gen.add_argument("--drafter", default="ngram", help="drafter name (see `specdraft drafters`; default: ngram)")
     gen.add_argument("--drafter-option", dest="drafter_options", action="append", type=_parse_option, default=[],
                      metavar="KEY=VALUE", help="an option for the drafter (repeatable)")
-    gen.add_argument("--spec-length", type=int, default=4, metavar="K", help="tokens drafted per round (default: 4)")
+    gen.add_argument("--spec-length", type=int, default=4, metavar="K",
+                     help="most tokens drafted per round (default: 4)")
+    gen.add_argument("--fixed-spec-length", action="store_true",
+                     help="always draft K tokens instead of adapting to acceptance and verify cost")
     gen.add_argument("--max-new-tokens", type=int, default=128, metavar="N", help="default: 128")
     gen.add_argument("--temperature", type=float, default=0.0, help="0 = greedy (default)")
     gen.add_argument("--top-k", type=int, default=0, help="0 = off (default)")
@@ -43,6 +46,23 @@ def build_parser() -> argparse.ArgumentParser:
     gen.add_argument("--stats", action="store_true", help="print speculation metrics to stderr")
     gen.add_argument("--dtype", default=None, help="float32 (CPU default), bfloat16 (GPU default), float16, float64")
     gen.add_argument("--device", default=None, help="cpu, cuda, cuda:1, ... (default: cuda if available)")
+
+    bench = sub.add_parser("bench", help="benchmark drafters against plain decoding on Spec-Bench-style prompts",
+                           description="Run plain decoding, each drafter and optional peers on every prompt, "
+                                       "interleaved in one process; write results.json, results.md and plots.")
+    bench.add_argument("--questions", required=True, metavar="FILE.jsonl",
+                       help="Spec-Bench schema: question_id, category, turns (the first turn is used)")
+    bench.add_argument("--categories", default=None, help="comma-separated categories (default: all)")
+    bench.add_argument("--limit-per-category", type=int, default=5, metavar="N", help="default: 5")
+    bench.add_argument("--drafters", default="ngram,prompt-lookup", help="comma-separated (default: ngram,prompt-lookup)")
+    bench.add_argument("--spec-length", type=int, default=4, metavar="K", help="default: 4")
+    bench.add_argument("--max-new-tokens", type=int, default=128, metavar="N", help="default: 128")
+    bench.add_argument("--temperature", type=float, default=0.0, help="default: 0 (greedy; outputs are compared)")
+    bench.add_argument("--peers", default="", help="'hf': also transformers' generate and its prompt lookup")
+    bench.add_argument("--output", default="bench-out", metavar="DIR", help="default: bench-out")
+    bench.add_argument("--target", default=None, help="as for generate (default: SmolLM2-135M-Instruct)")
+    bench.add_argument("--dtype", default=None)
+    bench.add_argument("--device", default=None)
 
     lst = sub.add_parser("drafters", help="list registered drafters and the plugins providing them")
     lst.add_argument("--json", action="store_true", help="print JSON")
@@ -76,6 +96,7 @@ def _generate(args) -> int:
     decoder = SpeculativeDecoder.from_pretrained(
         target=args.target, drafter=args.drafter, spec_length=args.spec_length,
         drafter_options=dict(args.drafter_options), dtype=args.dtype, device=args.device,
+        adaptive=not args.fixed_spec_length,
     )
     result = decoder.generate(
         prompt, max_new_tokens=args.max_new_tokens, temperature=args.temperature, top_k=args.top_k,
@@ -119,11 +140,44 @@ def _drafters(args) -> int:
     return 0
 
 
+def _split(text: str | None) -> list[str]:
+    return [t.strip() for t in (text or "").split(",") if t.strip()]
+
+
+def _bench(args) -> int:
+    from .bench import BenchSettings, load_questions, run_bench, write_outputs
+    from .decoder import check_generation_args, check_spec_length
+    from .plugins import get_registry
+
+    settings = BenchSettings(
+        questions=args.questions, categories=_split(args.categories) or None,
+        limit_per_category=args.limit_per_category, drafters=_split(args.drafters), spec_length=args.spec_length,
+        max_new_tokens=args.max_new_tokens, temperature=args.temperature, peers=_split(args.peers),
+    )
+    check_spec_length(settings.spec_length)
+    check_generation_args(settings.max_new_tokens, settings.temperature, 0, 1.0, None, None)
+    if args.limit_per_category is not None and args.limit_per_category < 1:
+        raise ConfigError("--limit-per-category must be >= 1")
+    for d in settings.drafters:
+        get_registry().get(d)
+    load_questions(settings.questions, settings.categories, settings.limit_per_category)
+    from .models import load_target
+
+    model, tokenizer, name = load_target(args.target, dtype=args.dtype, device=args.device)
+    records, summary, env = run_bench(model, tokenizer, settings, name=name)
+    out = write_outputs(args.output, records, summary, env)
+    print((out / "results.md").read_text())
+    print(f"wrote {out / 'results.json'}, {out / 'results.md'} and plots in {out}/", file=sys.stderr)
+    return 0
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     try:
         if args.command == "generate":
             return _generate(args)
+        if args.command == "bench":
+            return _bench(args)
         return _drafters(args)
     except SpecdraftError as exc:
         print(f"specdraft: error: {exc}", file=sys.stderr)

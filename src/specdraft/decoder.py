@@ -65,6 +65,7 @@ class SpeculativeDecoder:
         spec_length: int = 4,
         drafter_options: Mapping[str, Any] | None = None,
         *,
+        adaptive: bool = True,
         target_name: str = "",
     ) -> None:
         from .drafters.base import Drafter
@@ -92,7 +93,7 @@ class SpeculativeDecoder:
         else:
             self.drafter = get_registry().create(str(drafter), drafter_options, self.target)
         self.spec_length = spec_length
-        self._verifier = Verifier(model, self.drafter, spec_length, self.target)
+        self._verifier = Verifier(model, self.drafter, spec_length, self.target, adaptive=adaptive)
 
     @classmethod
     def from_pretrained(
@@ -103,12 +104,19 @@ class SpeculativeDecoder:
         drafter_options: Mapping[str, Any] | None = None,
         dtype: Any = None,
         device: Any = None,
+        adaptive: bool = True,
     ) -> "SpeculativeDecoder":
-        """Load ``target`` (None = SmolLM2-135M-Instruct, offline; else hub id, folder or .gguf)."""
+        """Load ``target`` (None = SmolLM2-135M-Instruct, offline; else hub id, folder or .gguf).
+
+        ``spec_length`` is the most tokens drafted per round; with ``adaptive`` (the default)
+        each round drafts as many of those as pay off given the measured acceptance and
+        verify costs (see ``specdraft.verifier.adaptive``); ``adaptive=False`` always asks for
+        ``spec_length``.
+        """
         from .models import load_target
 
         model, tokenizer, name = load_target(target, dtype=dtype, device=device)
-        return cls(model, tokenizer, drafter, spec_length, drafter_options, target_name=name)
+        return cls(model, tokenizer, drafter, spec_length, drafter_options, adaptive=adaptive, target_name=name)
 
     # -- generation ---------------------------------------------------------------------
 

@@ -48,6 +48,9 @@ class DraftContext:
     device: Any
     sampling: "SamplingParams"
     generator: "torch.Generator | None" = None  # use it for any randomness (seeded runs)
+    #: set before ``on_verified``: how many of each row's proposed tokens were verified (the
+    #: verifier may trim a draft to its adaptive length or to what is left of the budget)
+    num_verified: list[int] = field(default_factory=list)
 
     @property
     def batch_size(self) -> int:

@@ -52,10 +52,11 @@ def _reference(model, prompts, n):
 
 @pytest.mark.parametrize("drafter", ["ngram", "prompt-lookup", "none"])
 @pytest.mark.parametrize("k", [1, 3, 5])
-def test_greedy_parity_builtin_drafters(tiny_model, drafter, k):
+@pytest.mark.parametrize("adaptive", [True, False])
+def test_greedy_parity_builtin_drafters(tiny_model, drafter, k, adaptive):
     prompts = repetitive_prompts(64)
     expected = _reference(tiny_model, prompts, 40)
-    dec = SpeculativeDecoder(tiny_model, None, drafter=drafter, spec_length=k)
+    dec = SpeculativeDecoder(tiny_model, None, drafter=drafter, spec_length=k, adaptive=adaptive)
     batched = dec.generate_ids(prompts, max_new_tokens=40)
     for p, r in zip(prompts, batched):
         assert r.token_ids == expected[tuple(p)]
@@ -68,7 +69,7 @@ def test_greedy_parity_with_oracle_drafts(tiny_model, correct):
     """Full acceptance (bonus path) and rejection at every position (rollback path)."""
     prompts = repetitive_prompts(64, seed=3)
     reference = _reference(tiny_model, prompts, 30)
-    dec = SpeculativeDecoder(tiny_model, None, drafter=OracleDrafter(reference, correct), spec_length=3)
+    dec = SpeculativeDecoder(tiny_model, None, drafter=OracleDrafter(reference, correct), spec_length=3, adaptive=False)
     results = dec.generate_ids(prompts, max_new_tokens=30)
     for p, r in zip(prompts, results):
         assert r.token_ids == reference[tuple(p)]
@@ -184,8 +185,30 @@ def test_empty_draft_is_a_plain_one_token_step(tiny_model):
 def test_stats_count_positions(tiny_model):
     prompt = repetitive_prompts(64)[0]
     reference = plain_greedy(tiny_model, prompt, 12)
-    dec = SpeculativeDecoder(tiny_model, None, drafter=OracleDrafter({tuple(prompt): reference}, correct=2), spec_length=3)
+    dec = SpeculativeDecoder(tiny_model, None, drafter=OracleDrafter({tuple(prompt): reference}, correct=2), spec_length=3,
+                             adaptive=False)
     s = dec.generate_ids([prompt], max_new_tokens=12)[0].stats
     assert s.acceptance_by_position[:3] == [1.0, 1.0, 0.0]
     assert s.tokens_per_pass == s.new_tokens / s.target_passes == 3.0
     assert s.draft_time_s >= 0 and s.verify_time_s > 0 and s.total_time_s >= s.verify_time_s
+
+
+def test_adaptive_verifier_stops_verifying_hopeless_drafts(tiny_model):
+    """A drafter that is always wrong: the adaptive loop soon stops paying verify width for it."""
+    prompt = repetitive_prompts(64)[1]
+    reference = plain_greedy(tiny_model, prompt, 60)
+    wrong = OracleDrafter({tuple(prompt): reference}, correct=0)
+    fixed = SpeculativeDecoder(tiny_model, None, drafter=wrong, spec_length=4, adaptive=False)
+    adaptive = SpeculativeDecoder(tiny_model, None, drafter=wrong, spec_length=4)
+    f, a = fixed.generate_ids([prompt], max_new_tokens=60)[0], adaptive.generate_ids([prompt], max_new_tokens=60)[0]
+    assert f.token_ids == a.token_ids == reference
+    assert a.stats.drafted_tokens < f.stats.drafted_tokens / 3
+
+
+def test_seeded_sampling_with_adaptive_length_ignores_timings(tiny_model):
+    dec = SpeculativeDecoder(tiny_model, None, drafter="prompt-lookup", spec_length=4)
+    dec._verifier.policy.seconds = {1: 1.0, 2: 50.0, 3: 50.0, 4: 50.0, 5: 50.0}  # absurd costs must not matter
+    a = dec.generate_ids(repetitive_prompts(64), max_new_tokens=20, temperature=1.0, seed=3)
+    dec._verifier.policy.seconds = {}
+    b = dec.generate_ids(repetitive_prompts(64), max_new_tokens=20, temperature=1.0, seed=3)
+    assert [r.token_ids for r in a] == [r.token_ids for r in b]

@@ -24,6 +24,7 @@ from ..cache import KVCache, forward_step
 from ..errors import ConfigError, DrafterError, SpecdraftError
 from ..sampling import SamplingParams, logits_to_probs
 from ..types import Draft, DraftContext, GenerationResult, GenerationStats, TargetInfo
+from .adaptive import AdaptiveDraftLength
 from .rejection import greedy_accept, rejection_sample
 
 
@@ -102,12 +103,14 @@ def check_draft(draft: Any, batch: int, k: int, vocab: int, who: str, device: to
 class Verifier:
     """Runs speculative decoding of ``model`` with ``drafter`` for a batch of prompts."""
 
-    def __init__(self, model, drafter, spec_length: int, target: TargetInfo) -> None:
+    def __init__(self, model, drafter, spec_length: int, target: TargetInfo, adaptive: bool = True) -> None:
         self.model = model
         self.drafter = drafter
         self.spec_length = spec_length
         self.target = target
         self.cache = KVCache(model.config.get_text_config().num_hidden_layers, slots=0)
+        # Verify-pass costs stay learnt across calls; acceptance is relearnt per call.
+        self.policy = AdaptiveDraftLength(spec_length) if adaptive else None
 
     @property
     def _drafter_label(self) -> str:
@@ -161,6 +164,12 @@ class Verifier:
             generator=generator,
         )
         self._call_drafter("reset")
+        policy = self.policy
+        if policy is not None:
+            policy.reset_acceptance()
+            # Seeded sampling must not depend on timings: the draft lengths change which
+            # random numbers are drawn, so they may follow acceptance (a function of the seed) only.
+            policy.measure_costs = sampling.greedy or seed is None
 
         # Prefill everything but each prompt's last token (right-padded; padding is never read).
         longest = max(r.prompt_len for r in rows) - 1
@@ -175,8 +184,10 @@ class Verifier:
 
         while any(ctx.active):
             t0 = timer.now()
+            was_active = list(ctx.active)
+            want = policy.choose() if policy is not None else self.spec_length
             caps = [
-                min(self.spec_length, max_new_tokens - len(r.new_tokens) - 1, max_len - len(r.tokens))
+                min(want, max_new_tokens - len(r.new_tokens) - 1, max_len - len(r.tokens))
                 if ctx.active[b] else 0
                 for b, r in enumerate(rows)
             ]
@@ -222,6 +233,10 @@ class Verifier:
                         break
                 new_lengths.append(len(r.tokens) - 1 if ctx.active[b] else old_lengths[b])
             self.cache.rollback(new_lengths)
+            if policy is not None:
+                live = [b for b in range(batch) if was_active[b]]
+                policy.observe(int(ids.shape[1]) + 1, t2 - t1, [drafted[b] for b in live], [accepted[b] for b in live])
+            ctx.num_verified = drafted
             self._call_drafter("on_verified", ctx, [a if d else 0 for a, d in zip(accepted, drafted)])
             t3 = timer.now()
             draft_time += (t1 - t0) + (t3 - t2)

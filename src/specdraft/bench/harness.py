@@ -1,0 +1,179 @@
+"""``specdraft bench``: every method on every prompt, interleaved in one process."""
+
+from __future__ import annotations
+
+import datetime
+import json
+import os
+import platform
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Sequence
+
+from ..errors import ConfigError
+from .report import PLAIN, RunRecord, markdown, summarize
+
+PEERS = {"hf": ("hf-generate", "hf-prompt-lookup")}
+
+
+@dataclass
+class BenchSettings:
+    questions: str
+    categories: Sequence[str] | None = None
+    limit_per_category: int | None = 5
+    drafters: Sequence[str] = ("ngram", "prompt-lookup")
+    spec_length: int = 4
+    max_new_tokens: int = 128
+    temperature: float = 0.0
+    peers: Sequence[str] = ()
+    drafter_options: dict[str, dict[str, Any]] = field(default_factory=dict)
+
+
+def load_questions(path: str | os.PathLike, categories: Sequence[str] | None = None,
+                   limit_per_category: int | None = None) -> list[dict]:
+    """Spec-Bench schema (``question_id``, ``category``, ``turns``); the first turn is the prompt."""
+    path = Path(path)
+    if not path.is_file():
+        raise ConfigError(f"questions file {str(path)!r} does not exist")
+    rows, seen = [], {}
+    for n, line in enumerate(path.read_text().splitlines(), 1):
+        if not line.strip():
+            continue
+        try:
+            q = json.loads(line)
+            row = {"question_id": int(q["question_id"]), "category": str(q["category"]), "prompt": str(q["turns"][0])}
+        except (ValueError, KeyError, IndexError, TypeError) as exc:
+            raise ConfigError(f"{path}:{n}: not a Spec-Bench question (need question_id, category, turns): {exc}") from None
+        if categories and row["category"] not in categories:
+            continue
+        if limit_per_category is not None and seen.get(row["category"], 0) >= limit_per_category:
+            continue
+        seen[row["category"]] = seen.get(row["category"], 0) + 1
+        rows.append(row)
+    if categories:
+        missing = sorted(set(categories) - set(seen))
+        if missing:
+            raise ConfigError(f"no questions in categories {missing}; the file has {sorted(_categories(path))}")
+    if not rows:
+        raise ConfigError(f"no questions selected from {path}")
+    return rows
+
+
+def _categories(path: Path) -> set[str]:
+    return {json.loads(line)["category"] for line in path.read_text().splitlines() if line.strip()}
+
+
+def environment(model, settings: BenchSettings, name: str) -> dict:
+    import torch
+    import transformers
+
+    from .. import __version__
+
+    cpu = platform.processor() or platform.machine()
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("model name"):
+                cpu = line.split(":", 1)[1].strip()
+                break
+    except OSError:
+        pass
+    device = model.device
+    return {
+        "date": datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%d %H:%M UTC"),
+        "model": name,
+        "dtype": str(model.dtype).replace("torch.", ""),
+        "device": torch.cuda.get_device_name(device) if device.type == "cuda" else f"cpu ({cpu}, {os.cpu_count()} cores)",
+        "torch_threads": torch.get_num_threads(),
+        "spec_length": settings.spec_length,
+        "max_new_tokens": settings.max_new_tokens,
+        "temperature": settings.temperature,
+        "versions": f"specdraft {__version__}, torch {torch.__version__}, transformers {transformers.__version__}, "
+                    f"python {platform.python_version()}",
+    }
+
+
+class _Methods:
+    """The runnable methods: plain, the drafters, and the peers, sharing one model."""
+
+    def __init__(self, model, tokenizer, settings: BenchSettings) -> None:
+        from ..decoder import SpeculativeDecoder
+
+        self.model, self.tokenizer, self.settings = model, tokenizer, settings
+        self.decoders = {PLAIN: SpeculativeDecoder(model, tokenizer, drafter="none", spec_length=settings.spec_length)}
+        for d in settings.drafters:
+            self.decoders[d] = SpeculativeDecoder(model, tokenizer, drafter=d, spec_length=settings.spec_length,
+                                                  drafter_options=settings.drafter_options.get(d))
+        self.names = list(self.decoders)
+        for peer in settings.peers:
+            if peer not in PEERS:
+                raise ConfigError(f"unknown peer {peer!r}; known peers: {', '.join(PEERS)}")
+            self.names += PEERS[peer]
+
+    def run(self, method: str, ids: list[int], question: dict) -> RunRecord:
+        s = self.settings
+        seed = question["question_id"]
+        start = time.perf_counter()
+        if method in self.decoders:
+            r = self.decoders[method].generate_ids([ids], max_new_tokens=s.max_new_tokens,
+                                                   temperature=s.temperature, seed=seed)[0]
+            elapsed = time.perf_counter() - start
+            st = r.stats
+            return RunRecord(method, question["question_id"], question["category"], len(r.token_ids), elapsed,
+                             r.token_ids, st.drafted_tokens, st.accepted_tokens, st.target_passes,
+                             st.drafted_per_position, st.accepted_per_position, st.draft_time_s, st.verify_time_s)
+        token_ids = self._hf(method, ids, seed)
+        elapsed = time.perf_counter() - start
+        return RunRecord(method, question["question_id"], question["category"], len(token_ids), elapsed, token_ids)
+
+    def _hf(self, method: str, ids: list[int], seed: int) -> list[int]:
+        import torch
+
+        s = self.settings
+        kw: dict[str, Any] = {"max_new_tokens": s.max_new_tokens, "pad_token_id": self.tokenizer.eos_token_id}
+        if s.temperature > 0:
+            torch.manual_seed(seed)
+            kw.update(do_sample=True, temperature=s.temperature, top_k=0, top_p=1.0)
+        else:
+            kw.update(do_sample=False, temperature=None, top_k=None, top_p=None)
+        if method == "hf-prompt-lookup":
+            kw["prompt_lookup_num_tokens"] = s.spec_length
+        with torch.inference_mode():
+            out = self.model.generate(torch.tensor([ids], device=self.model.device), **kw)
+        return out[0, len(ids):].tolist()
+
+
+def run_bench(model, tokenizer, settings: BenchSettings, name: str = "", progress: bool = True):
+    """Run everything; returns ``(records, summary, env)``."""
+    from tqdm.auto import tqdm
+
+    questions = load_questions(settings.questions, settings.categories, settings.limit_per_category)
+    methods = _Methods(model, tokenizer, settings)
+    encoded = [methods.decoders[PLAIN].encode(q["prompt"]) for q in questions]
+    for method in methods.names:  # warm-up, not counted
+        methods.run(method, encoded[0][:64], {**questions[0], "question_id": 0})
+    records: list[RunRecord] = []
+    bar = tqdm(total=len(questions) * len(methods.names), disable=not progress, unit="run", desc="bench")
+    for q, ids in zip(questions, encoded):
+        for method in methods.names:
+            bar.set_postfix_str(f"{q['category']} #{q['question_id']} {method}")
+            records.append(methods.run(method, ids, q))
+            bar.update()
+    bar.close()
+    env = environment(model, settings, name)
+    env["questions"] = f"{settings.questions} ({len(questions)} prompts)"
+    return records, summarize(records), env
+
+
+def write_outputs(output: str | os.PathLike, records: list[RunRecord], summary: dict, env: dict) -> Path:
+    """results.json, results.md and the PNG plots in ``output``."""
+    from .plots import acceptance_by_position, speedup_by_category
+
+    out = Path(output)
+    out.mkdir(parents=True, exist_ok=True)
+    payload = {"environment": env, "summary": summary, "records": [r.to_dict() for r in records]}
+    (out / "results.json").write_text(json.dumps(payload, indent=1))
+    (out / "results.md").write_text(markdown(summary, env))
+    speedup_by_category(summary, out / "speedup_by_category.png")
+    acceptance_by_position(summary, out / "acceptance_by_position.png")
+    return out

@@ -1,0 +1,74 @@
+"""How many tokens to verify next round: expected tokens per unit of verify cost.
+
+Every drafter benefits: the verifier asks for ``k`` tokens where ``k`` maximises
+
+    score(k) = E[tokens | k] / c(k + 1),   E[tokens | k] = 1 + sum_{j=1..k} prod_{i<=j} a_i
+
+with ``a_i`` the acceptance rate of draft position ``i`` given that positions before it
+were accepted, and ``c(n)`` the cost of an ``n``-token verify pass relative to a 1-token
+pass. ``k = 0`` (a plain step, score 1) wins whenever speculation does not pay, so a
+drafter whose guesses are rarely accepted costs (almost) nothing.
+
+Both estimates are learnt online. Acceptance counts decay every round towards a prior, so
+a policy that stopped drafting tries again after a while and notices when acceptance
+comes back (for instance when the output starts copying the prompt). Costs are measured
+per width; a width never measured is assumed to cost ``1 + 0.1 (n - 1)``, so it gets tried.
+With ``measure_costs=False`` (seeded sampling) only the prior cost curve is used, which
+keeps the draft lengths, and so the output, a function of the seed alone.
+"""
+
+from __future__ import annotations
+
+from typing import Sequence
+
+
+class AdaptiveDraftLength:
+    def __init__(self, max_k: int, prior: float = 0.6, prior_weight: float = 2.0, decay: float = 0.9,
+                 cost_alpha: float = 0.25, prior_cost_slope: float = 0.1, measure_costs: bool = True) -> None:
+        self.max_k = max_k
+        self.prior, self.prior_weight, self.decay = prior, prior_weight, decay
+        self.cost_alpha, self.prior_cost_slope = cost_alpha, prior_cost_slope
+        self.measure_costs = measure_costs
+        self.accepted = [0.0] * max_k  # decayed count of acceptances at position i
+        self.reached = [0.0] * max_k  # decayed count of rounds that tested position i
+        self.seconds: dict[int, float] = {}  # verify width -> EMA of its wall time
+
+    def reset_acceptance(self) -> None:
+        """Forget acceptance statistics (kept costs are still valid)."""
+        self.accepted = [0.0] * self.max_k
+        self.reached = [0.0] * self.max_k
+
+    def acceptance(self, i: int) -> float:
+        """Estimated P(position i accepted | positions < i accepted), i from 0."""
+        return (self.accepted[i] + self.prior * self.prior_weight) / (self.reached[i] + self.prior_weight)
+
+    def relative_cost(self, width: int) -> float:
+        """Cost of a ``width``-token verify pass in units of a 1-token pass."""
+        if self.measure_costs and width in self.seconds and 1 in self.seconds and self.seconds[1] > 0:
+            return self.seconds[width] / self.seconds[1]
+        return 1.0 + self.prior_cost_slope * (width - 1)
+
+    def choose(self, cap: int | None = None) -> int:
+        """The draft length with the best expected tokens per unit cost (0 = plain step)."""
+        cap = self.max_k if cap is None else min(cap, self.max_k)
+        best_k, best = 0, 1.0 / self.relative_cost(1)
+        expected, survive = 1.0, 1.0
+        for k in range(1, cap + 1):
+            survive *= self.acceptance(k - 1)
+            expected += survive
+            score = expected / self.relative_cost(k + 1)
+            if score > best:
+                best_k, best = k, score
+        return best_k
+
+    def observe(self, width: int, seconds: float, drafted: Sequence[int], accepted: Sequence[int]) -> None:
+        """Record one verify pass of ``width`` tokens and, per row, drafted and accepted counts."""
+        old = self.seconds.get(width)
+        self.seconds[width] = seconds if old is None else old + self.cost_alpha * (seconds - old)
+        self.accepted = [a * self.decay for a in self.accepted]
+        self.reached = [r * self.decay for r in self.reached]
+        for d, a in zip(drafted, accepted):
+            for i in range(min(a + 1, d, self.max_k)):  # positions tested: up to the first rejection
+                self.reached[i] += 1.0
+                if i < a:
+                    self.accepted[i] += 1.0

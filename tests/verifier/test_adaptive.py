@@ -1,0 +1,65 @@
+"""The draft-length policy as a pure unit."""
+
+from __future__ import annotations
+
+from specdraft.verifier.adaptive import AdaptiveDraftLength
+
+
+def _observe(policy, rounds, drafted, accepted, width_seconds):
+    for width, seconds in width_seconds.items():  # every width measured once, nothing drafted
+        policy.observe(width, seconds, [], [])
+    for _ in range(rounds):
+        width = drafted + 1
+        policy.observe(width, width_seconds.get(width, 1.0), [drafted], [accepted])
+
+
+def test_prior_drafts_when_nothing_is_known():
+    assert AdaptiveDraftLength(4).choose() >= 1
+
+
+def test_high_acceptance_and_flat_costs_draft_the_maximum():
+    policy = AdaptiveDraftLength(6)
+    costs = {n: 1.0 for n in range(1, 8)}
+    policy.observe(1, 1.0, [0], [0])
+    _observe(policy, 30, 6, 6, costs)
+    assert policy.choose() == 6
+    assert policy.acceptance(0) > 0.9
+
+
+def test_low_acceptance_and_expensive_width_means_plain_steps():
+    policy = AdaptiveDraftLength(4)
+    costs = {1: 1.0, 2: 1.4, 3: 1.8, 4: 2.2, 5: 2.6}
+    policy.observe(1, 1.0, [0], [0])
+    _observe(policy, 30, 4, 0, costs)
+    assert policy.choose() == 0
+
+
+def test_cheap_first_token_is_worth_drafting_even_at_modest_acceptance():
+    policy = AdaptiveDraftLength(4)
+    costs = {1: 1.0, 2: 1.02, 3: 1.5, 4: 1.8, 5: 2.1}
+    policy.observe(1, 1.0, [0], [0])
+    policy.observe(3, 1.5, [2], [0])  # measure widths 2.. too
+    policy.observe(4, 1.8, [3], [0])
+    policy.observe(5, 2.1, [4], [0])
+    _observe(policy, 30, 1, 0, costs)  # reset nothing: ~30% accepted below
+    for i in range(30):
+        policy.observe(2, 1.02, [1], [1 if i % 3 == 0 else 0])
+    assert policy.choose() == 1
+
+
+def test_stopped_policy_tries_again_after_a_while():
+    policy = AdaptiveDraftLength(4, measure_costs=False, prior_cost_slope=0.3)
+    _observe(policy, 20, 4, 0, {})
+    assert policy.choose() == 0
+    for _ in range(40):  # plain rounds: counts decay towards the prior
+        policy.observe(1, 1.0, [0], [0])
+    assert policy.choose() >= 1
+
+
+def test_unmeasured_costs_use_the_prior_and_measure_costs_false_ignores_timings():
+    policy = AdaptiveDraftLength(4, measure_costs=False)
+    policy.observe(1, 1.0, [0], [0])
+    policy.observe(2, 100.0, [1], [1])
+    assert policy.relative_cost(2) == 1.1
+    policy.measure_costs = True
+    assert policy.relative_cost(2) == 100.0
