@@ -2,10 +2,15 @@
 
 from __future__ import annotations
 
-import pytest
-import torch
+import os
 
-from specdraft.testing import tiny_llama
+# Tests never reach the network: a hub id that is not cached fails at once instead of retrying.
+os.environ.setdefault("HF_HUB_OFFLINE", "1")
+
+import pytest  # noqa: E402
+import torch  # noqa: E402
+
+from specdraft.testing import tiny_llama  # noqa: E402
 
 
 

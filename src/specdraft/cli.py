@@ -64,6 +64,24 @@ def build_parser() -> argparse.ArgumentParser:
     bench.add_argument("--dtype", default=None)
     bench.add_argument("--device", default=None)
 
+    dist = sub.add_parser("distill", help="train a compact draft model for a target from the target's own outputs",
+                          description="Build a small draft (a few of the target's layers, its embeddings shared, "
+                                      "a head over frequent tokens) and train it on the target's answers to the "
+                                      "prompts; resumable. Use it with --drafter draft-model --drafter-option model=DIR.")
+    dist.add_argument("--output", required=True, metavar="DIR", help="where the draft (and work/ files) go")
+    dist.add_argument("--prompts", nargs="+", required=True, metavar="FILE.jsonl",
+                      help="training prompts: self-instruct, GSM8K, Spec-Bench or {\"prompt\": ...} JSONL")
+    dist.add_argument("--target", default=None, help="as for generate (default: SmolLM2-135M-Instruct)")
+    dist.add_argument("--num-prompts", type=int, default=600, help="default: 600")
+    dist.add_argument("--max-new-tokens", type=int, default=128, help="answer length (default: 128)")
+    dist.add_argument("--layers", type=int, default=2, help="decoder layers of the draft (default: 2)")
+    dist.add_argument("--head-tokens", type=int, default=8192, help="output-head vocabulary (default: 8192)")
+    dist.add_argument("--steps", type=int, default=300, help="training steps (default: 300)")
+    dist.add_argument("--batch-size", type=int, default=8, help="sequences per step (default: 8)")
+    dist.add_argument("--lr", type=float, default=5e-4, help="peak learning rate (default: 5e-4)")
+    dist.add_argument("--dtype", default=None)
+    dist.add_argument("--device", default=None)
+
     lst = sub.add_parser("drafters", help="list registered drafters and the plugins providing them")
     lst.add_argument("--json", action="store_true", help="print JSON")
     return parser
@@ -171,6 +189,24 @@ def _bench(args) -> int:
     return 0
 
 
+def _distill(args) -> int:
+    from .models import load_target
+    from .training.data import load_prompts
+    from .training.distill import distill
+
+    for name in ("num_prompts", "max_new_tokens", "layers", "head_tokens", "steps", "batch_size"):
+        if getattr(args, name) < 1:
+            raise ConfigError(f"--{name.replace('_', '-')} must be >= 1")
+    load_prompts(args.prompts, limit=1)  # a missing or empty file fails before the model loads
+    model, tokenizer, name = load_target(args.target, dtype=args.dtype, device=args.device)
+    out = distill(model, tokenizer, name, args.prompts, args.output, num_prompts=args.num_prompts,
+                  max_new_tokens=args.max_new_tokens, layers=args.layers, head_tokens=args.head_tokens,
+                  steps=args.steps, batch_size=args.batch_size, lr=args.lr)
+    print(f"draft written to {out}; use it with: specdraft generate --drafter draft-model "
+          f"--drafter-option model={out} ...")
+    return 0
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     try:
@@ -178,6 +214,8 @@ def main(argv: Sequence[str] | None = None) -> int:
             return _generate(args)
         if args.command == "bench":
             return _bench(args)
+        if args.command == "distill":
+            return _distill(args)
         return _drafters(args)
     except SpecdraftError as exc:
         print(f"specdraft: error: {exc}", file=sys.stderr)

@@ -85,6 +85,7 @@ class SpeculativeDecoder:
             tokenizer=tokenizer,
             config=config,
             name=target_name or getattr(config, "_name_or_path", ""),
+            embeddings=model.get_input_embeddings(),
         )
         if isinstance(drafter, Drafter):
             if drafter_options:

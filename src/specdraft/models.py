@@ -122,20 +122,27 @@ def resolve_target(target: str | os.PathLike | None) -> tuple[str, str]:
     return target, target  # a hub id
 
 
-def load_target(target=None, dtype=None, device=None):
-    """Load ``(model, tokenizer, name)`` for ``target`` (None = the offline default model)."""
+def load_target(target=None, dtype=None, device=None, require_tokenizer: bool = True):
+    """Load ``(model, tokenizer, name)`` for ``target`` (None = the offline default model).
+
+    With ``require_tokenizer=False`` a folder without tokenizer files loads with ``tokenizer=None``.
+    """
     from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
+    from transformers.utils import logging as hf_logging
 
     device = resolve_device(device)
     dtype = resolve_dtype(dtype, device)
     name, source = resolve_target(target)
-    from transformers.utils import logging as hf_logging
-
     quiet = not hf_logging.is_progress_bar_enabled()
     hf_logging.disable_progress_bar()  # a sub-second load needs no progress bar
     try:
         AutoConfig.from_pretrained(source)  # fails fast (and once) when a hub id is unavailable
-        tokenizer = AutoTokenizer.from_pretrained(source)
+        try:
+            tokenizer = AutoTokenizer.from_pretrained(source)
+        except (OSError, ValueError, TypeError):
+            if require_tokenizer:
+                raise
+            tokenizer = None
         model = AutoModelForCausalLM.from_pretrained(source, dtype=dtype)
     except OSError as exc:
         raise ModelLoadError(

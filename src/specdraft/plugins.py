@@ -20,7 +20,14 @@ from typing import Any, Mapping
 import pluggy
 
 from . import hookspecs
-from .errors import ConfigError, DrafterError, PluginError, UnknownDrafterError, describe_validation_error
+from .errors import (
+    ConfigError,
+    DrafterError,
+    PluginError,
+    SpecdraftError,
+    UnknownDrafterError,
+    describe_validation_error,
+)
 
 ENTRY_POINT_GROUP = "specdraft"
 LOAD_PLUGINS_ENV = "SPECDRAFT_LOAD_PLUGINS"
@@ -142,7 +149,7 @@ class Registry:
         try:
             drafter = spec.cls(opts, target)
         except Exception as exc:  # noqa: BLE001 - surface the plugin's failure by name
-            if isinstance(exc, (ConfigError, PluginError, DrafterError)):
+            if isinstance(exc, SpecdraftError):  # already says what to do
                 raise
             raise DrafterError(
                 f"drafter {spec.name!r} (plugin {spec.plugin!r}) failed to start: {type(exc).__name__}: {exc}"

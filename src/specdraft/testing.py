@@ -98,6 +98,31 @@ def check_drafter(
         assert again == got, f"K={k}: a second generate call on the same decoder gave different output"
 
 
+def exact_joint_distribution(model, prompt: Sequence[int], params, steps: int = 2):
+    """P(first ``steps`` tokens) under plain sampling from ``model``, by enumeration.
+
+    Returns a ``[vocab] * steps`` tensor; practical for vocabularies of a few dozen tokens.
+    """
+    import itertools
+
+    import torch
+
+    from .sampling import logits_to_probs
+
+    vocab = model.config.vocab_size
+    joint = torch.zeros([vocab] * steps, dtype=torch.float64)
+    with torch.no_grad():
+        for seq in itertools.product(range(vocab), repeat=steps - 1):
+            ids = torch.tensor([list(prompt) + list(seq)])
+            logits = model(ids).logits[0, len(prompt) - 1 :]  # [steps, vocab]
+            probs = logits_to_probs(logits, params)
+            prefix = 1.0
+            for i, t in enumerate(seq):
+                prefix *= float(probs[i, t])
+            joint[seq] = prefix * probs[steps - 1]
+    return joint
+
+
 def chi_square_pvalue(observed, expected_probs, min_expected: float = 5.0) -> float:
     """Pearson chi-square goodness-of-fit p-value (cells with small expectation are pooled)."""
     import torch

@@ -30,6 +30,8 @@ class TargetInfo:
     tokenizer: Any = None  # a transformers tokenizer, or None for id-only use
     config: Any = None  # the target's transformers config, or None
     name: str = ""  # what the user asked for (hub id, path, or the default's name)
+    #: the target's input embedding module, read-only: drafts and heads may share it
+    embeddings: Any = None
 
 
 @dataclass
@@ -170,5 +172,5 @@ class GenerationResult:
 
     token_ids: list[int]
     text: str | None
-    finish_reason: str  # "eos" | "length" | "stop" | "context"
+    finish_reason: str  # "eos" | "length" (max_new_tokens or the model's context) | "stop"
     stats: GenerationStats

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import pytest
+
 from specdraft.verifier.adaptive import AdaptiveDraftLength
 
 
@@ -63,3 +65,14 @@ def test_unmeasured_costs_use_the_prior_and_measure_costs_false_ignores_timings(
     assert policy.relative_cost(2) == 1.1
     policy.measure_costs = True
     assert policy.relative_cost(2) == 100.0
+
+
+def test_expensive_drafting_shortens_drafts():
+    cheap, costly = AdaptiveDraftLength(4), AdaptiveDraftLength(4)
+    for policy, draft_seconds in ((cheap, 0.0), (costly, 0.9)):
+        policy.observe(1, 1.0, [0], [0])
+        for _ in range(20):
+            policy.observe(5, 1.0, [4], [2], draft_seconds=draft_seconds * 4)  # flat verify cost, ~60% acceptance
+    assert costly.draft_cost() == pytest.approx(0.9, rel=0.01)
+    assert cheap.choose() == 4
+    assert costly.choose() < cheap.choose()

@@ -2,8 +2,6 @@
 
 from __future__ import annotations
 
-import itertools
-
 import pytest
 import torch
 
@@ -11,7 +9,7 @@ import specdraft
 from specdraft import Draft, Drafter, SpeculativeDecoder
 from specdraft.sampling import SamplingParams, logits_to_probs
 from specdraft.testing import SIGNIFICANCE as ALPHA
-from specdraft.testing import chi_square_pvalue, plain_greedy, repetitive_prompts
+from specdraft.testing import chi_square_pvalue, exact_joint_distribution, plain_greedy, repetitive_prompts
 
 
 class OracleDrafter(Drafter):
@@ -88,21 +86,6 @@ def test_greedy_parity_random_drafter(tiny_model):
         assert r.token_ids == reference[tuple(p)]
 
 
-def _exact_joint(model, prompt, params, steps=2):
-    """P(first `steps` tokens) under plain sampling from the target, by enumeration."""
-    vocab = model.config.vocab_size
-    joint = torch.zeros([vocab] * steps, dtype=torch.float64)
-    for seq in itertools.product(range(vocab), repeat=steps - 1):
-        ids = torch.tensor([prompt + list(seq)])
-        logits = model(ids).logits[0, len(prompt) - 1 :]  # [steps, vocab]
-        probs = logits_to_probs(logits, params)
-        prefix = 1.0
-        for i, t in enumerate(seq):
-            prefix *= float(probs[i, t])
-        joint[seq] = prefix * probs[steps - 1]
-    return joint
-
-
 @pytest.mark.parametrize("params", [
     SamplingParams(temperature=1.0),
     SamplingParams(temperature=0.8, top_k=4),
@@ -113,8 +96,7 @@ def test_sampling_matches_target_joint_distribution(small_vocab_model, params, d
     """Speculative sampling's first two tokens ~ the target's exact joint (chi-square, ALPHA)."""
     prompt = [3, 5, 3, 5, 3]
     n = 12_000
-    with torch.no_grad():
-        exact = _exact_joint(small_vocab_model, prompt, params)
+    exact = exact_joint_distribution(small_vocab_model, prompt, params)
     d = RandomDrafter(None, None) if drafter == "random" else drafter
     dec = SpeculativeDecoder(small_vocab_model, None, drafter=d, spec_length=3)
     results = dec.generate_ids([prompt] * n, max_new_tokens=2, seed=1234, temperature=params.temperature,

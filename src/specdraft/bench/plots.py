@@ -40,10 +40,13 @@ def speedup_by_category(summary: dict, path: Path) -> None:
 def acceptance_by_position(summary: dict, path: Path) -> None:
     plt = _pyplot()
     fig, ax = plt.subplots(figsize=(6, 4))
+    longest = 1
     for m, cats in summary.items():
         pos = cats["overall"].get("acceptance_by_position")
         if pos:
             ax.plot(range(1, len(pos) + 1), pos, marker="o", label=m)
+            longest = max(longest, len(pos))
+    ax.set_xticks(range(1, longest + 1))
     ax.set_xlabel("draft position")
     ax.set_ylabel("acceptance rate")
     ax.set_ylim(0, 1)

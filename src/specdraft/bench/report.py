@@ -137,7 +137,10 @@ def markdown(summary: dict, env: dict) -> str:
               "| method | tokens/s | speedup | acceptance | tokens/pass | theoretical | efficiency | drafting / verifying / other | mismatches |",
               "|---|---|---|---|---|---|---|---|---|"]
     for m in methods:
-        o = summary[m]["overall"]
+        o = dict(summary[m]["overall"])
+        if not o.get("drafted"):  # plain decoding and peers: no speculation figures
+            for key in ("acceptance_rate", "tokens_per_pass", "theoretical_speedup", "efficiency"):
+                o[key] = None
         split = o.get("time_split")
         split_s = " / ".join(f"{split[k]:.0%}" for k in ("drafting", "verifying", "other")) if split else "-"
         lines.append(

@@ -44,6 +44,15 @@ class _Layer(CacheLayerMixin):
         self.device = key_states.device
         self.is_initialized = True
 
+    def grow(self, slots: int) -> None:
+        """Reallocate to ``slots`` slots, keeping what is stored (rare: see ``KVCache.reserve``)."""
+        if self.is_initialized and self.keys.shape[2] < slots:
+            for name in ("keys", "values"):
+                old = getattr(self, name)
+                new = torch.zeros((*old.shape[:2], slots, old.shape[3]), dtype=old.dtype, device=old.device)
+                new[:, :, : old.shape[2]] = old
+                setattr(self, name, new)
+
     def update(self, key_states: torch.Tensor, value_states: torch.Tensor, *args, **kwargs):
         # key_states / value_states  # [batch, kv_heads, n, head_dim]
         owner = self.owner
@@ -87,6 +96,17 @@ class KVCache(Cache):
         if slots is not None:
             self.slots = slots
         self.lengths = [0] * batch_size
+
+    def reserve(self, slots: int) -> None:
+        """Make room for ``slots`` positions per row without losing what is stored.
+
+        For callers that cannot size the cache up front (a draft model does not know the
+        request's budget); growth copies the buffers once, never per step.
+        """
+        if slots > self.slots:
+            self.slots = max(slots, self.slots * 2)
+            for layer in self.layers:
+                layer.grow(self.slots)
 
     def rollback(self, lengths: Sequence[int]) -> None:
         """Keep only the first ``lengths[b]`` positions of each row: O(1), no copy."""

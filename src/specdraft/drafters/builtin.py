@@ -7,6 +7,7 @@ from ..hookspecs import hookimpl
 
 @hookimpl
 def register_drafters(register):
+    from .draft_model import LLAMA_1B, DraftModelDrafter
     from .ngram import NGramDrafter
     from .none import NoDrafter
     from .prompt_lookup import PromptLookupDrafter
@@ -14,3 +15,5 @@ def register_drafters(register):
     register("ngram", NGramDrafter)
     register("prompt-lookup", PromptLookupDrafter, aliases=("pld",))
     register("none", NoDrafter, aliases=("plain",))
+    register("draft-model", DraftModelDrafter)
+    register("llama-1b", DraftModelDrafter, defaults={"model": LLAMA_1B})

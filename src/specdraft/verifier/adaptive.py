@@ -2,11 +2,12 @@
 
 Every drafter benefits: the verifier asks for ``k`` tokens where ``k`` maximises
 
-    score(k) = E[tokens | k] / c(k + 1),   E[tokens | k] = 1 + sum_{j=1..k} prod_{i<=j} a_i
+    score(k) = E[tokens | k] / (k d + c(k + 1)),   E[tokens | k] = 1 + sum_{j=1..k} prod_{i<=j} a_i
 
 with ``a_i`` the acceptance rate of draft position ``i`` given that positions before it
-were accepted, and ``c(n)`` the cost of an ``n``-token verify pass relative to a 1-token
-pass. ``k = 0`` (a plain step, score 1) wins whenever speculation does not pay, so a
+were accepted, ``c(n)`` the cost of an ``n``-token verify pass relative to a 1-token pass,
+and ``d`` the cost of drafting one token in the same unit (next to nothing for n-gram
+tables, a forward pass for a draft model). ``k = 0`` (a plain step, score 1) wins whenever speculation does not pay, so a
 drafter whose guesses are rarely accepted costs (almost) nothing.
 
 Both estimates are learnt online. Acceptance counts decay every round towards a prior, so
@@ -32,6 +33,7 @@ class AdaptiveDraftLength:
         self.accepted = [0.0] * max_k  # decayed count of acceptances at position i
         self.reached = [0.0] * max_k  # decayed count of rounds that tested position i
         self.seconds: dict[int, float] = {}  # verify width -> EMA of its wall time
+        self.draft_seconds: float | None = None  # EMA of drafting time per drafted token
 
     def reset_acceptance(self) -> None:
         """Forget acceptance statistics (kept costs are still valid)."""
@@ -48,23 +50,35 @@ class AdaptiveDraftLength:
             return self.seconds[width] / self.seconds[1]
         return 1.0 + self.prior_cost_slope * (width - 1)
 
+    def draft_cost(self) -> float:
+        """Cost of drafting one token, in units of a 1-token verify pass."""
+        if self.measure_costs and self.draft_seconds is not None and self.seconds.get(1):
+            return self.draft_seconds / self.seconds[1]
+        return 0.0
+
     def choose(self, cap: int | None = None) -> int:
         """The draft length with the best expected tokens per unit cost (0 = plain step)."""
         cap = self.max_k if cap is None else min(cap, self.max_k)
         best_k, best = 0, 1.0 / self.relative_cost(1)
-        expected, survive = 1.0, 1.0
+        expected, survive, per_draft = 1.0, 1.0, self.draft_cost()
         for k in range(1, cap + 1):
             survive *= self.acceptance(k - 1)
             expected += survive
-            score = expected / self.relative_cost(k + 1)
+            score = expected / (k * per_draft + self.relative_cost(k + 1))
             if score > best:
                 best_k, best = k, score
         return best_k
 
-    def observe(self, width: int, seconds: float, drafted: Sequence[int], accepted: Sequence[int]) -> None:
-        """Record one verify pass of ``width`` tokens and, per row, drafted and accepted counts."""
+    def observe(self, width: int, seconds: float, drafted: Sequence[int], accepted: Sequence[int],
+                draft_seconds: float = 0.0) -> None:
+        """Record one round: a verify pass of ``width`` tokens taking ``seconds``, per-row drafted
+        and accepted counts, and the time spent drafting (``width - 1`` tokens)."""
         old = self.seconds.get(width)
         self.seconds[width] = seconds if old is None else old + self.cost_alpha * (seconds - old)
+        if width > 1:
+            per_token = draft_seconds / (width - 1)
+            old = self.draft_seconds
+            self.draft_seconds = per_token if old is None else old + self.cost_alpha * (per_token - old)
         self.accepted = [a * self.decay for a in self.accepted]
         self.reached = [r * self.decay for r in self.reached]
         for d, a in zip(drafted, accepted):

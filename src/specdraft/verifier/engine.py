@@ -15,7 +15,7 @@ next round. A round where nobody drafted anything is a plain one-token decoding 
 from __future__ import annotations
 
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any, Sequence
 
 import torch
@@ -44,7 +44,6 @@ class _Row:
 @dataclass
 class _Timer:
     device: torch.device
-    marks: dict[str, float] = field(default_factory=dict)
 
     def now(self) -> float:
         if self.device.type == "cuda":
@@ -235,7 +234,8 @@ class Verifier:
             self.cache.rollback(new_lengths)
             if policy is not None:
                 live = [b for b in range(batch) if was_active[b]]
-                policy.observe(int(ids.shape[1]) + 1, t2 - t1, [drafted[b] for b in live], [accepted[b] for b in live])
+                policy.observe(int(ids.shape[1]) + 1, t2 - t1, [drafted[b] for b in live], [accepted[b] for b in live],
+                               draft_seconds=t1 - t0)
             ctx.num_verified = drafted
             self._call_drafter("on_verified", ctx, [a if d else 0 for a, d in zip(accepted, drafted)])
             t3 = timer.now()

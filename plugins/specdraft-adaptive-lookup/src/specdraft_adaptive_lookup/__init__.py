@@ -20,24 +20,21 @@ class AdaptiveLookupDrafter(specdraft.Drafter):
 
     def reset(self) -> None:
         self.lengths: dict[int, int] = {}  # row -> current draft length
-        self.proposed: dict[int, int] = {}  # row -> tokens proposed in the last round
 
     def propose(self, ctx: specdraft.DraftContext, k: int) -> specdraft.Draft:
         o = self.options
         rows = []
         for b, tokens in enumerate(ctx.token_ids):
             want = min(k, self.lengths.setdefault(b, o.start))
-            draft = prompt_lookup(tokens, want, o.min_ngram, o.max_ngram) if ctx.active[b] else []
-            self.proposed[b] = len(draft)
-            rows.append(draft)
+            rows.append(prompt_lookup(tokens, want, o.min_ngram, o.max_ngram) if ctx.active[b] else [])
         return specdraft.Draft.from_lists(rows, device=ctx.device)
 
     def on_verified(self, ctx: specdraft.DraftContext, num_accepted: list[int]) -> None:
-        for b, accepted in enumerate(num_accepted):
-            proposed = self.proposed.get(b, 0)
-            if proposed == 0:
+        # ctx.num_verified[b]: how many of row b's tokens the verifier checked (it may trim a draft)
+        for b, (verified, accepted) in enumerate(zip(ctx.num_verified, num_accepted)):
+            if verified == 0:
                 continue
-            if accepted == proposed:
+            if accepted == verified:
                 self.lengths[b] = min(self.lengths[b] + 2, self.options.max_length)
             else:
                 self.lengths[b] = max(self.lengths[b] - 1, 1)

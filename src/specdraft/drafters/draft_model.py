@@ -1,0 +1,183 @@
+"""``draft-model``: a small causal LM drafts K tokens autoregressively (``llama-1b`` is one).
+
+The draft keeps its own :class:`~specdraft.cache.KVCache`. Before each proposal it brings
+that cache up to date with the tokens accepted since its last call: it rolls back to the
+longest prefix it computed that is still valid, then feeds everything after it, the
+prompt on the first round (lazy prefill), or, after a fully accepted round, its own last
+drafted token plus the target's bonus token (catch-up), in the same forward pass that
+yields the first new draft. Then K-1 single-token steps follow.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Any
+
+from pydantic import BaseModel, ConfigDict, Field
+
+from ..errors import ConfigError, ModelLoadError
+from ..types import Draft, DraftContext, TargetInfo
+from .base import Drafter
+
+LLAMA_1B = "meta-llama/Llama-3.2-1B-Instruct"
+#: drafts shipped in the package, trained with ``specdraft distill`` (see docs/benchmarks.md)
+SHIPPED_DRAFTS = Path(__file__).parent / "weights"
+
+
+def shipped_draft_for(target: TargetInfo) -> Path | None:
+    """The shipped compact draft trained for this target, if there is one."""
+    from .compact_draft import FORMAT_FILE, target_fingerprint
+
+    if target.embeddings is None or not SHIPPED_DRAFTS.is_dir():
+        return None
+    fingerprint = target_fingerprint(target.embeddings.weight)
+    for meta in sorted(SHIPPED_DRAFTS.glob(f"*/{FORMAT_FILE}")):
+        if json.loads(meta.read_text()).get("target_fingerprint") == fingerprint:
+            return meta.parent
+    return None
+
+
+def check_tokenizers(target_tok, draft_tok, target_name: str, draft_name: str, sample_every: int = 97) -> None:
+    """Raise ConfigError unless the two tokenizers map tokens to the same ids."""
+
+    def fail(what: str) -> None:
+        raise ConfigError(
+            f"draft model {draft_name!r} cannot draft for target {target_name!r}: their tokenizers differ ({what}). "
+            "Speculative decoding needs a draft with the target's vocabulary; pick a model of the same family"
+        )
+
+    if len(target_tok) != len(draft_tok):
+        fail(f"vocabulary of {len(target_tok)} vs {len(draft_tok)} tokens")
+    for attr in ("bos_token_id", "eos_token_id", "pad_token_id", "unk_token_id"):
+        a, b = getattr(target_tok, attr, None), getattr(draft_tok, attr, None)
+        if a != b:
+            fail(f"{attr} is {a} vs {b}")
+    ids = list(range(0, len(target_tok), sample_every)) + [len(target_tok) - 1]
+    ta, da = target_tok.convert_ids_to_tokens(ids), draft_tok.convert_ids_to_tokens(ids)
+    for i, a, b in zip(ids, ta, da):
+        if a != b:
+            fail(f"id {i} is {a!r} vs {b!r}")
+
+
+class DraftModelDrafter(Drafter):
+    """Autoregressive drafting with a smaller model that shares the target's tokenizer."""
+
+    class Options(BaseModel):
+        model_config = ConfigDict(extra="forbid")
+        model: str | None = Field(None, description="hub id, local folder or .gguf file of the draft model "
+                                                    "(default: the draft shipped for the target, if any)")
+        dtype: str | None = Field(None, description="default: the target's dtype")
+        device: str | None = Field(None, description="default: the target's device")
+
+    def __init__(self, options: Options, target: TargetInfo) -> None:
+        from ..cache import KVCache
+        from ..models import load_target, resolve_device, resolve_dtype
+        from .compact_draft import is_compact_draft, load_compact_draft
+
+        source = options.model
+        if source is None:
+            shipped = shipped_draft_for(target)
+            if shipped is None:
+                raise ConfigError(
+                    f"draft-model has no shipped draft for target {target.name!r}: pass one with "
+                    "--drafter-option model=HUB_ID_OR_PATH (same tokenizer as the target), or build one "
+                    "with `specdraft distill`"
+                )
+            source = str(shipped)
+        device = resolve_device(options.device or target.device)
+        dtype = resolve_dtype(options.dtype, device) if options.dtype else target.dtype
+        if is_compact_draft(source):
+            model, meta = load_compact_draft(source, target.embeddings, target.name, dtype, device)
+            tokenizer, name = None, meta.get("name", source)
+        else:
+            try:
+                model, tokenizer, name = load_target(source, dtype=dtype, device=device, require_tokenizer=False)
+            except ModelLoadError:
+                raise ModelLoadError(
+                    f"draft model {source!r} is not available: it is not a local folder, not in the Hugging Face "
+                    f"cache, and the hub could not provide it. Download it once (for example "
+                    f"`huggingface-cli download {source}`) or point at a local copy with "
+                    "--drafter-option model=/path/to/model"
+                ) from None
+        self.model, self.draft_name = model, name
+        self.vocab = model.config.get_text_config().vocab_size
+        if tokenizer is not None and target.tokenizer is not None:
+            check_tokenizers(target.tokenizer, tokenizer, target.name or "target", name)
+        elif self.vocab < target.vocab_size:
+            raise ConfigError(
+                f"draft model {name!r} has a vocabulary of {self.vocab} but target {target.name!r} has {target.vocab_size}"
+            )
+        self.cache = KVCache(model.config.get_text_config().num_hidden_layers, slots=0)
+        super().__init__(options, target)
+
+    def reset(self) -> None:
+        self._fed: list[list[int]] = []  # per row: the tokens whose keys/values the draft cache holds
+
+    def _sync(self, ctx: DraftContext) -> list[list[int]]:
+        """Roll the cache back to the still-valid prefix of each row; return what is still to feed."""
+        if len(self._fed) != ctx.batch_size:  # a new generate call
+            self._fed = [[] for _ in range(ctx.batch_size)]
+            self.cache.reset(ctx.batch_size)
+        pending, keep = [], []
+        for fed, tokens in zip(self._fed, ctx.token_ids):
+            n = 0
+            limit = min(len(fed), len(tokens) - 1)
+            while n < limit and fed[n] == tokens[n]:
+                n += 1
+            del fed[n:]
+            keep.append(n)
+            pending.append(tokens[n:])
+        self.cache.rollback(keep)
+        return pending
+
+    def propose(self, ctx: DraftContext, k: int) -> Draft:
+        import torch
+
+        from ..cache import forward_step
+        from ..sampling import logits_to_probs
+
+        device = self.model.device
+        pending = self._sync(ctx)
+        self.cache.reserve(max(len(t) for t in ctx.token_ids) + k + 1)
+        width = max(len(p) for p in pending)
+        feed = torch.zeros((ctx.batch_size, width), dtype=torch.long)
+        for b, p in enumerate(pending):  # right-padded; padding slots are rolled back below
+            feed[b, : len(p)] = torch.tensor(p)
+        starts = list(self.cache.lengths)
+        logits = forward_step(self.model, self.cache, feed.to(device))  # [batch, width, vocab_d]
+        last = torch.tensor([len(p) - 1 for p in pending], device=device)
+        step_logits = logits[torch.arange(ctx.batch_size, device=device), last]  # [batch, vocab_d]
+        self.cache.rollback([s + len(p) for s, p in zip(starts, pending)])
+        for fed, p in zip(self._fed, pending):
+            fed.extend(p)
+
+        tokens, probs = [], []
+        for i in range(k):
+            step_logits = self._to_target_vocab(step_logits)
+            if ctx.sampling.greedy:
+                token = step_logits.argmax(-1)  # [batch]
+            else:
+                p = logits_to_probs(step_logits.float(), ctx.sampling)  # [batch, vocab]
+                token = torch.multinomial(p, 1, generator=ctx.generator).squeeze(1)
+                probs.append(p)
+            tokens.append(token)
+            if i + 1 < k:
+                step_logits = forward_step(self.model, self.cache, token[:, None])[:, -1]
+                for fed, t in zip(self._fed, token.tolist()):
+                    fed.append(t)
+        ids = torch.stack(tokens, dim=1)  # [batch, k]
+        return Draft(token_ids=ids, probs=torch.stack(probs, dim=1) if probs else None)
+
+    def _to_target_vocab(self, logits: Any):
+        """Draft logits ``[batch, vocab_d]`` -> ``[batch, vocab_t]``: rows past the target's are padding."""
+        import torch
+
+        vt = self.target.vocab_size
+        if logits.shape[-1] > vt:
+            return logits[:, :vt]
+        if logits.shape[-1] < vt:
+            pad = torch.full((logits.shape[0], vt - logits.shape[-1]), float("-inf"), dtype=logits.dtype,
+                             device=logits.device)
+            return torch.cat([logits, pad], dim=-1)
+        return logits

@@ -1,0 +1,145 @@
+"""draft-model: two models, two caches, exact greedy and sampled output."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from specdraft import ConfigError, ModelLoadError, SamplingParams, SpeculativeDecoder
+from specdraft.cache import KVCache, forward_step
+from specdraft.drafters.draft_model import check_tokenizers
+from specdraft.testing import SIGNIFICANCE as ALPHA
+from specdraft.testing import (
+    check_drafter,
+    chi_square_pvalue,
+    exact_joint_distribution,
+    plain_greedy,
+    repetitive_prompts,
+    tiny_llama,
+)
+
+
+@pytest.fixture(scope="module")
+def saved(tmp_path_factory):
+    """Save models to folders, as the drafter loads its model by path."""
+
+    def _save(model, name):
+        path = tmp_path_factory.mktemp(name)
+        model.save_pretrained(path)
+        return str(path)
+
+    return _save
+
+
+@pytest.fixture(scope="module")
+def draft_dir(saved):
+    return saved(tiny_llama(vocab_size=64, seed=7, layers=1), "draft")
+
+
+def _decoder(target, draft_dir, k=3, **kw):
+    return SpeculativeDecoder(target, None, drafter="draft-model", spec_length=k,
+                              drafter_options={"model": draft_dir, "dtype": "float64"}, **kw)
+
+
+@pytest.mark.parametrize("k", [1, 3, 5])
+def test_greedy_parity(tiny_model, draft_dir, k):
+    prompts = repetitive_prompts(64, seed=11)
+    results = _decoder(tiny_model, draft_dir, k).generate_ids(prompts, max_new_tokens=30)
+    for p, r in zip(prompts, results):
+        assert r.token_ids == plain_greedy(tiny_model, p, 30)
+        assert r.stats.drafted_tokens > 0
+
+
+def test_conformance(tiny_model, draft_dir):
+    check_drafter("draft-model", tiny_model, drafter_options={"model": draft_dir, "dtype": "float64"})
+
+
+def test_padded_draft_vocabulary(tiny_model, saved):
+    """Embedding rows beyond the target's vocabulary (common padding) are never drafted."""
+    padded = saved(tiny_llama(vocab_size=72, seed=8, layers=1), "padded")
+    prompts = repetitive_prompts(64, seed=2)
+    for r, p in zip(_decoder(tiny_model, padded).generate_ids(prompts, max_new_tokens=20, temperature=1.0, seed=1),
+                    prompts):
+        assert max(r.token_ids) < 64
+
+
+def test_target_as_its_own_draft_accepts_everything(tiny_model, saved):
+    same = saved(tiny_model, "same")
+    dec = _decoder(tiny_model, same, k=3, adaptive=False)
+    prompt = repetitive_prompts(64)[1]
+    r = dec.generate_ids([prompt], max_new_tokens=24)[0]
+    assert r.token_ids == plain_greedy(tiny_model, prompt, 24)
+    assert r.stats.acceptance_rate == 1.0 and r.stats.target_passes == 24 // 4  # K accepted, K+1 emitted
+
+
+@pytest.mark.parametrize("same", [True, False])
+def test_draft_cache_equals_a_fresh_prefill(tiny_model, draft_dir, saved, same):
+    """After rollbacks (different draft) or catch-ups (same model), the cache is a fresh prefill."""
+    dec = _decoder(tiny_model, saved(tiny_model, "same2") if same else draft_dir, k=4, adaptive=False)
+    prompt = repetitive_prompts(64)[0]
+    dec.generate_ids([prompt], max_new_tokens=21)
+    drafter = dec.drafter
+    fed = drafter._fed[0]
+    assert len(fed) > len(prompt)
+    fresh = KVCache(drafter.model.config.num_hidden_layers, slots=len(fed) + 1)
+    fresh.reset(1)
+    forward_step(drafter.model, fresh, torch.tensor([fed]))
+    for ours, ref in zip(drafter.cache.layers, fresh.layers):
+        assert torch.allclose(ours.keys[:, :, : len(fed)], ref.keys[:, :, : len(fed)], atol=1e-10)
+        assert torch.allclose(ours.values[:, :, : len(fed)], ref.values[:, :, : len(fed)], atol=1e-10)
+
+
+@pytest.mark.parametrize("params", [
+    SamplingParams(temperature=1.0),
+    SamplingParams(temperature=0.9, top_k=5),
+    SamplingParams(temperature=1.0, top_p=0.8),
+])
+def test_sampling_matches_target_joint_distribution(small_vocab_model, saved, params):
+    draft = tiny_llama(vocab_size=16, seed=9, layers=1)
+    with torch.no_grad():
+        draft.lm_head.weight.mul_(6.0)
+    draft_path = saved(draft, "small-draft")
+    prompt = [3, 5, 3, 5, 3]
+    n = 12_000
+    exact = exact_joint_distribution(small_vocab_model, prompt, params)
+    dec = SpeculativeDecoder(small_vocab_model, None, drafter="draft-model", spec_length=3,
+                             drafter_options={"model": draft_path, "dtype": "float64"})
+    results = dec.generate_ids([prompt] * n, max_new_tokens=2, seed=99, temperature=params.temperature,
+                               top_k=params.top_k, top_p=params.top_p)
+    counts = torch.zeros_like(exact)
+    for r in results:
+        counts[tuple(r.token_ids)] += 1
+    assert sum(r.stats.drafted_tokens for r in results) >= n  # every row drafted
+    assert chi_square_pvalue(counts, exact) > ALPHA
+
+
+class FakeTokenizer:
+    def __init__(self, size=100, eos=2, rename=None):
+        self.size, self.eos_token_id, self.rename = size, eos, rename or {}
+        self.bos_token_id, self.pad_token_id, self.unk_token_id = 1, 0, 3
+
+    def __len__(self):
+        return self.size
+
+    def convert_ids_to_tokens(self, ids):
+        return [self.rename.get(i, f"tok{i}") for i in ids]
+
+
+@pytest.mark.parametrize("draft, message", [
+    (FakeTokenizer(size=101), "vocabulary of 100 vs 101 tokens"),
+    (FakeTokenizer(eos=5), "eos_token_id is 2 vs 5"),
+    (FakeTokenizer(rename={97: "other"}), "id 97 is 'tok97' vs 'other'"),
+])
+def test_tokenizer_mismatch_names_both_models(draft, message):
+    with pytest.raises(ConfigError, match=rf"draft model 'small' cannot draft for target 'big'.*{message}"):
+        check_tokenizers(FakeTokenizer(), draft, "big", "small")
+    check_tokenizers(FakeTokenizer(), FakeTokenizer(), "big", "small")  # identical: no error
+
+
+def test_missing_draft_weights_say_which_and_how(tiny_model, monkeypatch):
+    import huggingface_hub.constants
+
+    monkeypatch.setattr(huggingface_hub.constants, "HF_HUB_OFFLINE", True)
+    with pytest.raises(ModelLoadError, match=r"draft model 'meta-llama/Llama-3.2-1B-Instruct' is not available.*"
+                                             r"--drafter-option model=/path/to/model"):
+        SpeculativeDecoder(tiny_model, None, drafter="llama-1b")

@@ -1,0 +1,82 @@
+"""Training: the loop lowers a loss and resumes; distill builds a compact draft that is exact."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+
+from specdraft import ConfigError, SpeculativeDecoder
+from specdraft.testing import plain_greedy, repetitive_prompts, tiny_llama
+from specdraft.training import load_prompts, train
+
+
+def test_loop_lowers_the_loss_and_resumes(tmp_path):
+    torch.manual_seed(0)
+    w = torch.nn.Parameter(torch.randn(4, 4))
+    target = torch.eye(4)
+
+    def loss_fn(step):
+        return ((w - target) ** 2).mean()
+
+    losses = train({"w": w}, loss_fn, steps=30, out_dir=tmp_path, lr=0.05, warmup=2, checkpoint_every=10,
+                   progress=False)
+    assert losses[-1] < losses[0] / 4
+    assert json.loads((tmp_path / "checkpoint" / "progress.json").read_text())["step"] == 30
+    more = train({"w": w}, loss_fn, steps=40, out_dir=tmp_path, lr=0.05, warmup=2, checkpoint_every=10,
+                 progress=False)
+    assert len(more) == 40 and more[:30] == losses  # resumed after step 30, history kept
+
+
+def test_load_prompts_reads_every_schema(tmp_path):
+    files = {
+        "si.jsonl": {"instruction": "Rewrite it.", "instances": [{"input": "Some text", "output": "x"}]},
+        "gsm.jsonl": {"question": "What is 2+2?", "answer": "4"},
+        "sb.jsonl": {"question_id": 1, "category": "c", "turns": ["Hello?"]},
+        "plain.jsonl": {"prompt": "Tell me a joke."},
+    }
+    for name, row in files.items():
+        (tmp_path / name).write_text(json.dumps(row) + "\n")
+    prompts = load_prompts([tmp_path / n for n in files])
+    assert sorted(prompts) == sorted(["Rewrite it.\n\nSome text", "What is 2+2?", "Hello?", "Tell me a joke."])
+    with pytest.raises(ConfigError, match="does not exist"):
+        load_prompts([tmp_path / "nope.jsonl"])
+
+
+@pytest.fixture(scope="module")
+def smol_tokenizer():
+    from transformers import AutoTokenizer
+
+    from specdraft.models import resolve_target
+
+    return AutoTokenizer.from_pretrained(resolve_target(None)[1])
+
+
+def test_distill_builds_an_exact_compact_draft(tmp_path, smol_tokenizer):
+    from specdraft.drafters.compact_draft import FORMAT_FILE
+    from specdraft.training.distill import distill
+
+    prompts = tmp_path / "p.jsonl"
+    prompts.write_text("\n".join(json.dumps({"prompt": f"Count to {i}."}) for i in range(6)) + "\n")
+    target = tiny_llama(vocab_size=len(smol_tokenizer), seed=5, max_positions=512)
+    out = distill(target, smol_tokenizer, "tiny", [prompts], tmp_path / "draft", num_prompts=6, max_new_tokens=8,
+                  layers=1, head_tokens=64, steps=4, batch_size=2, progress=False)
+    meta = json.loads((out / FORMAT_FILE).read_text())
+    assert meta["target"] == "tiny" and 0 < meta["head_tokens"] <= 64 and meta["steps"] == 4
+    assert not any("embed_tokens" in k for k in __import__("safetensors.torch").torch.load_file(out / "model.safetensors"))
+
+    dec = SpeculativeDecoder(target, smol_tokenizer, drafter="draft-model", spec_length=3,
+                             drafter_options={"model": str(out), "dtype": "float64"})
+    assert dec.drafter.model.model.embed_tokens is target.get_input_embeddings()  # shared, not copied
+    for p in repetitive_prompts(len(smol_tokenizer), seed=4)[:2]:
+        assert dec.generate_ids([p], max_new_tokens=12)[0].token_ids == plain_greedy(target, p, 12)
+
+    other = tiny_llama(vocab_size=len(smol_tokenizer), seed=6, max_positions=512)
+    with pytest.raises(ConfigError, match="was trained for target 'tiny'.*train one for this target"):
+        SpeculativeDecoder(other, smol_tokenizer, drafter="draft-model", drafter_options={"model": str(out)})
+
+
+def test_draft_model_without_a_model_or_shipped_draft_says_what_to_do(tiny_model):
+    with pytest.raises(ConfigError, match="no shipped draft for target.*--drafter-option model="):
+        SpeculativeDecoder(tiny_model, None, drafter="draft-model")
