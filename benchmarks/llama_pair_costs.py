@@ -1,0 +1,115 @@
+"""Costs of the Llama-3.2-1B (draft) / Llama-3.2-3B (target) pair, from their real shapes.
+
+Builds both models from their published configurations with random weights (no download),
+then measures on the chosen device: one target decode step, one draft decode step (their
+ratio c), a (K+1)-token verify pass for K = 1..8 relative to one target step, and specdraft's
+own per-round overhead outside the model calls (a full speculative round minus its model
+time). From these it projects the speedup at acceptance rates 0.6, 0.7 and 0.8:
+
+    speedup(K) = (1 - a^(K+1)) / (1 - a)  /  (K c + v(K+1) + overhead)
+
+and prints a Markdown table for docs/benchmarks.md (labelled a projection). Run on a GPU:
+
+    python benchmarks/llama_pair_costs.py --device cuda --dtype bfloat16
+
+``--scale`` shrinks the width and depth (e.g. 0.125) to smoke-test the script on a CPU.
+"""
+
+from __future__ import annotations
+
+import argparse
+import time
+
+import torch
+from transformers import LlamaConfig, LlamaForCausalLM
+
+from specdraft import Draft, Drafter, SpeculativeDecoder
+from specdraft.cache import KVCache, forward_step
+
+SHAPES = {  # Llama-3.2 1B and 3B: hidden, layers, heads, kv heads, intermediate
+    "draft (1B)": (2048, 16, 32, 8, 8192),
+    "target (3B)": (3072, 28, 24, 8, 8192),
+}
+
+
+def build(hidden, layers, heads, kv, inter, scale, dtype, device):
+    if scale != 1.0:
+        hidden, layers, inter = int(hidden * scale) // heads * heads, max(1, int(layers * scale)), int(inter * scale)
+    cfg = LlamaConfig(vocab_size=128256, hidden_size=hidden, num_hidden_layers=layers, num_attention_heads=heads,
+                      num_key_value_heads=kv, intermediate_size=inter, max_position_embeddings=131072,
+                      rope_theta=500000.0, tie_word_embeddings=True)
+    with torch.device(device):
+        return LlamaForCausalLM(cfg).to(dtype).eval()
+
+
+def sync(device):
+    if torch.device(device).type == "cuda":
+        torch.cuda.synchronize()
+
+
+def time_pass(model, width, context, reps, device):
+    cache = KVCache(model.config.num_hidden_layers, slots=context + 16)
+    cache.reset(1)
+    ids = torch.randint(0, 128256, (1, context + 16), device=device)
+    with torch.inference_mode():
+        forward_step(model, cache, ids[:, :context])
+        for _ in range(3):
+            cache.rollback([context])
+            forward_step(model, cache, ids[:, context:context + width])
+        sync(device)
+        start = time.perf_counter()
+        for _ in range(reps):
+            cache.rollback([context])
+            forward_step(model, cache, ids[:, context:context + width])
+        sync(device)
+    return (time.perf_counter() - start) / reps
+
+
+class _Fixed(Drafter):
+    """Proposes K arbitrary tokens at no cost: isolates the verifier's own overhead."""
+
+    def propose(self, ctx, k):
+        return Draft(token_ids=torch.ones((ctx.batch_size, k), dtype=torch.long))
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
+    ap.add_argument("--dtype", default="bfloat16")
+    ap.add_argument("--context", type=int, default=512)
+    ap.add_argument("--reps", type=int, default=20)
+    ap.add_argument("--scale", type=float, default=1.0)
+    args = ap.parse_args()
+    dtype = getattr(torch, args.dtype)
+    models = {name: build(*shape, args.scale, dtype, args.device) for name, shape in SHAPES.items()}
+    target, draft = models["target (3B)"], models["draft (1B)"]
+    step = time_pass(target, 1, args.context, args.reps, args.device)
+    c = time_pass(draft, 1, args.context, args.reps, args.device) / step
+    verify = {k: time_pass(target, k + 1, args.context, args.reps, args.device) / step for k in range(1, 9)}
+
+    overhead = {}
+    for k in (1, 4, 8):  # a round's wall time minus its model time, with a free fixed drafter
+        dec = SpeculativeDecoder(target, None, drafter=_Fixed(None, None), spec_length=k, adaptive=False)
+        r = dec.generate_ids([[1] * args.context], max_new_tokens=32)[0]
+        rounds = r.stats.target_passes
+        overhead[k] = max(0.0, (r.stats.verify_time_s + r.stats.draft_time_s) / rounds / step - verify[k])
+
+    device = torch.cuda.get_device_name() if torch.device(args.device).type == "cuda" else f"cpu (scale {args.scale})"
+    print(f"device: {device}, dtype {args.dtype}, context {args.context}\n")
+    print(f"target decode step: {step * 1e3:.2f} ms; draft step: {c * step * 1e3:.2f} ms; c = {c:.3f}\n")
+    print("| K | verify pass (K+1 tokens) / target step | round overhead / target step |")
+    print("|---|---|---|")
+    for k, v in verify.items():
+        ov_k = f"{overhead[k]:.3f}" if k in overhead else "-"
+        print(f"| {k} | {v:.2f} | {ov_k} |")
+    print("\nProjection (not a measurement): speedup = E[tokens] / (K c + v(K+1) + overhead)\n")
+    print("| acceptance | " + " | ".join(f"K={k}" for k in verify) + " |")
+    print("|---" * (len(verify) + 1) + "|")
+    ov = sum(overhead.values()) / len(overhead)
+    for a in (0.6, 0.7, 0.8):
+        cells = [((1 - a ** (k + 1)) / (1 - a)) / (k * c + v + ov) for k, v in verify.items()]
+        print(f"| {a} | " + " | ".join(f"{x:.2f}x" for x in cells) + " |")
+
+
+if __name__ == "__main__":
+    main()
