@@ -91,3 +91,20 @@ def test_gguf_is_converted_once_to_safetensors():
     folder = Path(path)
     assert (folder / "model.safetensors").is_file()
     assert "quantization_config" not in json.loads((folder / "config.json").read_text())
+
+
+def test_shipped_draft_model_is_exact_out_of_the_box(default_f64, plain_outputs, prompts):
+    model, tok = default_f64
+    dec = SpeculativeDecoder(model, tok, drafter="draft-model", spec_length=3, adaptive=False)
+    assert dec.drafter.draft_name == "SmolLM2-135M-Instruct-draft-2L"  # the shipped draft, found by fingerprint
+    results = dec.generate(list(prompts.values()), max_new_tokens=NEW)
+    for (cat, _), r in zip(prompts.items(), results):
+        assert r.token_ids == plain_outputs[cat].token_ids, cat
+    assert sum(r.stats.accepted_tokens for r in results) > 0
+
+
+def test_shipped_draft_model_samples_reproducibly(default_f32, prompts):
+    model, tok = default_f32
+    dec = SpeculativeDecoder(model, tok, drafter="draft-model")
+    kw = dict(max_new_tokens=16, temperature=0.7, seed=5)
+    assert dec.generate(prompts["qa"], **kw)[0].token_ids == dec.generate(prompts["qa"], **kw)[0].token_ids

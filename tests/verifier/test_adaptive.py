@@ -65,14 +65,32 @@ def test_unmeasured_costs_use_the_prior_and_measure_costs_false_ignores_timings(
     assert policy.relative_cost(2) == 1.1
     policy.measure_costs = True
     assert policy.relative_cost(2) == 100.0
+    policy.observe(3, 0.5, [], [])  # noise: a wider pass measured cheaper than a 1-token pass
+    assert policy.relative_cost(3) == 100.0  # costs are read as non-decreasing in width
+
+
+def test_a_weak_expensive_drafter_is_switched_off():
+    """Drafting costs 0.1 step per token and 10% of first drafts are accepted: plain steps win."""
+    policy = AdaptiveDraftLength(4)
+    policy.observe(1, 1.0, [], [])
+    for i in range(40):
+        policy.observe(2, 1.0, [1], [1 if i % 10 == 0 else 0], draft_seconds=0.1)
+    assert policy.choose() == 0
 
 
 def test_expensive_drafting_shortens_drafts():
     cheap, costly = AdaptiveDraftLength(4), AdaptiveDraftLength(4)
-    for policy, draft_seconds in ((cheap, 0.0), (costly, 0.9)):
-        policy.observe(1, 1.0, [0], [0])
+    for policy, per_token in ((cheap, 0.0), (costly, 1.5)):
+        for width in range(1, 6):  # flat verify costs
+            policy.observe(width, 1.0, [], [])
         for _ in range(20):
-            policy.observe(5, 1.0, [4], [2], draft_seconds=draft_seconds * 4)  # flat verify cost, ~60% acceptance
-    assert costly.draft_cost() == pytest.approx(0.9, rel=0.01)
+            policy.observe(5, 1.0, [4], [4], draft_seconds=per_token * 4)
+    assert costly.draft_cost() == pytest.approx(1.5, rel=0.01)
+    costly.observe(5, 1.0, [4], [4], draft_seconds=400.0)  # a one-off catch-up does not move the median
+    assert costly.draft_cost() == pytest.approx(1.5, rel=0.01)
+    costly.observe(5, 1.0, [4], [4], draft_seconds=None)  # not measured (a request's first round)
+    assert len(costly.draft_seconds) == 9
     assert cheap.choose() == 4
     assert costly.choose() < cheap.choose()
+
+

@@ -10,7 +10,9 @@ and ``d`` the cost of drafting one token in the same unit (next to nothing for n
 tables, a forward pass for a draft model). ``k = 0`` (a plain step, score 1) wins whenever speculation does not pay, so a
 drafter whose guesses are rarely accepted costs (almost) nothing.
 
-Both estimates are learnt online. Acceptance counts decay every round towards a prior, so
+Both estimates are learnt online. Acceptance counts decay every round towards a prior
+(weighted like half an observation, so it steers exploration without biasing a settled
+estimate), so
 a policy that stopped drafting tries again after a while and notices when acceptance
 comes back (for instance when the output starts copying the prompt). Costs are measured
 per width; a width never measured is assumed to cost ``1 + 0.1 (n - 1)``, so it gets tried.
@@ -20,11 +22,13 @@ keeps the draft lengths, and so the output, a function of the seed alone.
 
 from __future__ import annotations
 
+from collections import deque
+from statistics import median
 from typing import Sequence
 
 
 class AdaptiveDraftLength:
-    def __init__(self, max_k: int, prior: float = 0.6, prior_weight: float = 2.0, decay: float = 0.9,
+    def __init__(self, max_k: int, prior: float = 0.6, prior_weight: float = 0.5, decay: float = 0.9,
                  cost_alpha: float = 0.25, prior_cost_slope: float = 0.1, measure_costs: bool = True) -> None:
         self.max_k = max_k
         self.prior, self.prior_weight, self.decay = prior, prior_weight, decay
@@ -33,7 +37,8 @@ class AdaptiveDraftLength:
         self.accepted = [0.0] * max_k  # decayed count of acceptances at position i
         self.reached = [0.0] * max_k  # decayed count of rounds that tested position i
         self.seconds: dict[int, float] = {}  # verify width -> EMA of its wall time
-        self.draft_seconds: float | None = None  # EMA of drafting time per drafted token
+        # drafting time per drafted token, last rounds; the median ignores one-off catch-ups
+        self.draft_seconds: deque[float] = deque(maxlen=9)
 
     def reset_acceptance(self) -> None:
         """Forget acceptance statistics (kept costs are still valid)."""
@@ -45,15 +50,24 @@ class AdaptiveDraftLength:
         return (self.accepted[i] + self.prior * self.prior_weight) / (self.reached[i] + self.prior_weight)
 
     def relative_cost(self, width: int) -> float:
-        """Cost of a ``width``-token verify pass in units of a 1-token pass."""
-        if self.measure_costs and width in self.seconds and 1 in self.seconds and self.seconds[1] > 0:
-            return self.seconds[width] / self.seconds[1]
-        return 1.0 + self.prior_cost_slope * (width - 1)
+        """Cost of a ``width``-token verify pass in units of a 1-token pass.
+
+        Read as non-decreasing in width (and >= 1): timing noise can make a wider pass look
+        cheaper than a narrower one, which would make drafting look free.
+        """
+        prior = 1.0 + self.prior_cost_slope * (width - 1)
+        if not (self.measure_costs and self.seconds.get(1)):
+            return prior
+        cost = 1.0
+        for w in range(2, width + 1):
+            measured = self.seconds.get(w)
+            cost = max(cost, measured / self.seconds[1] if measured is not None else 1.0 + self.prior_cost_slope * (w - 1))
+        return cost
 
     def draft_cost(self) -> float:
         """Cost of drafting one token, in units of a 1-token verify pass."""
-        if self.measure_costs and self.draft_seconds is not None and self.seconds.get(1):
-            return self.draft_seconds / self.seconds[1]
+        if self.measure_costs and self.draft_seconds and self.seconds.get(1):
+            return median(self.draft_seconds) / self.seconds[1]
         return 0.0
 
     def choose(self, cap: int | None = None) -> int:
@@ -70,15 +84,14 @@ class AdaptiveDraftLength:
         return best_k
 
     def observe(self, width: int, seconds: float, drafted: Sequence[int], accepted: Sequence[int],
-                draft_seconds: float = 0.0) -> None:
+                draft_seconds: float | None = None) -> None:
         """Record one round: a verify pass of ``width`` tokens taking ``seconds``, per-row drafted
-        and accepted counts, and the time spent drafting (``width - 1`` tokens)."""
+        and accepted counts, and the time spent drafting (``width - 1`` tokens; None = do not
+        count it, as for the first round of a request, where a draft model prefills the prompt)."""
         old = self.seconds.get(width)
         self.seconds[width] = seconds if old is None else old + self.cost_alpha * (seconds - old)
-        if width > 1:
-            per_token = draft_seconds / (width - 1)
-            old = self.draft_seconds
-            self.draft_seconds = per_token if old is None else old + self.cost_alpha * (per_token - old)
+        if width > 1 and draft_seconds is not None:
+            self.draft_seconds.append(draft_seconds / (width - 1))
         self.accepted = [a * self.decay for a in self.accepted]
         self.reached = [r * self.decay for r in self.reached]
         for d, a in zip(drafted, accepted):

@@ -180,6 +180,7 @@ class Verifier:
             self.cache.rollback([r.prompt_len - 1 for r in rows])
         prefill_time = timer.now() - start
         draft_time = verify_time = 0.0
+        drafted_before = False  # the first drafting round includes a drafter's own prefill
 
         while any(ctx.active):
             t0 = timer.now()
@@ -235,7 +236,8 @@ class Verifier:
             if policy is not None:
                 live = [b for b in range(batch) if was_active[b]]
                 policy.observe(int(ids.shape[1]) + 1, t2 - t1, [drafted[b] for b in live], [accepted[b] for b in live],
-                               draft_seconds=t1 - t0)
+                               draft_seconds=(t1 - t0) if drafted_before else None)
+            drafted_before = drafted_before or k > 0
             ctx.num_verified = drafted
             self._call_drafter("on_verified", ctx, [a if d else 0 for a, d in zip(accepted, drafted)])
             t3 = timer.now()
