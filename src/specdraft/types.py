@@ -148,23 +148,6 @@ class GenerationStats:
             if i < num_accepted:
                 self.accepted_per_position[i] += 1
 
-    def to_dict(self) -> dict[str, Any]:
-        return {
-            "prompt_tokens": self.prompt_tokens,
-            "new_tokens": self.new_tokens,
-            "drafted_tokens": self.drafted_tokens,
-            "accepted_tokens": self.accepted_tokens,
-            "acceptance_rate": self.acceptance_rate,
-            "target_passes": self.target_passes,
-            "tokens_per_pass": self.tokens_per_pass,
-            "acceptance_by_position": self.acceptance_by_position,
-            "prefill_time_s": self.prefill_time_s,
-            "draft_time_s": self.draft_time_s,
-            "verify_time_s": self.verify_time_s,
-            "total_time_s": self.total_time_s,
-            "tokens_per_second": self.tokens_per_second,
-        }
-
 
 @dataclass
 class GenerationResult:

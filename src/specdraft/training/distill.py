@@ -23,7 +23,7 @@ from typing import Sequence
 
 import torch
 
-from ..drafters.compact_draft import build_compact_draft, save_compact_draft, target_fingerprint, trainable_state
+from ..drafters.compact_draft import build_compact_draft, save_compact_draft, target_fingerprint
 from .data import generate_sequences, load_prompts
 from .loop import train
 
@@ -108,4 +108,4 @@ def distill(target, tokenizer, target_name: str, prompt_files: Sequence[str], ou
     return out_dir
 
 
-__all__ = ["distill", "frequent_tokens", "trainable_state"]
+__all__ = ["distill", "frequent_tokens"]

@@ -34,7 +34,6 @@ class _Row:
     prompt_len: int
     stats: GenerationStats
     finish_reason: str | None = None
-    stop_at: int | None = None  # char offset of a matched stop string in the decoded text
 
     @property
     def new_tokens(self) -> list[int]:
