@@ -47,6 +47,16 @@ def check_generation_args(max_new_tokens, temperature, top_k, top_p, seed, stop)
     return sampling, stops
 
 
+def encode_prompt(tokenizer, prompt: str, raw: bool = False) -> list[int]:
+    """Token ids for ``prompt``: through the chat template unless ``raw`` or there is none."""
+    if not raw and getattr(tokenizer, "chat_template", None):
+        prompt = tokenizer.apply_chat_template(
+            [{"role": "user", "content": prompt}], add_generation_prompt=True, tokenize=False
+        )
+        return tokenizer(prompt, add_special_tokens=False).input_ids
+    return tokenizer(prompt).input_ids
+
+
 class SpeculativeDecoder:
     """Speculative decoding of a target model with a pluggable drafter.
 
@@ -86,6 +96,8 @@ class SpeculativeDecoder:
             config=config,
             name=target_name or getattr(config, "_name_or_path", ""),
             embeddings=model.get_input_embeddings(),
+            lm_head=model.get_output_embeddings(),
+            hidden_size=int(getattr(config, "hidden_size", 0) or 0),
         )
         if isinstance(drafter, Drafter):
             if drafter_options:
@@ -150,13 +162,7 @@ class SpeculativeDecoder:
 
     def encode(self, prompt: str, raw: bool = False) -> list[int]:
         """Token ids for ``prompt``: through the chat template unless ``raw`` or there is none."""
-        tok = self.tokenizer
-        if not raw and getattr(tok, "chat_template", None):
-            prompt = tok.apply_chat_template(
-                [{"role": "user", "content": prompt}], add_generation_prompt=True, tokenize=False
-            )
-            return tok(prompt, add_special_tokens=False).input_ids
-        return tok(prompt).input_ids
+        return encode_prompt(self.tokenizer, prompt, raw)
 
     def generate_ids(
         self,

@@ -58,3 +58,18 @@ def logits_to_probs(logits: "torch.Tensor", params: SamplingParams) -> "torch.Te
         drop = drop_sorted.scatter(-1, order, drop_sorted)
         logits = logits.masked_fill(drop, float("-inf"))
     return logits.softmax(-1)
+
+
+def draw(logits: "torch.Tensor", params: SamplingParams, generator: "torch.Generator | None" = None):
+    """One draft token per row from ``logits # [batch, vocab]``, the way drafters must draw it.
+
+    Returns ``(tokens # [batch], probs # [batch, vocab] | None)``: the argmax and None when
+    greedy, else a sample from ``logits_to_probs(logits, params)`` and those probabilities
+    (what the drafter reports as ``Draft.probs``).
+    """
+    import torch
+
+    if params.greedy:
+        return logits.argmax(-1), None
+    probs = logits_to_probs(logits.float(), params)
+    return torch.multinomial(probs, 1, generator=generator).squeeze(1), probs

@@ -32,6 +32,10 @@ class TargetInfo:
     name: str = ""  # what the user asked for (hub id, path, or the default's name)
     #: the target's input embedding module, read-only: drafts and heads may share it
     embeddings: Any = None
+    #: the target's output head (hidden state -> logits), read-only: heads may share it
+    lm_head: Any = None
+    #: width of the target's last-layer hidden states (what ``on_hidden_states`` hands over)
+    hidden_size: int = 0
 
 
 @dataclass

@@ -144,18 +144,32 @@ class KVCache(Cache):
         self.lengths = [length + n for length in self.lengths]
 
 
-def forward_step(model, cache: KVCache, input_ids: torch.Tensor, logits_to_keep: int = 0) -> torch.Tensor:
+def forward_step(model, cache: KVCache, input_ids: torch.Tensor, logits_to_keep: int = 0,
+                 return_hidden: bool = False):
     """Run ``model`` over ``input_ids`` ``# [batch, n]`` appended to ``cache``.
 
     Returns logits ``# [batch, n, vocab]`` (the last ``logits_to_keep`` positions when > 0);
-    every row's length grows by ``n``.
+    every row's length grows by ``n``. With ``return_hidden``, returns ``(logits, hidden)``,
+    ``hidden # [batch, n, hidden_size]`` being the decoder's output (after the final norm)
+    at every position, taken by a hook so that the model's own forward runs unchanged.
     """
     n = input_ids.shape[1]
     position_ids, mask = cache.prepare(n, input_ids.device, model.dtype)
-    with few_row_linears(model, enabled=input_ids.device.type == "cpu"):
-        logits = model(
-            input_ids=input_ids, position_ids=position_ids, attention_mask=mask,
-            past_key_values=cache, use_cache=True, logits_to_keep=logits_to_keep,
-        ).logits
+    captured: list[torch.Tensor] = []
+    hook = None
+    if return_hidden:
+        def keep(module, args, output):
+            captured.append(output.last_hidden_state if hasattr(output, "last_hidden_state") else output[0])
+
+        hook = model.get_decoder().register_forward_hook(keep)
+    try:
+        with few_row_linears(model, enabled=input_ids.device.type == "cpu"):
+            logits = model(
+                input_ids=input_ids, position_ids=position_ids, attention_mask=mask,
+                past_key_values=cache, use_cache=True, logits_to_keep=logits_to_keep,
+            ).logits
+    finally:
+        if hook is not None:
+            hook.remove()
     cache.advance(n)
-    return logits
+    return (logits, captured[-1]) if return_hidden else logits

@@ -35,6 +35,10 @@ class Drafter(ABC):
     #: Options this drafter accepts (pydantic, ``extra="forbid"`` so typos fail loudly).
     Options: ClassVar[type[BaseModel]] = NoOptions
 
+    #: Drafters that set this get the target's last-layer hidden states (see
+    #: ``on_hidden_states``); the verifier collects them only for such drafters.
+    needs_hidden_states: ClassVar[bool] = False
+
     #: Set by the registry: the name the drafter was created under, and its plugin.
     name: str = ""
     plugin: str = ""
@@ -50,6 +54,18 @@ class Drafter(ABC):
 
     def on_verified(self, ctx: DraftContext, num_accepted: list[int]) -> None:  # noqa: B027
         """Called after every verify pass; ``num_accepted[b]`` drafts of row ``b`` were kept."""
+
+    def on_hidden_states(self, ctx: DraftContext, hidden_states: list) -> None:  # noqa: B027
+        """Only for drafters with ``needs_hidden_states = True``: the target's new hidden states.
+
+        ``hidden_states[b]  # [n_b, hidden_size]`` are the target's last-layer hidden states
+        (after its final norm: what its LM head reads) at the next ``n_b`` positions of row
+        ``b``. Called after the prompt's prefill (the prompt's positions but the last) and
+        after every verify pass, before ``on_verified`` (the positions of the tokens that
+        round committed). At every ``propose`` the drafter has therefore seen the states of
+        positions ``0 .. len(ctx.token_ids[b]) - 2``: all but the last token, whose state
+        the target has not computed yet (its logits would be the next token's).
+        """
 
     def reset(self) -> None:  # noqa: B027
         """Forget all per-request state (called at the start of every generate call)."""

@@ -10,8 +10,6 @@ yields the first new draft. Then K-1 single-token steps follow.
 
 from __future__ import annotations
 
-import json
-from pathlib import Path
 from typing import Any
 
 from pydantic import BaseModel, ConfigDict, Field
@@ -21,21 +19,6 @@ from ..types import Draft, DraftContext, TargetInfo
 from .base import Drafter
 
 LLAMA_1B = "meta-llama/Llama-3.2-1B-Instruct"
-#: drafts shipped in the package, trained with ``specdraft distill`` (see docs/benchmarks.md)
-SHIPPED_DRAFTS = Path(__file__).parent / "weights"
-
-
-def shipped_draft_for(target: TargetInfo) -> Path | None:
-    """The shipped compact draft trained for this target, if there is one."""
-    from .compact_draft import FORMAT_FILE, target_fingerprint
-
-    if target.embeddings is None or not SHIPPED_DRAFTS.is_dir():
-        return None
-    fingerprint = target_fingerprint(target.embeddings.weight)
-    for meta in sorted(SHIPPED_DRAFTS.glob(f"*/{FORMAT_FILE}")):
-        if json.loads(meta.read_text()).get("target_fingerprint") == fingerprint:
-            return meta.parent
-    return None
 
 
 def check_tokenizers(target_tok, draft_tok, target_name: str, draft_name: str, sample_every: int = 97) -> None:
@@ -73,11 +56,12 @@ class DraftModelDrafter(Drafter):
     def __init__(self, options: Options, target: TargetInfo) -> None:
         from ..cache import KVCache
         from ..models import load_target, resolve_device, resolve_dtype
-        from .compact_draft import is_compact_draft, load_compact_draft
+        from .compact_draft import FORMAT_FILE, is_compact_draft, load_compact_draft
+        from .shipped import find_shipped
 
         source = options.model
         if source is None:
-            shipped = shipped_draft_for(target)
+            shipped = find_shipped(target, FORMAT_FILE)
             if shipped is None:
                 raise ConfigError(
                     f"draft-model has no shipped draft for target {target.name!r}: pass one with "
@@ -135,7 +119,7 @@ class DraftModelDrafter(Drafter):
         import torch
 
         from ..cache import forward_step
-        from ..sampling import logits_to_probs
+        from ..sampling import draw
 
         device = self.model.device
         pending = self._sync(ctx)
@@ -154,12 +138,8 @@ class DraftModelDrafter(Drafter):
 
         tokens, probs = [], []
         for i in range(k):
-            step_logits = self._to_target_vocab(step_logits)
-            if ctx.sampling.greedy:
-                token = step_logits.argmax(-1)  # [batch]
-            else:
-                p = logits_to_probs(step_logits.float(), ctx.sampling)  # [batch, vocab]
-                token = torch.multinomial(p, 1, generator=ctx.generator).squeeze(1)
+            token, p = draw(self._to_target_vocab(step_logits), ctx.sampling, ctx.generator)  # [batch], [batch, vocab]
+            if p is not None:
                 probs.append(p)
             tokens.append(token)
             if i + 1 < k:

@@ -111,6 +111,18 @@ class Verifier:
         self.policy = AdaptiveDraftLength(spec_length) if adaptive else None
 
     @property
+    def wants_hidden(self) -> bool:
+        return bool(getattr(self.drafter, "needs_hidden_states", False))
+
+    def _hand_hidden(self, ctx: DraftContext, hidden: torch.Tensor | None, counts: list[int]) -> None:
+        """Give the drafter ``hidden[b, :counts[b]]`` for every row (empty where nothing is new)."""
+        width = int(self.target.hidden_size or (hidden.shape[-1] if hidden is not None else 0))
+        rows = [hidden[b, :n] if hidden is not None and n > 0
+                else torch.zeros((0, width), dtype=self.target.dtype, device=self.target.device)
+                for b, n in enumerate(counts)]
+        self._call_drafter("on_hidden_states", ctx, rows)
+
+    @property
     def _drafter_label(self) -> str:
         name = getattr(self.drafter, "name", "") or type(self.drafter).__name__
         plugin = getattr(self.drafter, "plugin", "")
@@ -171,12 +183,17 @@ class Verifier:
 
         # Prefill everything but each prompt's last token (right-padded; padding is never read).
         longest = max(r.prompt_len for r in rows) - 1
+        hidden = None
         if longest > 0:
             prefill = torch.zeros((batch, longest), dtype=torch.long)
             for b, r in enumerate(rows):
                 prefill[b, : r.prompt_len - 1] = torch.tensor(r.tokens[: r.prompt_len - 1])
-            forward_step(self.model, self.cache, prefill.to(device), logits_to_keep=1)
+            out = forward_step(self.model, self.cache, prefill.to(device), logits_to_keep=1,
+                               return_hidden=self.wants_hidden)
+            hidden = out[1] if self.wants_hidden else None  # [batch, longest, hidden_size]
             self.cache.rollback([r.prompt_len - 1 for r in rows])
+        if self.wants_hidden:
+            self._hand_hidden(ctx, hidden, [r.prompt_len - 1 for r in rows])
         prefill_time = timer.now() - start
         draft_time = verify_time = 0.0
         drafted_before = False  # the first drafting round includes a drafter's own prefill
@@ -206,7 +223,8 @@ class Verifier:
 
             last = torch.tensor([[r.tokens[-1]] for r in rows], device=device)  # [batch, 1]
             old_lengths = list(self.cache.lengths)
-            logits = forward_step(self.model, self.cache, torch.cat([last, ids], dim=1))  # [batch, k'+1, vocab]
+            out = forward_step(self.model, self.cache, torch.cat([last, ids], dim=1), return_hidden=self.wants_hidden)
+            logits, hidden = out if self.wants_hidden else (out, None)  # [batch, k'+1, vocab], [batch, k'+1, dim]
             if sampling.greedy:
                 num_accepted, next_token = greedy_accept(ids, lengths, logits.argmax(-1))
             else:
@@ -217,8 +235,10 @@ class Verifier:
             emitted_rows = [ids[b, :n].tolist() + [t] for b, (n, t) in enumerate(zip(accepted, next_token.tolist()))]
             t2 = timer.now()
 
-            new_lengths = []
+            new_lengths, committed = [], []
             for b, r in enumerate(rows):
+                before = len(r.tokens)
+                committed.append(0)
                 if not ctx.active[b]:
                     new_lengths.append(old_lengths[b])
                     continue
@@ -231,6 +251,7 @@ class Verifier:
                         ctx.active[b] = False
                         break
                 new_lengths.append(len(r.tokens) - 1 if ctx.active[b] else old_lengths[b])
+                committed[b] = len(r.tokens) - before
             self.cache.rollback(new_lengths)
             if policy is not None:
                 live = [b for b in range(batch) if was_active[b]]
@@ -238,6 +259,8 @@ class Verifier:
                                draft_seconds=(t1 - t0) if drafted_before else None)
             drafted_before = drafted_before or k > 0
             ctx.num_verified = drafted
+            if self.wants_hidden:  # the states of the positions whose next token is now known
+                self._hand_hidden(ctx, hidden, committed)
             self._call_drafter("on_verified", ctx, [a if d else 0 for a, d in zip(accepted, drafted)])
             t3 = timer.now()
             draft_time += (t1 - t0) + (t3 - t2)
