@@ -31,6 +31,30 @@ def tiny_llama(vocab_size: int = 64, seed: int = 0, layers: int = 2, max_positio
     return LlamaForCausalLM(config).to(dtype or torch.float64).eval()
 
 
+def random_heads(kind: str, model, path, seed: int = 0, head_ids=None, scale: float = 0.5, **config):
+    """Save randomly initialised heads of ``kind`` for ``model`` into ``path`` (specdraft's format).
+
+    ``scale`` is the std of the random weights (Medusa's blocks start at identity otherwise);
+    ``head_ids`` trims the vocabulary. Returns ``path``.
+    """
+    import torch
+
+    from .drafters.compact_draft import target_fingerprint
+    from .drafters.heads.formats import save_heads
+    from .drafters.heads.modules import SharedHead, build_heads
+
+    torch.manual_seed(seed)
+    module = build_heads(kind, model.config.get_text_config(), **config).to(model.dtype)
+    with torch.no_grad():
+        for name, p in module.named_parameters():
+            if p.dim() == 2:
+                p.normal_(0.0, scale / p.shape[1] ** 0.5 * 3)
+    vocab = model.get_output_embeddings().weight.shape[0]
+    shared = SharedHead(model.get_output_embeddings(), vocab, head_ids)
+    return save_heads(module, shared, path, "tiny", target_fingerprint(model.get_input_embeddings().weight),
+                      dtype=model.dtype)
+
+
 def plain_greedy(model, prompt: Sequence[int], max_new_tokens: int) -> list[int]:
     """Reference: transformers' own greedy ``generate`` (no specdraft code involved)."""
     import torch

@@ -8,6 +8,7 @@ from ..hookspecs import hookimpl
 @hookimpl
 def register_drafters(register):
     from .draft_model import LLAMA_1B, DraftModelDrafter
+    from .heads import EagleDrafter, MedusaDrafter, MLPSpeculatorDrafter
     from .ngram import NGramDrafter
     from .none import NoDrafter
     from .prompt_lookup import PromptLookupDrafter
@@ -17,3 +18,6 @@ def register_drafters(register):
     register("none", NoDrafter, aliases=("plain",))
     register("draft-model", DraftModelDrafter)
     register("llama-1b", DraftModelDrafter, defaults={"model": LLAMA_1B})
+    register("medusa", MedusaDrafter)
+    register("eagle", EagleDrafter)
+    register("mlp-speculator", MLPSpeculatorDrafter)

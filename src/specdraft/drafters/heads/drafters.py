@@ -1,0 +1,183 @@
+"""``medusa``, ``eagle`` and ``mlp-speculator``: drafters that read the target's hidden states.
+
+Each sets ``needs_hidden_states``, so the verifier hands it the target's last-layer states
+of every committed position (see :meth:`Drafter.on_hidden_states`). With the tokens of
+``ctx`` that is all a head needs: at ``propose`` time the newest state is ``f_{L-2}`` (``L``
+tokens in the row), whose own next token ``x_{L-1}`` the target already chose, so the
+heads guess ``x_L, x_{L+1}, ...``.
+
+Draft distributions are each head's logits through ``logits_to_probs`` (the target's
+processing), so sampling stays exact; greedy drafting takes the argmax.
+"""
+
+from __future__ import annotations
+
+from typing import ClassVar
+
+import torch
+from pydantic import BaseModel, ConfigDict, Field
+
+from ...errors import ConfigError
+from ...fastpath import few_row_linears
+from ...sampling import draw
+from ...types import Draft, DraftContext, TargetInfo
+from ..base import Drafter
+
+
+class HeadOptions(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+    heads: str | None = Field(None, description="folder with heads in specdraft's format (from `specdraft "
+                                                "train-heads`) or a published Medusa / EAGLE layout; default: "
+                                                "the heads shipped for the target, if any")
+
+
+class HeadDrafter(Drafter):
+    """Shared loading and hidden-state bookkeeping of the head drafters."""
+
+    kind: ClassVar[str] = ""
+    needs_hidden_states = True
+    Options = HeadOptions
+
+    def __init__(self, options: HeadOptions, target: TargetInfo) -> None:
+        from .formats import FORMAT_FILE, load_heads
+        from ..shipped import find_shipped
+
+        path = options.heads or find_shipped(target, FORMAT_FILE, kind=self.kind)
+        if path is None:
+            raise ConfigError(
+                f"{self.kind} has no shipped heads for target {target.name!r}: pass --drafter-option heads=DIR "
+                f"(a folder from `specdraft train-heads --kind {self.kind}`, or a published checkpoint)"
+            )
+        self.module, self.head, self.meta = load_heads(path, target, self.kind)
+        self._fast = torch.device(target.device).type == "cpu"
+        super().__init__(options, target)
+
+    def reset(self) -> None:
+        self._last: torch.Tensor | None = None  # [batch, H]: each row's newest target state
+        self._has: list[bool] = []  # whether row b has any state yet (a 1-token prompt has none)
+
+    def on_hidden_states(self, ctx: DraftContext, hidden_states: list[torch.Tensor]) -> None:
+        if self._last is None or self._last.shape[0] != len(hidden_states):
+            self._last = torch.zeros((len(hidden_states), self.target.hidden_size), dtype=self.target.dtype,
+                                     device=self.target.device)
+            self._has = [False] * len(hidden_states)
+        for b, h in enumerate(hidden_states):
+            if h.shape[0]:
+                self._last[b] = h[-1]
+                self._has[b] = True
+
+    def _draw_all(self, logits: torch.Tensor, ctx: DraftContext) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """``logits # [batch, m, vocab]`` -> tokens ``[batch, m]`` and probs ``[batch, m, vocab] | None``."""
+        batch, m, vocab = logits.shape
+        tokens, probs = draw(logits.reshape(batch * m, vocab), ctx.sampling, ctx.generator)
+        return tokens.view(batch, m), None if probs is None else probs.view(batch, m, vocab)
+
+    def _lengths(self, width: int) -> torch.Tensor:
+        return torch.tensor([width if h else 0 for h in self._has], dtype=torch.long)
+
+
+class MedusaDrafter(HeadDrafter):
+    """Medusa-1 heads: all guesses from the newest state at once (one head per position)."""
+
+    kind = "medusa"
+
+    def propose(self, ctx: DraftContext, k: int) -> Draft:
+        m = min(k, self.module.num_heads)
+        with few_row_linears(self.module, enabled=self._fast):
+            logits = self.module.logits(self.module(self._last, m), self.head)  # [batch, m, vocab]
+        tokens, probs = self._draw_all(logits, ctx)
+        return Draft(token_ids=tokens, probs=probs, lengths=self._lengths(m))
+
+
+class MLPSpeculatorDrafter(HeadDrafter):
+    """Multi-stage heads: stage i reads stage i-1's state and the token it chose."""
+
+    kind = "mlp-speculator"
+
+    def propose(self, ctx: DraftContext, k: int) -> Draft:
+        m = min(k, self.module.num_stages)
+        token = torch.tensor([row[-1] for row in ctx.token_ids], device=self._last.device)  # x_{L-1}
+        state, tokens, probs = self._last, [], []
+        with few_row_linears(self.module, enabled=self._fast):
+            for i in range(m):
+                state, feature = self.module.stage(i, state, self.target.embeddings(token))
+                token, p = draw(self.head(feature), ctx.sampling, ctx.generator)  # [batch], [batch, vocab]
+                tokens.append(token)
+                if p is not None:
+                    probs.append(p)
+        return Draft(token_ids=torch.stack(tokens, 1), probs=torch.stack(probs, 1) if probs else None,
+                     lengths=self._lengths(m))
+
+
+class EagleDrafter(HeadDrafter):
+    """EAGLE-1: a one-layer decoder that runs ahead of the target at the feature level.
+
+    Its KV cache holds one entry per position ``j`` whose pair ``(f_j, x_{j+1})`` used the
+    target's true state; the entries of guessed features are dropped at the next proposal,
+    and the pairs the target's latest states complete are fed in the same forward pass that
+    gives the first guess.
+    """
+
+    kind = "eagle"
+
+    def __init__(self, options: HeadOptions, target: TargetInfo) -> None:
+        from ...cache import KVCache
+
+        self.cache = KVCache(1, slots=0)
+        super().__init__(options, target)
+
+    def reset(self) -> None:
+        super().reset()
+        self._pairs: list[int] = []  # per row: cache entries made from true states
+        self._pending: list[list[torch.Tensor]] = []  # per row: states not yet fed
+
+    def on_hidden_states(self, ctx: DraftContext, hidden_states: list[torch.Tensor]) -> None:
+        super().on_hidden_states(ctx, hidden_states)
+        if len(self._pending) != len(hidden_states):
+            self._pending = [[] for _ in hidden_states]
+            self._pairs = [0] * len(hidden_states)
+            self.cache.reset(len(hidden_states))
+        for pending, h in zip(self._pending, hidden_states):
+            if h.shape[0]:
+                pending.append(h)
+
+    def _step(self, features: torch.Tensor, tokens: torch.Tensor) -> torch.Tensor:
+        """Feed pairs ``(features # [B, n, H], tokens # [B, n])``; returns guessed next features ``[B, n, H]``."""
+        n = tokens.shape[1]
+        positions, mask = self.cache.prepare(n, tokens.device, features.dtype)
+        with few_row_linears(self.module, enabled=self._fast):
+            out = self.module(features, self.target.embeddings(tokens), positions, mask, self.cache)
+        self.cache.advance(n)
+        return out
+
+    def propose(self, ctx: DraftContext, k: int) -> Draft:
+        batch, device = ctx.batch_size, self._last.device
+        self.cache.rollback(self._pairs)  # forget last round's guessed features
+        self.cache.reserve(max(len(t) for t in ctx.token_ids) + k + 1)
+        counts = [sum(h.shape[0] for h in p) for p in self._pending]
+        width = max(counts)
+        if width == 0:
+            return Draft.empty(batch, device)
+        features = torch.zeros((batch, width, self.target.hidden_size), dtype=self._last.dtype, device=device)
+        tokens = torch.zeros((batch, width), dtype=torch.long)
+        for b, (pending, n) in enumerate(zip(self._pending, counts)):
+            if n:
+                features[b, :n] = torch.cat(pending)
+                start = self._pairs[b] + 1  # pair j is (f_j, x_{j+1})
+                tokens[b, :n] = torch.tensor(ctx.token_ids[b][start : start + n])
+            pending.clear()
+        out = self._step(features, tokens.to(device))  # [batch, width, H]
+        self._pairs = [p + n for p, n in zip(self._pairs, counts)]
+        self.cache.rollback(self._pairs)  # padding entries of shorter rows
+        feature = out[torch.arange(batch, device=device), torch.tensor([max(n - 1, 0) for n in counts], device=device)]
+
+        drafted, probs = [], []
+        for i in range(k):
+            token, p = draw(self.head(feature), ctx.sampling, ctx.generator)  # [batch], [batch, vocab]
+            drafted.append(token)
+            if p is not None:
+                probs.append(p)
+            if i + 1 < k:
+                feature = self._step(feature[:, None], token[:, None])[:, 0]
+        return Draft(token_ids=torch.stack(drafted, 1), probs=torch.stack(probs, 1) if probs else None,
+                     lengths=self._lengths(k))

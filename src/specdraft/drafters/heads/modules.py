@@ -1,0 +1,203 @@
+"""The three head architectures, as plain ``nn.Module``s that read the target's hidden states.
+
+Notation: ``f_t`` is the target's last-layer hidden state at position ``t`` (after its final
+norm, what its LM head reads); ``x_t`` the token at position ``t``. The target itself
+turns ``f_t`` into ``x_{t+1}``; heads guess further ahead.
+
+* :class:`MedusaHeads` (Medusa-1): head ``i`` (1-based) is ``i`` residual SiLU blocks on
+  ``f_t`` followed by an LM head and guesses ``x_{t+i+1}``; the heads run in parallel.
+* :class:`EagleDraft` (EAGLE-1): one decoder layer over ``fc([embed(x_{t+1}) ; f_t])``
+  predicts ``f_{t+1}``, autoregressively at the feature level, with its own KV cache;
+  the target's LM head turns predicted features into tokens.
+* :class:`MLPSpeculator` (multi-stage, after IBM's MLP speculator): stage ``i`` mixes the
+  previous stage's state with the embedding of the token chosen at stage ``i-1`` (stage 1:
+  ``f_t`` and ``x_{t+1}``), so each guess is conditioned on the one before it.
+
+Every kind shares the target's embeddings and LM head (:class:`SharedHead`, optionally
+restricted to a frequent-token vocabulary) instead of owning copies.
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+KINDS = ("medusa", "eagle", "mlp-speculator")
+
+
+class SharedHead(nn.Module):
+    """The target's LM head, over all tokens or only ``head_ids`` (a frequency-trimmed vocabulary).
+
+    The weight rows are taken from the target at load time and never saved or trained; only
+    ``head_ids`` is part of the heads' state. ``forward`` gives full-vocabulary logits with
+    the most negative float outside ``head_ids`` (probability exactly 0 after softmax);
+    ``small`` gives the logits of ``head_ids`` only, for training.
+    """
+
+    def __init__(self, lm_head: nn.Module, vocab_size: int, head_ids: torch.Tensor | None = None) -> None:
+        super().__init__()
+        self.vocab_size = vocab_size
+        weight = lm_head.weight.detach()
+        self.register_buffer("head_ids", None if head_ids is None else head_ids.long().to(weight.device))
+        rows = weight if head_ids is None else weight[self.head_ids]
+        self.register_buffer("weight", rows, persistent=False)  # [N, hidden], the target's own rows
+        self.bias = getattr(lm_head, "bias", None)
+
+    def small(self, hidden: torch.Tensor) -> torch.Tensor:
+        from ...fastpath import few_row_linear
+
+        bias = None if self.bias is None else (self.bias if self.head_ids is None else self.bias[self.head_ids])
+        return few_row_linear(hidden, self.weight, bias)  # [..., N]
+
+    def forward(self, hidden: torch.Tensor) -> torch.Tensor:
+        small = self.small(hidden)
+        if self.head_ids is None:
+            return small
+        full = torch.full((*small.shape[:-1], self.vocab_size), torch.finfo(small.dtype).min,
+                          dtype=small.dtype, device=small.device)
+        return full.index_copy_(-1, self.head_ids, small)  # [..., vocab]
+
+    def to_small(self, token_ids: torch.Tensor) -> torch.Tensor:
+        """Token ids -> indices into ``head_ids`` (-100, ignored by cross-entropy, outside it)."""
+        if self.head_ids is None:
+            return token_ids
+        table = torch.full((self.vocab_size,), -100, dtype=torch.long, device=token_ids.device)
+        table[self.head_ids] = torch.arange(self.head_ids.numel(), device=token_ids.device)
+        return table[token_ids]
+
+
+class ResBlock(nn.Module):
+    """Medusa's block: ``x + SiLU(W x + b)``, with ``W`` zero-initialised (starts as identity)."""
+
+    def __init__(self, hidden: int) -> None:
+        super().__init__()
+        self.linear = nn.Linear(hidden, hidden)
+        nn.init.zeros_(self.linear.weight)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return x + F.silu(self.linear(x))
+
+
+class MedusaHeads(nn.Module):
+    kind = "medusa"
+
+    def __init__(self, hidden_size: int, num_heads: int, num_layers: int = 1) -> None:
+        super().__init__()
+        self.config = {"hidden_size": hidden_size, "num_heads": num_heads, "num_layers": num_layers}
+        self.blocks = nn.ModuleList(
+            nn.Sequential(*[ResBlock(hidden_size) for _ in range(num_layers)]) for _ in range(num_heads)
+        )
+        #: per-head LM heads of published Medusa checkpoints (None: the target's, shared)
+        self.own_heads: nn.ModuleList | None = None
+
+    @property
+    def num_heads(self) -> int:
+        return len(self.blocks)
+
+    def forward(self, hidden: torch.Tensor, count: int | None = None) -> torch.Tensor:
+        """``hidden # [..., H]`` -> each head's feature ``# [..., count, H]`` (first ``count`` heads)."""
+        return torch.stack([block(hidden) for block in self.blocks[: count or self.num_heads]], dim=-2)
+
+    def logits(self, features: torch.Tensor, shared: SharedHead) -> torch.Tensor:
+        """``features # [..., m, H]`` -> ``[..., m, vocab]``."""
+        if self.own_heads is None:
+            return shared(features)
+        return torch.stack([head(features[..., i, :]) for i, head in enumerate(self.own_heads[: features.shape[-2]])],
+                           dim=-2)
+
+
+#: what an EAGLE layer takes from the target's config (and what its saved config holds)
+LAYER_FIELDS = ("hidden_size", "intermediate_size", "num_attention_heads", "num_key_value_heads", "rms_norm_eps",
+                "rope_theta", "rope_scaling", "rope_parameters", "max_position_embeddings", "head_dim", "vocab_size",
+                "hidden_act", "attention_bias", "mlp_bias")
+
+
+def layer_fields(config: Any) -> dict:
+    src = config.to_dict() if hasattr(config, "to_dict") else dict(config)
+    return {k: src[k] for k in LAYER_FIELDS if src.get(k) is not None}
+
+
+def eagle_layer_config(target_config: Any, **overrides):
+    """A one-layer LlamaConfig with the target's attention and MLP shapes."""
+    from transformers import LlamaConfig
+
+    values = layer_fields(target_config)
+    values.update(overrides)
+    values["num_hidden_layers"] = 1
+    cfg = LlamaConfig(**values)
+    cfg._attn_implementation = "sdpa"
+    return cfg
+
+
+class EagleDraft(nn.Module):
+    kind = "eagle"
+
+    def __init__(self, config, fc_bias: bool = True) -> None:
+        from transformers.models.llama.modeling_llama import LlamaDecoderLayer, LlamaRotaryEmbedding
+
+        super().__init__()
+        self.llama_config = config
+        hidden = config.hidden_size
+        self.config = {"hidden_size": hidden, "fc_bias": fc_bias, "layer": layer_fields(config)}
+        self.fc = nn.Linear(2 * hidden, hidden, bias=fc_bias)
+        self.layer = LlamaDecoderLayer(config, layer_idx=0)
+        self.layer.input_layernorm = nn.Identity()  # EAGLE-1: fc's output enters attention unnormalised
+        self.rotary = LlamaRotaryEmbedding(config)
+
+    def forward(self, features: torch.Tensor, embeds: torch.Tensor, position_ids: torch.Tensor,
+                attention_mask: torch.Tensor | None, cache=None) -> torch.Tensor:
+        """``features`` (``f_t``) and ``embeds`` (``embed(x_{t+1})``) ``# [B, n, H]`` -> ``f_{t+1}`` guesses ``# [B, n, H]``.
+
+        ``attention_mask`` is additive ``[B, 1, n, kv]``; ``cache`` a KVCache (or None in training).
+        """
+        x = self.fc(torch.cat([embeds, features], dim=-1))
+        out = self.layer(x, attention_mask=attention_mask, position_ids=position_ids, past_key_values=cache,
+                         use_cache=cache is not None, position_embeddings=self.rotary(x, position_ids))
+        return out[0] if isinstance(out, tuple) else out
+
+
+def causal_mask(n: int, dtype: torch.dtype, device) -> torch.Tensor:
+    """Additive causal mask ``[1, 1, n, n]`` for training over whole sequences."""
+    mask = torch.full((n, n), torch.finfo(dtype).min, dtype=dtype, device=device).triu(1)
+    return mask[None, None]
+
+
+class MLPSpeculator(nn.Module):
+    kind = "mlp-speculator"
+
+    def __init__(self, hidden_size: int, num_stages: int) -> None:
+        super().__init__()
+        self.config = {"hidden_size": hidden_size, "num_stages": num_stages}
+        self.state_proj = nn.ModuleList(nn.Linear(hidden_size, hidden_size, bias=False) for _ in range(num_stages))
+        self.token_proj = nn.ModuleList(nn.Linear(hidden_size, hidden_size, bias=False) for _ in range(num_stages))
+        self.norm = nn.ModuleList(nn.LayerNorm(hidden_size) for _ in range(num_stages))
+        self.out = nn.ModuleList(nn.Linear(hidden_size, hidden_size, bias=False) for _ in range(num_stages))
+        # The IBM speculator's weighting keeps the state's variance constant across stages.
+        self.state_weight = 0.5 ** (0.5 / num_stages)
+        self.token_weight = math.sqrt(1 - self.state_weight**2)
+
+    @property
+    def num_stages(self) -> int:
+        return len(self.out)
+
+    def stage(self, i: int, state: torch.Tensor, token_embeds: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """Stage ``i``: ``(state_{i-1}, embed(token_{i-1}))`` -> ``(state_i, feature_i)`` for the LM head."""
+        mixed = self.state_proj[i](state) * self.state_weight + self.token_proj[i](token_embeds) * self.token_weight
+        state = F.gelu(self.norm[i](mixed))
+        return state, self.out[i](state)
+
+
+def build_heads(kind: str, target_config: Any, **cfg) -> nn.Module:
+    """A freshly initialised head module of ``kind`` shaped for ``target_config``."""
+    hidden = target_config.hidden_size
+    if kind == "medusa":
+        return MedusaHeads(hidden, cfg.get("num_heads", 4), cfg.get("num_layers", 1))
+    if kind == "eagle":
+        return EagleDraft(eagle_layer_config(target_config, **cfg.get("layer", {})), cfg.get("fc_bias", True))
+    if kind == "mlp-speculator":
+        return MLPSpeculator(hidden, cfg.get("num_stages", 4))
+    raise ValueError(f"unknown head kind {kind!r}; expected one of {', '.join(KINDS)}")

@@ -1,0 +1,288 @@
+"""medusa, eagle and mlp-speculator: hidden-state plumbing, exactness, formats, training."""
+
+from __future__ import annotations
+
+import json
+import random
+
+import pytest
+import torch
+
+from specdraft import ConfigError, Draft, Drafter, SamplingParams, SpeculativeDecoder
+from specdraft.drafters.heads.formats import load_heads
+from specdraft.drafters.heads.modules import KINDS, EagleDraft, MedusaHeads, build_heads, causal_mask
+from specdraft.testing import SIGNIFICANCE as ALPHA
+from specdraft.testing import (
+    check_drafter,
+    chi_square_pvalue,
+    exact_joint_distribution,
+    plain_greedy,
+    random_heads,
+    repetitive_prompts,
+    tiny_llama,
+)
+from specdraft.training.data import target_features
+from specdraft.training.heads import heads_loss
+from specdraft.training.loop import train
+
+
+class RecordingDrafter(Drafter):
+    """Asks for hidden states, records them, and proposes (mostly wrong) tokens."""
+
+    needs_hidden_states = True
+
+    def __init__(self):
+        super().__init__(None, None)
+
+    def reset(self):
+        self.states = None
+
+    def on_hidden_states(self, ctx, hidden_states):
+        if self.states is None:
+            self.states = [[] for _ in hidden_states]
+        for rows, h in zip(self.states, hidden_states):
+            rows.append(h.clone())
+
+    def propose(self, ctx, k):
+        rng = random.Random(sum(map(len, ctx.token_ids)))
+        return Draft.from_lists([[t[-1]] + [rng.randrange(ctx.vocab_size) for _ in range(k - 1)]
+                                 for t in ctx.token_ids])
+
+
+def test_hidden_states_equal_a_fresh_forward_over_the_accepted_sequence(tiny_model):
+    prompts = repetitive_prompts(64, seed=3)
+    drafter = RecordingDrafter()
+    dec = SpeculativeDecoder(tiny_model, None, drafter=drafter, spec_length=3)
+    results = dec.generate_ids(prompts, max_new_tokens=25)
+    for b, (prompt, r) in enumerate(zip(prompts, results)):
+        tokens = prompt + r.token_ids
+        seen = torch.cat(drafter.states[b])  # [positions, hidden]
+        assert seen.shape[0] == len(tokens) - 1  # every position but the last one, each exactly once
+        with torch.no_grad():
+            fresh = tiny_model.model(torch.tensor([tokens])).last_hidden_state[0, :-1]
+        torch.testing.assert_close(seen, fresh, rtol=1e-9, atol=1e-9)
+    assert sum(r.stats.accepted_tokens for r in results) > 0  # partial acceptance happened
+
+
+def test_drafters_that_do_not_ask_pay_nothing(tiny_model, monkeypatch):
+    """No hook on the target, no hidden-state call for a drafter without the flag."""
+    hooks = []
+    decoder = tiny_model.get_decoder()
+    real = decoder.register_forward_hook
+    monkeypatch.setattr(decoder, "register_forward_hook", lambda fn: hooks.append(fn) or real(fn))
+    SpeculativeDecoder(tiny_model, None, drafter="ngram").generate_ids(repetitive_prompts(64), max_new_tokens=10)
+    assert hooks == []
+    SpeculativeDecoder(tiny_model, None, drafter=RecordingDrafter()).generate_ids([[1, 2, 3]], max_new_tokens=4)
+    assert hooks  # the same path with a drafter that asks does collect them
+
+
+# -- trained tiny heads: greedy parity with real acceptance ------------------------------------
+
+def _tiny_sequences(model, n=48, length=40, seed=0):
+    """The tiny model's own greedy continuations of random prompts (its "answers")."""
+    vocab = model.config.vocab_size
+    rng = random.Random(seed)
+    out = []
+    for _ in range(n):
+        # no token 0: it is the tiny model's pad id, which transformers' generate would mask out
+        prompt = [rng.randrange(1, vocab) for _ in range(rng.randrange(3, 10))]
+        out.append({"ids": prompt + plain_greedy(model, prompt, length - len(prompt)), "prompt_len": len(prompt)})
+    return out
+
+
+def _train_heads(model, kind, work, steps=80):
+    """Heads of ``kind`` trained on ``model``'s own outputs (soft labels for the last quarter)."""
+    from specdraft.drafters.compact_draft import target_fingerprint
+    from specdraft.drafters.heads.formats import save_heads
+    from specdraft.drafters.heads.modules import SharedHead
+    from specdraft.training.heads import _batch
+
+    seqs = _tiny_sequences(model)
+    states = target_features(model, seqs, progress=False)
+    head = SharedHead(model.lm_head, model.config.vocab_size)
+    torch.manual_seed(0)
+    module = build_heads(kind, model.config, num_heads=3, num_stages=3).double()
+    rng = random.Random(1)
+
+    def loss_fn(step):
+        picked = rng.sample(range(len(seqs)), 8)
+        batch = _batch([seqs[i] for i in picked], [states[i] for i in picked], torch.float64, "cpu")
+        return heads_loss(kind, module, head, model.get_input_embeddings(), *batch, soft=step >= steps * 3 // 4)
+
+    with torch.enable_grad():
+        losses = train(dict(module.named_parameters()), loss_fn, steps, work, lr=3e-3, progress=False)
+    path = save_heads(module.eval(), head, work / "heads", "tiny", target_fingerprint(model.model.embed_tokens.weight),
+                      dtype=torch.float64)
+    return str(path), losses
+
+
+@pytest.fixture(scope="module")
+def sharp_model():
+    """The tiny model with a sharper LM head: confident, learnable next-token distributions."""
+    model = tiny_llama(vocab_size=64, seed=0)
+    with torch.no_grad():
+        model.lm_head.weight.mul_(8.0)
+    return model
+
+
+@pytest.fixture(scope="module")
+def trained(sharp_model, tmp_path_factory):
+    """Heads of each kind trained for 80 steps on the sharp tiny model, and their loss curves."""
+    return {kind: _train_heads(sharp_model, kind, tmp_path_factory.mktemp(kind)) for kind in KINDS}
+
+
+@pytest.fixture(scope="module")
+def trained_small(small_vocab_model, tmp_path_factory):
+    """Heads trained on the 16-token model: their drafts are accepted often, but not always."""
+    return {kind: _train_heads(small_vocab_model, kind, tmp_path_factory.mktemp(kind), steps=40)[0] for kind in KINDS}
+
+
+@pytest.mark.parametrize("kind", KINDS)
+def test_a_few_training_steps_lower_the_loss(trained, kind):
+    losses = trained[kind][1]
+    assert sum(losses[50:60]) / 10 < 0.9 * sum(losses[:10]) / 10  # phase 1 (hard labels) on text
+
+
+@pytest.mark.parametrize("kind", KINDS)
+@pytest.mark.parametrize("k", [1, 3, 5])
+def test_greedy_parity_with_trained_heads(sharp_model, trained, kind, k):
+    tiny_model = sharp_model
+    prompts = repetitive_prompts(64, seed=5) + [s["ids"][: s["prompt_len"]] for s in _tiny_sequences(tiny_model, 4, seed=9)]
+    dec = SpeculativeDecoder(tiny_model, None, drafter=kind, spec_length=k, drafter_options={"heads": trained[kind][0]})
+    results = dec.generate_ids(prompts, max_new_tokens=30)
+    for p, r in zip(prompts, results):
+        assert r.token_ids == plain_greedy(tiny_model, p, 30)
+    accepted = sum(r.stats.accepted_tokens for r in results)
+    drafted = sum(r.stats.drafted_tokens for r in results)
+    assert 0 < accepted < drafted  # both full and partial acceptance paths ran
+
+
+@pytest.mark.parametrize("kind", KINDS)
+def test_conformance_with_random_heads_and_a_trimmed_vocabulary(tiny_model, tmp_path, kind):
+    random_heads(kind, tiny_model, tmp_path, head_ids=torch.arange(0, 64, 2))
+    check_drafter(kind, tiny_model, drafter_options={"heads": str(tmp_path)})
+
+
+# -- sampling exactness -------------------------------------------------------------------------
+
+@pytest.mark.parametrize("kind, params", [
+    ("medusa", SamplingParams(temperature=1.0)),
+    ("eagle", SamplingParams(temperature=1.0)),
+    ("mlp-speculator", SamplingParams(temperature=1.0)),
+    ("eagle", SamplingParams(temperature=0.9, top_k=5)),
+    ("medusa", SamplingParams(temperature=1.0, top_p=0.8)),
+    ("mlp-speculator", SamplingParams(temperature=0.8, top_k=6, top_p=0.9)),
+])
+def test_sampling_matches_target_joint_distribution(small_vocab_model, trained_small, kind, params):
+    prompt = [3, 5, 3, 5, 3]
+    n = 12_000
+    exact = exact_joint_distribution(small_vocab_model, prompt, params)
+    dec = SpeculativeDecoder(small_vocab_model, None, drafter=kind, spec_length=3,
+                             drafter_options={"heads": trained_small[kind]})
+    results = dec.generate_ids([prompt] * n, max_new_tokens=2, seed=17, temperature=params.temperature,
+                               top_k=params.top_k, top_p=params.top_p)
+    counts = torch.zeros_like(exact)
+    for r in results:
+        counts[tuple(r.token_ids)] += 1
+    drafted = sum(r.stats.drafted_tokens for r in results)
+    accepted = sum(r.stats.accepted_tokens for r in results)
+    assert drafted >= n and 0.05 * drafted < accepted < 0.9 * drafted  # real traffic on both paths
+    assert chi_square_pvalue(counts, exact) > ALPHA
+
+
+# -- formats ------------------------------------------------------------------------------------
+
+def _target_info(model):
+    return SpeculativeDecoder(model, None, drafter="none").target
+
+
+@pytest.mark.parametrize("kind", KINDS)
+def test_specdraft_format_round_trip(tiny_model, tmp_path, kind):
+    random_heads(kind, tiny_model, tmp_path, seed=2, head_ids=torch.arange(10, 40))
+    module, shared, meta = load_heads(tmp_path, _target_info(tiny_model), kind)
+    assert meta["kind"] == kind and shared.head_ids.tolist() == list(range(10, 40))
+    torch.manual_seed(2)
+    fresh = build_heads(kind, tiny_model.config)
+    assert set(module.state_dict()) == set(fresh.state_dict())
+    logits = shared(torch.randn(2, 32, dtype=torch.float64))
+    assert torch.isfinite(logits[:, 10:40]).all() and bool((logits[:, :10] < -1e300).all())
+
+
+def test_heads_for_another_target_are_refused(tiny_model, tmp_path):
+    other = tiny_llama(vocab_size=64, seed=5)
+    random_heads("eagle", other, tmp_path)
+    with pytest.raises(ConfigError, match=r"trained for target 'tiny'.*train-heads --kind eagle"):
+        SpeculativeDecoder(tiny_model, None, drafter="eagle", drafter_options={"heads": str(tmp_path)})
+
+
+def test_wrong_kind_and_missing_folder_say_what_to_do(tiny_model, tmp_path):
+    random_heads("medusa", tiny_model, tmp_path)
+    with pytest.raises(ConfigError, match="holds medusa heads, not eagle; use --drafter medusa"):
+        SpeculativeDecoder(tiny_model, None, drafter="eagle", drafter_options={"heads": str(tmp_path)})
+    with pytest.raises(ConfigError, match="does not exist; pass --drafter-option heads=DIR"):
+        SpeculativeDecoder(tiny_model, None, drafter="medusa", drafter_options={"heads": str(tmp_path / "nope")})
+    with pytest.raises(ConfigError, match="no shipped heads for target"):
+        SpeculativeDecoder(tiny_model, None, drafter="mlp-speculator")
+
+
+def test_published_medusa_layout(tiny_model, tmp_path):
+    """medusa_lm_head.safetensors + config.json, with each head's own LM head, as Medusa saves them."""
+    from safetensors.torch import save_file
+
+    torch.manual_seed(3)
+    heads, layers, hidden, vocab = 3, 2, 32, 64
+    raw = {}
+    for i in range(heads):
+        for j in range(layers):
+            raw[f"{i}.{j}.linear.weight"] = torch.randn(hidden, hidden) * 0.2
+            raw[f"{i}.{j}.linear.bias"] = torch.randn(hidden) * 0.1
+        raw[f"{i}.{layers}.weight"] = torch.randn(vocab, hidden)
+    save_file(raw, tmp_path / "medusa_lm_head.safetensors")
+    (tmp_path / "config.json").write_text(json.dumps(
+        {"medusa_num_heads": heads, "medusa_num_layers": layers, "base_model_name_or_path": "tiny"}))
+    module, shared, _ = load_heads(tmp_path, _target_info(tiny_model), "medusa")
+    x = torch.randn(5, hidden, dtype=torch.float64)
+    got = module.logits(module(x), shared)  # [5, heads, vocab]
+    for i in range(heads):  # Medusa's own definition, from the raw tensors
+        h = x
+        for j in range(layers):
+            h = h + torch.nn.functional.silu(h @ raw[f"{i}.{j}.linear.weight"].double().T + raw[f"{i}.{j}.linear.bias"].double())
+        torch.testing.assert_close(got[:, i], h @ raw[f"{i}.{layers}.weight"].double().T)
+    check_drafter("medusa", tiny_model, drafter_options={"heads": str(tmp_path)}, spec_lengths=(3,))
+
+    raw["0.0.linear.weight"] = torch.randn(hidden + 1, hidden + 1)
+    save_file(raw, tmp_path / "medusa_lm_head.safetensors")
+    with pytest.raises(ConfigError, match="hidden states of width 33, but target .* has 32"):
+        load_heads(tmp_path, _target_info(tiny_model), "medusa")
+
+
+def test_published_eagle_layout(tiny_model, tmp_path):
+    """config.json + model.safetensors holding fc and layers.0 (and a copy of the embeddings)."""
+    from safetensors.torch import save_file
+
+    torch.manual_seed(4)
+    ours = build_heads("eagle", tiny_model.config).double()
+    for p in ours.parameters():
+        torch.nn.init.normal_(p, std=0.2)
+    raw = {"fc.weight": ours.fc.weight, "fc.bias": ours.fc.bias, "embed_tokens.weight": torch.randn(64, 32)}
+    raw.update({f"layers.0.{k}": v for k, v in ours.layer.state_dict().items()})
+    save_file({k: v.float().contiguous() for k, v in raw.items()}, tmp_path / "model.safetensors")
+    cfg = {k: getattr(tiny_model.config, k) for k in ("hidden_size", "intermediate_size", "num_attention_heads",
+                                                      "num_key_value_heads", "rms_norm_eps", "vocab_size")}
+    (tmp_path / "config.json").write_text(json.dumps({**cfg, "architectures": ["LlamaForCausalLM"],
+                                                      "num_hidden_layers": 1, "bias": True}))
+    module, _, _ = load_heads(tmp_path, _target_info(tiny_model), "eagle")
+    assert isinstance(module, EagleDraft)
+    f, e = torch.randn(1, 6, 32, dtype=torch.float64), torch.randn(1, 6, 32, dtype=torch.float64)
+    pos = torch.arange(6)[None]
+    want = ours.double()(f, e, pos, causal_mask(6, torch.float64, "cpu"))
+    got = module(f, e, pos, causal_mask(6, torch.float64, "cpu"))
+    torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)  # saved in float32
+    check_drafter("eagle", tiny_model, drafter_options={"heads": str(tmp_path)}, spec_lengths=(3,))
+
+
+def test_medusa_heads_start_as_identity():
+    """Zero-initialised blocks: before training every head repeats the target's own next guess."""
+    heads = MedusaHeads(8, 3)
+    x = torch.randn(2, 8)
+    assert torch.equal(heads(x), x[:, None].expand(2, 3, 8))
