@@ -82,6 +82,29 @@ def build_parser() -> argparse.ArgumentParser:
     dist.add_argument("--dtype", default=None)
     dist.add_argument("--device", default=None)
 
+    th = sub.add_parser("train-heads", help="train Medusa, EAGLE or MLP-speculator heads on a frozen target",
+                        description="Train draft heads on the target's hidden states: phase 1 on prompts with "
+                                    "reference answers (causal LM), phase 2 on the target's own answers (match its "
+                                    "distributions), 5:2 in steps. Resumable; writes a loss plot.")
+    th.add_argument("--kind", required=True, choices=["medusa", "eagle", "mlp-speculator"])
+    th.add_argument("--output", required=True, metavar="DIR", help="where the heads go")
+    th.add_argument("--prompts", nargs="+", required=True, metavar="FILE.jsonl",
+                    help="training prompts (self-instruct / GSM8K JSONL; never the prompts you benchmark on)")
+    th.add_argument("--target", default=None, help="as for generate (default: SmolLM2-135M-Instruct)")
+    th.add_argument("--work", default=None, metavar="DIR",
+                    help="cache of the target's answers and hidden states (default: DIR/work); share it between kinds")
+    th.add_argument("--num-texts", type=int, default=600, help="phase-1 examples with reference answers (default: 600)")
+    th.add_argument("--num-prompts", type=int, default=600, help="phase-2 prompts the target answers (default: 600)")
+    th.add_argument("--max-new-tokens", type=int, default=128, help="answer length (default: 128)")
+    th.add_argument("--steps", type=int, default=700, help="training steps, split 5:2 between phases (default: 700)")
+    th.add_argument("--batch-size", type=int, default=8, help="sequences per step (default: 8)")
+    th.add_argument("--lr", type=float, default=1e-3, help="peak learning rate (default: 1e-3)")
+    th.add_argument("--head-tokens", type=int, default=8192,
+                    help="output vocabulary: the most frequent answer tokens; 0 = all (default: 8192)")
+    th.add_argument("--num-heads", type=int, default=4, help="medusa heads / mlp-speculator stages (default: 4)")
+    th.add_argument("--dtype", default=None)
+    th.add_argument("--device", default=None)
+
     lst = sub.add_parser("drafters", help="list registered drafters and the plugins providing them")
     lst.add_argument("--json", action="store_true", help="print JSON")
     return parser
@@ -207,6 +230,29 @@ def _distill(args) -> int:
     return 0
 
 
+def _train_heads(args) -> int:
+    from .models import load_target
+    from .training.data import load_prompts
+    from .training.heads import train_heads
+
+    for name in ("num_texts", "num_prompts", "max_new_tokens", "steps", "batch_size", "num_heads"):
+        if getattr(args, name) < 1:
+            raise ConfigError(f"--{name.replace('_', '-')} must be >= 1")
+    if args.head_tokens < 0:
+        raise ConfigError("--head-tokens must be >= 0 (0 = the whole vocabulary)")
+    load_prompts(args.prompts, limit=1)  # a missing or empty file fails before the model loads
+    model, tokenizer, name = load_target(args.target, dtype=args.dtype, device=args.device)
+    config = {"num_heads": args.num_heads} if args.kind == "medusa" else (
+        {"num_stages": args.num_heads} if args.kind == "mlp-speculator" else {})
+    out = train_heads(model, tokenizer, name, args.kind, args.prompts, args.output, num_texts=args.num_texts,
+                      num_prompts=args.num_prompts, max_new_tokens=args.max_new_tokens, steps=args.steps,
+                      batch_size=args.batch_size, lr=args.lr, head_tokens=args.head_tokens or None,
+                      work_dir=args.work, **config)
+    print(f"heads written to {out}; use them with: specdraft generate --drafter {args.kind} "
+          f"--drafter-option heads={out} ...")
+    return 0
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     try:
@@ -216,6 +262,8 @@ def main(argv: Sequence[str] | None = None) -> int:
             return _bench(args)
         if args.command == "distill":
             return _distill(args)
+        if args.command == "train-heads":
+            return _train_heads(args)
         return _drafters(args)
     except SpecdraftError as exc:
         print(f"specdraft: error: {exc}", file=sys.stderr)

@@ -4,21 +4,51 @@ from __future__ import annotations
 
 import json
 import random
+import re
+from collections import Counter
 from pathlib import Path
-from typing import Sequence
+from typing import TYPE_CHECKING, Sequence
 
 from ..errors import ConfigError
 
+if TYPE_CHECKING:  # pragma: no cover
+    import torch
 
-def _prompt_of(row: dict) -> str | None:
-    if "instruction" in row:  # self-instruct: instruction + the first instance's input
-        inputs = [i.get("input", "") for i in row.get("instances", []) if i.get("input")]
-        return row["instruction"] + (("\n\n" + inputs[0]) if inputs else "")
-    if "question" in row:  # gsm8k
-        return row["question"]
-    if "turns" in row:  # spec-bench schema
-        return row["turns"][0]
-    return row.get("prompt")
+
+def _example_of(row: dict) -> tuple[str | None, str | None]:
+    """``(prompt, reference answer or None)`` of one JSONL row."""
+    if "instruction" in row:  # self-instruct: instruction + the first instance's input, its output
+        instances = row.get("instances", [])
+        with_input = [i for i in instances if i.get("input")]
+        first = with_input[0] if with_input else (instances[0] if instances else {})
+        prompt = row["instruction"] + (("\n\n" + first["input"]) if first.get("input") else "")
+        return prompt, first.get("output") or None
+    if "question" in row:  # gsm8k; its calculator annotations <<48/2=24>> are not prose
+        answer = row.get("answer")
+        return row["question"], re.sub(r"<<[^>]*>>", "", answer) if answer else None
+    if "turns" in row:  # spec-bench schema: no reference answers
+        return row["turns"][0], None
+    return row.get("prompt"), row.get("answer") or row.get("response")
+
+
+def _read_rows(path: Path):
+    if not path.is_file():
+        raise ConfigError(f"prompt file {str(path)!r} does not exist")
+    for n, line in enumerate(path.read_text().splitlines(), 1):
+        if line.strip():
+            try:
+                yield json.loads(line)
+            except json.JSONDecodeError as exc:
+                raise ConfigError(f"{path}:{n}: not JSON: {exc}") from None
+
+
+def _mixed(per_file: list[list], seed: int, limit: int | None) -> list:
+    """Shuffle each file's items (seeded), interleave the files, drop duplicates, cut at ``limit``."""
+    for items in per_file:
+        random.Random(seed).shuffle(items)
+    longest = max((len(g) for g in per_file), default=0)
+    mixed = list(dict.fromkeys(g[i] for i in range(longest) for g in per_file if i < len(g)))
+    return mixed[:limit] if limit else mixed
 
 
 def load_prompts(paths: Sequence[str | Path], limit: int | None = None, seed: int = 0) -> list[str]:
@@ -26,29 +56,68 @@ def load_prompts(paths: Sequence[str | Path], limit: int | None = None, seed: in
 
     Files are interleaved after a seeded shuffle each, so a ``limit`` keeps a mix of them.
     """
-    per_file = []
-    for path in paths:
-        path = Path(path)
-        if not path.is_file():
-            raise ConfigError(f"prompt file {str(path)!r} does not exist")
-        prompts = []
-        for n, line in enumerate(path.read_text().splitlines(), 1):
-            if not line.strip():
-                continue
-            try:
-                prompt = _prompt_of(json.loads(line))
-            except json.JSONDecodeError as exc:
-                raise ConfigError(f"{path}:{n}: not JSON: {exc}") from None
-            if prompt and prompt.strip():
-                prompts.append(prompt)
-        random.Random(seed).shuffle(prompts)
-        per_file.append(prompts)
-    longest = max((len(g) for g in per_file), default=0)
-    mixed = [g[i] for i in range(longest) for g in per_file if i < len(g)]  # round-robin over files
-    mixed = list(dict.fromkeys(mixed))
+    per_file = [[p for p, _ in map(_example_of, _read_rows(Path(path))) if p and p.strip()] for path in paths]
+    mixed = _mixed(per_file, seed, limit)
     if not mixed:
         raise ConfigError("no prompts found in " + ", ".join(map(str, paths)))
-    return mixed[:limit] if limit else mixed
+    return mixed
+
+
+def load_examples(paths: Sequence[str | Path], limit: int | None = None, seed: int = 0) -> list[tuple[str, str]]:
+    """``(prompt, reference answer)`` pairs (self-instruct outputs, GSM8K solutions), mixed like prompts."""
+    per_file = [[(p, a) for p, a in map(_example_of, _read_rows(Path(path))) if p and a] for path in paths]
+    mixed = _mixed(per_file, seed, limit)
+    if not mixed:
+        raise ConfigError("no prompts with reference answers found in " + ", ".join(map(str, paths)))
+    return mixed
+
+
+def chat_sequences(tokenizer, examples: Sequence[tuple[str, str]], max_tokens: int = 384) -> list[dict]:
+    """Examples as the target would see them: chat-formatted prompt, answer, end of turn.
+
+    Returns ``[{"ids": ..., "prompt_len": n}]`` like :func:`generate_sequences`, cut at ``max_tokens``.
+    """
+    from ..decoder import encode_prompt
+
+    out = []
+    for prompt, answer in examples:
+        ids = encode_prompt(tokenizer, prompt)
+        answer_ids = tokenizer(answer, add_special_tokens=False).input_ids
+        if tokenizer.eos_token_id is not None:
+            answer_ids.append(tokenizer.eos_token_id)
+        if len(ids) < max_tokens - 8:
+            out.append({"ids": (ids + answer_ids)[:max_tokens], "prompt_len": len(ids)})
+    return out
+
+
+def frequent_tokens(sequences: list[dict], count: int, always: Sequence[int] = ()) -> "torch.Tensor":
+    """Ids of the ``count`` most frequent answer tokens (plus ``always``), sorted."""
+    import torch
+
+    freq = Counter(t for s in sequences for t in s["ids"][s["prompt_len"]:])
+    keep = list(dict.fromkeys([*always, *(t for t, _ in freq.most_common())]))[:count]
+    return torch.tensor(sorted(keep), dtype=torch.long)
+
+
+def target_generations(model, tokenizer, prompt_files: Sequence[str], cache_file: Path, num_prompts: int,
+                       sampled_fraction: float = 0.25, max_new_tokens: int = 128, batch_size: int = 16,
+                       seed: int = 0, progress: bool = True) -> list[dict]:
+    """The target's answers to ``num_prompts`` training prompts: greedy, plus a sampled share (T=0.7).
+
+    Cached in ``cache_file`` (the slow part of training: it is reused when present).
+    """
+    if cache_file.is_file():
+        return json.loads(cache_file.read_text())
+    prompts = load_prompts(prompt_files, limit=num_prompts, seed=seed)
+    n_sampled = int(len(prompts) * sampled_fraction)
+    sequences = generate_sequences(model, tokenizer, prompts[n_sampled:], max_new_tokens, batch_size,
+                                   progress=progress)
+    if n_sampled:
+        sequences += generate_sequences(model, tokenizer, prompts[:n_sampled], max_new_tokens, batch_size,
+                                        temperature=0.7, seed=seed, progress=progress)
+    cache_file.parent.mkdir(parents=True, exist_ok=True)
+    cache_file.write_text(json.dumps(sequences))
+    return sequences
 
 
 def generate_sequences(model, tokenizer, prompts: Sequence[str], max_new_tokens: int, batch_size: int = 16,
@@ -70,3 +139,48 @@ def generate_sequences(model, tokenizer, prompts: Sequence[str], max_new_tokens:
         bar.update(len(batch))
     bar.close()
     return out
+
+
+def target_features(model, sequences: Sequence[dict], cache_file: Path | None = None, batch_tokens: int = 4096,
+                    progress: bool = True, desc: str = "target states") -> list:
+    """The target's last-layer hidden states (after its final norm) at every position of each sequence.
+
+    Returns one ``[len(ids), hidden]`` float16 tensor per sequence, computed once in
+    length-sorted batches and cached in ``cache_file`` (safetensors) when given.
+    """
+    import torch
+    from safetensors.torch import load_file, save_file
+    from tqdm.auto import tqdm
+
+    if cache_file is not None and cache_file.is_file():
+        flat = load_file(cache_file)
+        if flat["lengths"].tolist() == [len(s["ids"]) for s in sequences]:
+            return list(flat["states"].split(flat["lengths"].tolist()))
+    order = sorted(range(len(sequences)), key=lambda i: len(sequences[i]["ids"]))
+    states: list = [None] * len(sequences)
+    decoder = model.get_decoder()
+    bar = tqdm(total=len(sequences), disable=not progress, desc=desc, unit="seq")
+    i = 0
+    with torch.inference_mode():
+        while i < len(order):
+            width = len(sequences[order[i]]["ids"])
+            j = i + 1
+            while j < len(order) and len(sequences[order[j]]["ids"]) * (j - i + 1) <= batch_tokens:
+                j += 1
+            batch = [sequences[o]["ids"] for o in order[i:j]]
+            width = max(len(b) for b in batch)
+            ids = torch.zeros((len(batch), width), dtype=torch.long)
+            mask = torch.zeros((len(batch), width), dtype=torch.long)
+            for b, row in enumerate(batch):
+                ids[b, : len(row)] = torch.tensor(row)
+                mask[b, : len(row)] = 1
+            hidden = decoder(input_ids=ids.to(model.device), attention_mask=mask.to(model.device)).last_hidden_state
+            for b, o in enumerate(order[i:j]):
+                states[o] = hidden[b, : len(batch[b])].to(torch.float16).cpu()
+            bar.update(j - i)
+            i = j
+    bar.close()
+    if cache_file is not None:
+        cache_file.parent.mkdir(parents=True, exist_ok=True)
+        save_file({"states": torch.cat(states), "lengths": torch.tensor([s.shape[0] for s in states])}, cache_file)
+    return states

@@ -14,25 +14,16 @@ checkpoints in ``DIR/work/checkpoint``.
 
 from __future__ import annotations
 
-import json
 import random
 import time
-from collections import Counter
 from pathlib import Path
 from typing import Sequence
 
 import torch
 
 from ..drafters.compact_draft import build_compact_draft, save_compact_draft, target_fingerprint
-from .data import generate_sequences, load_prompts
+from .data import frequent_tokens, target_generations
 from .loop import train
-
-
-def frequent_tokens(sequences: list[dict], count: int, always: Sequence[int] = ()) -> torch.Tensor:
-    """Ids of the ``count`` most frequent answer tokens (plus ``always``), sorted."""
-    freq = Counter(t for s in sequences for t in s["ids"][s["prompt_len"]:])
-    keep = list(dict.fromkeys([*always, *(t for t, _ in freq.most_common())]))[:count]
-    return torch.tensor(sorted(keep), dtype=torch.long)
 
 
 def distill(target, tokenizer, target_name: str, prompt_files: Sequence[str], out_dir: str | Path,
@@ -44,18 +35,8 @@ def distill(target, tokenizer, target_name: str, prompt_files: Sequence[str], ou
     work.mkdir(parents=True, exist_ok=True)
     began = time.perf_counter()
 
-    seq_file = work / "sequences.json"
-    if seq_file.is_file():
-        sequences = json.loads(seq_file.read_text())
-    else:
-        prompts = load_prompts(prompt_files, limit=num_prompts, seed=seed)
-        n_sampled = int(len(prompts) * sampled_fraction)
-        sequences = generate_sequences(target, tokenizer, prompts[n_sampled:], max_new_tokens, gen_batch_size,
-                                       progress=progress)
-        if n_sampled:
-            sequences += generate_sequences(target, tokenizer, prompts[:n_sampled], max_new_tokens, gen_batch_size,
-                                            temperature=0.7, seed=seed, progress=progress)
-        seq_file.write_text(json.dumps(sequences))
+    sequences = target_generations(target, tokenizer, prompt_files, work / "sequences.json", num_prompts,
+                                   sampled_fraction, max_new_tokens, gen_batch_size, seed, progress)
     gen_seconds = time.perf_counter() - began
 
     specials = [t for t in (tokenizer.eos_token_id, tokenizer.bos_token_id, tokenizer.pad_token_id) if t is not None]
@@ -108,4 +89,4 @@ def distill(target, tokenizer, target_name: str, prompt_files: Sequence[str], ou
     return out_dir
 
 
-__all__ = ["distill", "frequent_tokens"]
+__all__ = ["distill"]
