@@ -23,8 +23,9 @@ def test_generate_with_stats_prints_text_and_acceptance_rate():
     assert "acceptance rate:" in out.stderr and "tokens per pass:" in out.stderr
 
 
-def test_draft_model_works_offline_with_stats():
-    out = run("generate", "--drafter", "draft-model", "--stats", "--max-new-tokens", "32",
+@pytest.mark.parametrize("drafter", ["draft-model", "medusa", "eagle", "mlp-speculator"])
+def test_learnt_drafters_work_offline_with_stats(drafter):
+    out = run("generate", "--drafter", drafter, "--stats", "--max-new-tokens", "32",
               "Natalia sold 48 clips in April and half as many in May. How many clips did she sell?")
     assert out.returncode == 0, out.stderr
     assert out.stdout.strip() and "acceptance rate:" in out.stderr

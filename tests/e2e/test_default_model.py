@@ -108,3 +108,22 @@ def test_shipped_draft_model_samples_reproducibly(default_f32, prompts):
     dec = SpeculativeDecoder(model, tok, drafter="draft-model")
     kw = dict(max_new_tokens=16, temperature=0.7, seed=5)
     assert dec.generate(prompts["qa"], **kw)[0].token_ids == dec.generate(prompts["qa"], **kw)[0].token_ids
+
+
+@pytest.mark.parametrize("kind", ["medusa", "eagle", "mlp-speculator"])
+def test_shipped_heads_are_exact_out_of_the_box(default_f64, plain_outputs, prompts, kind):
+    model, tok = default_f64
+    dec = SpeculativeDecoder(model, tok, drafter=kind, spec_length=3, adaptive=False)
+    assert dec.drafter.meta["kind"] == kind and dec.drafter.meta["target"] == "SmolLM2-135M-Instruct"  # found by fingerprint
+    results = dec.generate(list(prompts.values()), max_new_tokens=NEW)
+    for (cat, _), r in zip(prompts.items(), results):
+        assert r.token_ids == plain_outputs[cat].token_ids, cat
+    accepted = sum(r.stats.accepted_tokens for r in results)
+    assert 0.2 * sum(r.stats.drafted_tokens for r in results) < accepted  # trained heads, not noise
+
+
+def test_shipped_eagle_samples_reproducibly(default_f32, prompts):
+    model, tok = default_f32
+    dec = SpeculativeDecoder(model, tok, drafter="eagle")
+    kw = dict(max_new_tokens=16, temperature=0.7, seed=5)
+    assert dec.generate(prompts["qa"], **kw)[0].token_ids == dec.generate(prompts["qa"], **kw)[0].token_ids

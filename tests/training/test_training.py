@@ -77,6 +77,30 @@ def test_distill_builds_an_exact_compact_draft(tmp_path, smol_tokenizer):
         SpeculativeDecoder(other, smol_tokenizer, drafter="draft-model", drafter_options={"model": str(out)})
 
 
+@pytest.mark.parametrize("kind", ["medusa", "eagle", "mlp-speculator"])
+def test_train_heads_runs_both_phases_and_the_heads_are_exact(tmp_path, smol_tokenizer, kind):
+    from safetensors.torch import load_file
+
+    from specdraft.drafters.heads.formats import FORMAT_FILE
+    from specdraft.training.heads import train_heads
+
+    prompts = tmp_path / "p.jsonl"
+    prompts.write_text("\n".join(json.dumps({"question": f"What is {i} + {i}?", "answer": f"<<{i}+{i}>>It is {2 * i}."})
+                                 for i in range(6)) + "\n")
+    target = tiny_llama(vocab_size=len(smol_tokenizer), seed=5, max_positions=512)
+    out = train_heads(target, smol_tokenizer, "tiny", kind, [prompts], tmp_path / "heads", num_texts=6, num_prompts=4,
+                      max_new_tokens=8, steps=7, batch_size=2, head_tokens=64, progress=False)
+    meta = json.loads((out / FORMAT_FILE).read_text())
+    assert meta["kind"] == kind and meta["steps"] == 7 and meta["phase1_steps"] == 5 and meta["head_tokens"] <= 64
+    assert meta["text_sequences"] == 6 and meta["answer_sequences"] == 4
+    assert len(json.loads((out / "losses.json").read_text())["losses"]) == 7
+    saved = load_file(out / "heads.safetensors")
+    assert not any(v.shape[0] == len(smol_tokenizer) for v in saved.values())  # no copy of embeddings or LM head
+    dec = SpeculativeDecoder(target, smol_tokenizer, drafter=kind, spec_length=3, drafter_options={"heads": str(out)})
+    for p in repetitive_prompts(len(smol_tokenizer), seed=4)[:2]:
+        assert dec.generate_ids([p], max_new_tokens=12)[0].token_ids == plain_greedy(target, p, 12)
+
+
 def test_draft_model_without_a_model_or_shipped_draft_says_what_to_do(tiny_model):
     with pytest.raises(ConfigError, match="no shipped draft for target.*--drafter-option model="):
         SpeculativeDecoder(tiny_model, None, drafter="draft-model")

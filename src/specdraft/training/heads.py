@@ -54,22 +54,22 @@ def _batch(seqs: list[dict], states: list[torch.Tensor], dtype, device):
     return ids.to(device), feats.to(device), valid.to(device), answer.to(device)
 
 
-def _token_loss(logits: torch.Tensor, at: int, ids, feats, answer, head: SharedHead, soft: bool) -> torch.Tensor:
-    """Cross-entropy of ``logits # [B, T, N]`` (T = W - at) against the tokens at positions ``at..W-1``.
+def _token_loss(out: torch.Tensor, at: int, ids, feats, answer, head: SharedHead, soft: bool) -> torch.Tensor:
+    """Cross-entropy of the head's guesses from ``out # [B, T, H]`` (T = W - at) for the tokens at ``at..W-1``.
 
+    Only answer positions count, and only they go through the head (most of the cost).
     Hard: the sequence's real tokens. Soft: the target's distribution there, from its state
     one position earlier (restricted to the head's vocabulary and renormalised).
     """
     mask = answer[:, at:]  # [B, T]
     if not bool(mask.any()):
-        return logits.sum() * 0
+        return out.sum() * 0
+    logits = head.small(out[mask]).float()  # [M, N]
     if soft:
         with torch.no_grad():
-            target = head.small(feats[:, at - 1 : -1]).float().softmax(-1)  # [B, T, N]
-        losses = -(target * logits.float().log_softmax(-1)).sum(-1)
-        return losses[mask].mean()
-    labels = head.to_small(ids[:, at:]).masked_fill(~mask, -100)
-    return F.cross_entropy(logits.flatten(0, 1).float(), labels.flatten(), ignore_index=-100)
+            target = head.small(feats[:, at - 1 : -1][mask]).float().softmax(-1)  # [M, N]
+        return -(target * logits.log_softmax(-1)).sum(-1).mean()
+    return F.cross_entropy(logits, head.to_small(ids[:, at:][mask]), ignore_index=-100)
 
 
 def heads_loss(kind: str, module, head: SharedHead, embeddings, ids, feats, valid, answer, soft: bool,
@@ -82,7 +82,7 @@ def heads_loss(kind: str, module, head: SharedHead, embeddings, ids, feats, vali
             if width <= i + 1:
                 break
             out = module.blocks[i - 1](feats[:, : width - i - 1])
-            losses.append(_token_loss(head.small(out), i + 1, ids, feats, answer, head, soft))
+            losses.append(_token_loss(out, i + 1, ids, feats, answer, head, soft))
         return torch.stack(losses).mean()
     if kind == "mlp-speculator":
         losses, state = [], feats[:, : width - 2]  # stage i on (state_{i-1}, x_{t+i}) guesses x_{t+i+1}
@@ -91,20 +91,55 @@ def heads_loss(kind: str, module, head: SharedHead, embeddings, ids, feats, vali
                 break
             n = width - i - 1
             state, out = module.stage(i - 1, state[:, :n], embeddings(ids[:, i : i + n]))
-            losses.append(_token_loss(head.small(out), i + 1, ids, feats, answer, head, soft))
+            losses.append(_token_loss(out, i + 1, ids, feats, answer, head, soft))
         return torch.stack(losses).mean()
-    if kind == "eagle":  # pair t = (f_t, x_{t+1}) guesses f_{t+1}, whose token is x_{t+2}
-        inputs = feats[:, :-1]
-        if noise:
-            inputs = inputs + (torch.rand_like(inputs) * 2 - 1) * noise
-        n = width - 1
-        positions = torch.arange(n, device=ids.device)[None].expand(ids.shape[0], n)
-        guess = module(inputs, embeddings(ids[:, 1:]), positions, causal_mask(n, feats.dtype, feats.device))
-        keep = valid[:, 1:]
-        regression = F.smooth_l1_loss(guess[keep].float(), feats[:, 1:][keep].float())
-        tokens = _token_loss(head.small(guess[:, :-1]), 2, ids, feats, answer, head, soft)
-        return regression + EAGLE_CLASSIFICATION_WEIGHT * tokens
+    if kind == "eagle":
+        return _eagle_loss(module, head, embeddings, ids, feats, valid, answer, soft, noise)
     raise ConfigError(f"unknown head kind {kind!r}; expected one of {', '.join(KINDS)}")
+
+
+def _eagle_loss(module, head, embeddings, ids, feats, valid, answer, soft: bool, noise: float) -> torch.Tensor:
+    """EAGLE's loss over two drafting steps.
+
+    Step 1: pair ``t = (f_t, x_{t+1})`` guesses ``f_{t+1}`` (whose token is ``x_{t+2}``).
+    Step 2, as at drafting time: the pair ``(guess of f_{t+1}, x_{t+2})`` guesses
+    ``f_{t+2}``, attending to the true pairs before it and to itself only (one pass over the
+    true pairs followed by the guessed ones, with a mask that says so). Without step 2 the
+    layer never sees its own guesses as input and the second draft token is rarely right.
+    Each step: smooth-L1 on the feature plus ``EAGLE_CLASSIFICATION_WEIGHT`` x cross-entropy.
+    """
+    batch, width = ids.shape
+    n = width - 1
+    true_in = feats[:, :-1]
+    if noise:
+        true_in = true_in + (torch.rand_like(true_in) * 2 - 1) * noise
+    tokens = embeddings(ids[:, 1:])  # x_{t+1} for pair t
+    positions = torch.arange(n, device=ids.device)
+    guess = module(true_in, tokens, positions[None].expand(batch, n), causal_mask(n, feats.dtype, feats.device))
+
+    def step_loss(guess_, first: int) -> torch.Tensor:
+        """``guess_[:, i]`` guesses ``f_{i+first}``; its token is at position ``i+first+1``."""
+        target = feats[:, first : first + guess_.shape[1]]
+        keep = valid[:, first : first + guess_.shape[1]]
+        regression = F.smooth_l1_loss(guess_[keep].float(), target[keep].float())
+        token = _token_loss(guess_[:, :-1], first + 1, ids, feats, answer, head, soft)
+        return regression + EAGLE_CLASSIFICATION_WEIGHT * token
+
+    loss = step_loss(guess, 1)
+    if n < 3:
+        return loss
+    m = n - 1  # guessed pairs (guess of f_{t+1}, x_{t+2}) at positions t+1, t = 0..n-2
+    both_f = torch.cat([true_in, guess[:, :-1]], dim=1)  # [B, n + m, H]
+    both_x = torch.cat([tokens, embeddings(ids[:, 2:])], dim=1)
+    both_pos = torch.cat([positions, positions[1:]])[None].expand(batch, n + m)
+    mask = torch.full((n + m, n + m), torch.finfo(feats.dtype).min, dtype=feats.dtype, device=feats.device)
+    mask[:n, :n] = causal_mask(n, feats.dtype, feats.device)[0, 0]
+    rows = torch.arange(m, device=feats.device)
+    sees_true = torch.arange(n, device=feats.device)[None] <= rows[:, None]  # guessed pair at t+1 sees true pairs <= t
+    mask[n:, :n] = mask[n:, :n].masked_fill(sees_true, 0.0)
+    mask[n + rows, n + rows] = 0.0  # and itself
+    out = module(both_f, both_x, both_pos, mask[None, None])
+    return loss + step_loss(out[:, n:], 2)
 
 
 def train_heads(target, tokenizer, target_name: str, kind: str, prompt_files: Sequence[str], out_dir: str | Path,
