@@ -21,6 +21,28 @@ def _parse_option(text: str) -> tuple[str, str]:
     return key.strip(), value
 
 
+def _training_args(p: argparse.ArgumentParser, steps: int, steps_help: str, lr: float, head_tokens_help: str) -> None:
+    """The options ``distill`` and ``train-heads`` share."""
+    p.add_argument("--prompts", nargs="+", required=True, metavar="FILE.jsonl",
+                   help="training prompts: self-instruct, GSM8K or {\"prompt\": ...} JSONL (never the prompts "
+                        "you benchmark on)")
+    p.add_argument("--target", default=None, help="as for generate (default: SmolLM2-135M-Instruct)")
+    p.add_argument("--num-prompts", type=int, default=600, help="prompts the target answers (default: 600)")
+    p.add_argument("--max-new-tokens", type=int, default=128, help="answer length (default: 128)")
+    p.add_argument("--steps", type=int, default=steps, help=f"{steps_help} (default: {steps})")
+    p.add_argument("--batch-size", type=int, default=8, help="sequences per step (default: 8)")
+    p.add_argument("--lr", type=float, default=lr, help=f"peak learning rate (default: {lr:g})")
+    p.add_argument("--head-tokens", type=int, default=8192, help=f"{head_tokens_help} (default: 8192)")
+    p.add_argument("--dtype", default=None)
+    p.add_argument("--device", default=None)
+
+
+def _check_positive(args, *names: str) -> None:
+    for name in names:
+        if getattr(args, name) < 1:
+            raise ConfigError(f"--{name.replace('_', '-')} must be >= 1")
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="specdraft", description="Exact speculative decoding with pluggable drafters.")
     sub = parser.add_subparsers(dest="command", required=True)
@@ -69,18 +91,8 @@ def build_parser() -> argparse.ArgumentParser:
                                       "a head over frequent tokens) and train it on the target's answers to the "
                                       "prompts; resumable. Use it with --drafter draft-model --drafter-option model=DIR.")
     dist.add_argument("--output", required=True, metavar="DIR", help="where the draft (and work/ files) go")
-    dist.add_argument("--prompts", nargs="+", required=True, metavar="FILE.jsonl",
-                      help="training prompts: self-instruct, GSM8K, Spec-Bench or {\"prompt\": ...} JSONL")
-    dist.add_argument("--target", default=None, help="as for generate (default: SmolLM2-135M-Instruct)")
-    dist.add_argument("--num-prompts", type=int, default=600, help="default: 600")
-    dist.add_argument("--max-new-tokens", type=int, default=128, help="answer length (default: 128)")
     dist.add_argument("--layers", type=int, default=2, help="decoder layers of the draft (default: 2)")
-    dist.add_argument("--head-tokens", type=int, default=8192, help="output-head vocabulary (default: 8192)")
-    dist.add_argument("--steps", type=int, default=300, help="training steps (default: 300)")
-    dist.add_argument("--batch-size", type=int, default=8, help="sequences per step (default: 8)")
-    dist.add_argument("--lr", type=float, default=5e-4, help="peak learning rate (default: 5e-4)")
-    dist.add_argument("--dtype", default=None)
-    dist.add_argument("--device", default=None)
+    _training_args(dist, steps=300, steps_help="training steps", lr=5e-4, head_tokens_help="output-head vocabulary")
 
     th = sub.add_parser("train-heads", help="train Medusa, EAGLE or MLP-speculator heads on a frozen target",
                         description="Train draft heads on the target's hidden states: phase 1 on prompts with "
@@ -88,22 +100,12 @@ def build_parser() -> argparse.ArgumentParser:
                                     "distributions), 5:2 in steps. Resumable; writes a loss plot.")
     th.add_argument("--kind", required=True, choices=["medusa", "eagle", "mlp-speculator"])
     th.add_argument("--output", required=True, metavar="DIR", help="where the heads go")
-    th.add_argument("--prompts", nargs="+", required=True, metavar="FILE.jsonl",
-                    help="training prompts (self-instruct / GSM8K JSONL; never the prompts you benchmark on)")
-    th.add_argument("--target", default=None, help="as for generate (default: SmolLM2-135M-Instruct)")
     th.add_argument("--work", default=None, metavar="DIR",
                     help="cache of the target's answers and hidden states (default: DIR/work); share it between kinds")
     th.add_argument("--num-texts", type=int, default=600, help="phase-1 examples with reference answers (default: 600)")
-    th.add_argument("--num-prompts", type=int, default=600, help="phase-2 prompts the target answers (default: 600)")
-    th.add_argument("--max-new-tokens", type=int, default=128, help="answer length (default: 128)")
-    th.add_argument("--steps", type=int, default=700, help="training steps, split 5:2 between phases (default: 700)")
-    th.add_argument("--batch-size", type=int, default=8, help="sequences per step (default: 8)")
-    th.add_argument("--lr", type=float, default=1e-3, help="peak learning rate (default: 1e-3)")
-    th.add_argument("--head-tokens", type=int, default=8192,
-                    help="output vocabulary: the most frequent answer tokens; 0 = all (default: 8192)")
     th.add_argument("--num-heads", type=int, default=4, help="medusa heads / mlp-speculator stages (default: 4)")
-    th.add_argument("--dtype", default=None)
-    th.add_argument("--device", default=None)
+    _training_args(th, steps=700, steps_help="training steps, split 5:2 between phases", lr=1e-3,
+                   head_tokens_help="output vocabulary: the most frequent answer tokens; 0 = all")
 
     lst = sub.add_parser("drafters", help="list registered drafters and the plugins providing them")
     lst.add_argument("--json", action="store_true", help="print JSON")
@@ -217,9 +219,7 @@ def _distill(args) -> int:
     from .training.data import load_prompts
     from .training.distill import distill
 
-    for name in ("num_prompts", "max_new_tokens", "layers", "head_tokens", "steps", "batch_size"):
-        if getattr(args, name) < 1:
-            raise ConfigError(f"--{name.replace('_', '-')} must be >= 1")
+    _check_positive(args, "num_prompts", "max_new_tokens", "layers", "head_tokens", "steps", "batch_size")
     load_prompts(args.prompts, limit=1)  # a missing or empty file fails before the model loads
     model, tokenizer, name = load_target(args.target, dtype=args.dtype, device=args.device)
     out = distill(model, tokenizer, name, args.prompts, args.output, num_prompts=args.num_prompts,
@@ -235,9 +235,7 @@ def _train_heads(args) -> int:
     from .training.data import load_prompts
     from .training.heads import train_heads
 
-    for name in ("num_texts", "num_prompts", "max_new_tokens", "steps", "batch_size", "num_heads"):
-        if getattr(args, name) < 1:
-            raise ConfigError(f"--{name.replace('_', '-')} must be >= 1")
+    _check_positive(args, "num_texts", "num_prompts", "max_new_tokens", "steps", "batch_size", "num_heads")
     if args.head_tokens < 0:
         raise ConfigError("--head-tokens must be >= 0 (0 = the whole vocabulary)")
     load_prompts(args.prompts, limit=1)  # a missing or empty file fails before the model loads
