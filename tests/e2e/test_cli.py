@@ -48,6 +48,12 @@ def test_generate_reads_stdin_and_honours_raw():
     (["generate", "--drafter", "nope", "hi"], "unknown drafter 'nope'; known drafters: "),
     (["generate", "--drafter-option", "max_order=x", "hi"], "invalid options for drafter 'ngram': max_order"),
     (["generate", "--target", "./no/such/dir", "hi"], "no such model directory"),
+    (["generate", "--drafter", "eagle", "--drafter-option", "heads=./no/such/dir", "hi"],
+     "heads folder './no/such/dir' does not exist; pass --drafter-option heads=DIR"),
+    (["train-heads", "--kind", "medusa", "--output", "x", "--prompts", "./missing.jsonl"],
+     "prompt file './missing.jsonl' does not exist"),
+    (["train-heads", "--kind", "eagle", "--output", "x", "--prompts", "./missing.jsonl", "--steps", "0"],
+     "--steps must be >= 1"),
 ])
 def test_bad_input_is_one_readable_line(args, message):
     out = run(*args)

@@ -31,10 +31,10 @@ def _example_of(row: dict) -> tuple[str | None, str | None]:
     return row.get("prompt"), row.get("answer") or row.get("response")
 
 
-def _read_rows(path: Path):
-    if not path.is_file():
+def _read_rows(path: str | Path):
+    if not Path(path).is_file():
         raise ConfigError(f"prompt file {str(path)!r} does not exist")
-    for n, line in enumerate(path.read_text().splitlines(), 1):
+    for n, line in enumerate(Path(path).read_text().splitlines(), 1):
         if line.strip():
             try:
                 yield json.loads(line)
@@ -56,7 +56,7 @@ def load_prompts(paths: Sequence[str | Path], limit: int | None = None, seed: in
 
     Files are interleaved after a seeded shuffle each, so a ``limit`` keeps a mix of them.
     """
-    per_file = [[p for p, _ in map(_example_of, _read_rows(Path(path))) if p and p.strip()] for path in paths]
+    per_file = [[p for p, _ in map(_example_of, _read_rows(path)) if p and p.strip()] for path in paths]
     mixed = _mixed(per_file, seed, limit)
     if not mixed:
         raise ConfigError("no prompts found in " + ", ".join(map(str, paths)))
@@ -65,7 +65,7 @@ def load_prompts(paths: Sequence[str | Path], limit: int | None = None, seed: in
 
 def load_examples(paths: Sequence[str | Path], limit: int | None = None, seed: int = 0) -> list[tuple[str, str]]:
     """``(prompt, reference answer)`` pairs (self-instruct outputs, GSM8K solutions), mixed like prompts."""
-    per_file = [[(p, a) for p, a in map(_example_of, _read_rows(Path(path))) if p and a] for path in paths]
+    per_file = [[(p, a) for p, a in map(_example_of, _read_rows(path)) if p and a] for path in paths]
     mixed = _mixed(per_file, seed, limit)
     if not mixed:
         raise ConfigError("no prompts with reference answers found in " + ", ".join(map(str, paths)))

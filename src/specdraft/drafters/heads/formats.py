@@ -180,9 +180,9 @@ def load_heads(path: str | Path, target: TargetInfo, kind: str, dtype: Any = Non
 
     Returns ``(module, shared_head, meta)``, on the target's device and dtype unless given.
     """
-    path = Path(path)
+    given, path = str(path), Path(path)
     if not path.is_dir():
-        raise ConfigError(f"heads folder {str(path)!r} does not exist; pass --drafter-option heads=DIR "
+        raise ConfigError(f"heads folder {given!r} does not exist; pass --drafter-option heads=DIR "
                           "(made by `specdraft train-heads`, or a Medusa / EAGLE checkpoint folder)")
     fmt = detect_format(path)
     loaders = {"specdraft": _load_specdraft, "medusa": _load_medusa, "eagle": _load_eagle}
