@@ -63,7 +63,7 @@ cat <<'MD'
 ```
 
 See [getting started](getting-started.md#draft-models). The answers, training checkpoints
-and loss history go to `DIR/work/`, so an interrupted run continues where it stopped, and
+and loss history go to `DIR/work/` (or `--work`), so an interrupted run continues where it stopped, and
 `DIR/loss.png` plots the loss.
 
 ## `specdraft train-heads`

@@ -92,6 +92,10 @@ def build_parser() -> argparse.ArgumentParser:
                                       "prompts; resumable. Use it with --drafter draft-model --drafter-option model=DIR.")
     dist.add_argument("--output", required=True, metavar="DIR", help="where the draft (and work/ files) go")
     dist.add_argument("--layers", type=int, default=2, help="decoder layers of the draft (default: 2)")
+    dist.add_argument("--objective", choices=["kl", "ce"], default="kl",
+                      help="kl: match the target's distributions (default); ce: its tokens")
+    dist.add_argument("--work", default=None, metavar="DIR",
+                      help="cache of the target's answers and states (default: DIR/work); train-heads can share it")
     _training_args(dist, steps=300, steps_help="training steps", lr=5e-4, head_tokens_help="output-head vocabulary")
 
     th = sub.add_parser("train-heads", help="train Medusa, EAGLE or MLP-speculator heads on a frozen target",
@@ -224,7 +228,8 @@ def _distill(args) -> int:
     model, tokenizer, name = load_target(args.target, dtype=args.dtype, device=args.device)
     out = distill(model, tokenizer, name, args.prompts, args.output, num_prompts=args.num_prompts,
                   max_new_tokens=args.max_new_tokens, layers=args.layers, head_tokens=args.head_tokens,
-                  steps=args.steps, batch_size=args.batch_size, lr=args.lr)
+                  steps=args.steps, batch_size=args.batch_size, lr=args.lr, objective=args.objective,
+                  work_dir=args.work)
     print(f"draft written to {out}; use it with: specdraft generate --drafter draft-model "
           f"--drafter-option model={out} ...")
     return 0

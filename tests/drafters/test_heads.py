@@ -95,7 +95,7 @@ def _train_heads(model, kind, work, steps=80):
     from specdraft.drafters.compact_draft import target_fingerprint
     from specdraft.drafters.heads.formats import save_heads
     from specdraft.drafters.heads.modules import SharedHead
-    from specdraft.training.heads import _batch
+    from specdraft.training.heads import padded_batch
 
     seqs = _tiny_sequences(model)
     states = target_features(model, seqs, progress=False)
@@ -106,7 +106,7 @@ def _train_heads(model, kind, work, steps=80):
 
     def loss_fn(step):
         picked = rng.sample(range(len(seqs)), 8)
-        batch = _batch([seqs[i] for i in picked], [states[i] for i in picked], torch.float64, "cpu")
+        batch = padded_batch([seqs[i] for i in picked], [states[i] for i in picked], torch.float64, "cpu")
         return heads_loss(kind, module, head, model.get_input_embeddings(), *batch, soft=step >= steps * 3 // 4)
 
     with torch.enable_grad():

@@ -53,7 +53,8 @@ def smol_tokenizer():
     return AutoTokenizer.from_pretrained(resolve_target(None)[1])
 
 
-def test_distill_builds_an_exact_compact_draft(tmp_path, smol_tokenizer):
+@pytest.mark.parametrize("objective", ["kl", "ce"])
+def test_distill_builds_an_exact_compact_draft(tmp_path, smol_tokenizer, objective):
     from specdraft.drafters.compact_draft import FORMAT_FILE
     from specdraft.training.distill import distill
 
@@ -61,9 +62,10 @@ def test_distill_builds_an_exact_compact_draft(tmp_path, smol_tokenizer):
     prompts.write_text("\n".join(json.dumps({"prompt": f"Count to {i}."}) for i in range(6)) + "\n")
     target = tiny_llama(vocab_size=len(smol_tokenizer), seed=5, max_positions=512)
     out = distill(target, smol_tokenizer, "tiny", [prompts], tmp_path / "draft", num_prompts=6, max_new_tokens=8,
-                  layers=1, head_tokens=64, steps=4, batch_size=2, progress=False)
+                  layers=1, head_tokens=64, steps=4, batch_size=2, objective=objective, progress=False)
     meta = json.loads((out / FORMAT_FILE).read_text())
     assert meta["target"] == "tiny" and 0 < meta["head_tokens"] <= 64 and meta["steps"] == 4
+    assert meta["objective"] == objective and len(json.loads((out / "losses.json").read_text())["losses"]) == 4
     assert not any("embed_tokens" in k for k in __import__("safetensors.torch").torch.load_file(out / "model.safetensors"))
 
     dec = SpeculativeDecoder(target, smol_tokenizer, drafter="draft-model", spec_length=3,

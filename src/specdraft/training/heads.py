@@ -37,7 +37,7 @@ from .loop import train
 EAGLE_CLASSIFICATION_WEIGHT = 0.1
 
 
-def _batch(seqs: list[dict], states: list[torch.Tensor], dtype, device):
+def padded_batch(seqs: list[dict], states: list[torch.Tensor], dtype, device):
     """Pad a batch: ids ``[B, W]``, states ``[B, W, H]``, valid ``[B, W]`` and answer ``[B, W]`` masks."""
     width = max(len(s["ids"]) for s in seqs)
     batch = len(seqs)
@@ -54,17 +54,20 @@ def _batch(seqs: list[dict], states: list[torch.Tensor], dtype, device):
     return ids.to(device), feats.to(device), valid.to(device), answer.to(device)
 
 
-def _token_loss(out: torch.Tensor, at: int, ids, feats, answer, head: SharedHead, soft: bool) -> torch.Tensor:
-    """Cross-entropy of the head's guesses from ``out # [B, T, H]`` (T = W - at) for the tokens at ``at..W-1``.
+def token_loss(out: torch.Tensor, at: int, ids, feats, answer, head: SharedHead, soft: bool,
+                student=None) -> torch.Tensor:
+    """Cross-entropy of the guesses from ``out # [B, T, H]`` (T = W - at) for the tokens at ``at..W-1``.
 
     Only answer positions count, and only they go through the head (most of the cost).
-    Hard: the sequence's real tokens. Soft: the target's distribution there, from its state
-    one position earlier (restricted to the head's vocabulary and renormalised).
+    ``student`` maps features to logits over ``head``'s vocabulary (default: ``head.small``,
+    the target's own rows). Hard: the sequence's real tokens. Soft: the target's distribution
+    there, from its state one position earlier (restricted to the head's vocabulary and
+    renormalised).
     """
     mask = answer[:, at:]  # [B, T]
     if not bool(mask.any()):
         return out.sum() * 0
-    logits = head.small(out[mask]).float()  # [M, N]
+    logits = (student or head.small)(out[mask]).float()  # [M, N]
     if soft:
         with torch.no_grad():
             target = head.small(feats[:, at - 1 : -1][mask]).float().softmax(-1)  # [M, N]
@@ -82,7 +85,7 @@ def heads_loss(kind: str, module, head: SharedHead, embeddings, ids, feats, vali
             if width <= i + 1:
                 break
             out = module.blocks[i - 1](feats[:, : width - i - 1])
-            losses.append(_token_loss(out, i + 1, ids, feats, answer, head, soft))
+            losses.append(token_loss(out, i + 1, ids, feats, answer, head, soft))
         return torch.stack(losses).mean()
     if kind == "mlp-speculator":
         losses, state = [], feats[:, : width - 2]  # stage i on (state_{i-1}, x_{t+i}) guesses x_{t+i+1}
@@ -91,7 +94,7 @@ def heads_loss(kind: str, module, head: SharedHead, embeddings, ids, feats, vali
                 break
             n = width - i - 1
             state, out = module.stage(i - 1, state[:, :n], embeddings(ids[:, i : i + n]))
-            losses.append(_token_loss(out, i + 1, ids, feats, answer, head, soft))
+            losses.append(token_loss(out, i + 1, ids, feats, answer, head, soft))
         return torch.stack(losses).mean()
     if kind == "eagle":
         return _eagle_loss(module, head, embeddings, ids, feats, valid, answer, soft, noise)
@@ -122,7 +125,7 @@ def _eagle_loss(module, head, embeddings, ids, feats, valid, answer, soft: bool,
         target = feats[:, first : first + guess_.shape[1]]
         keep = valid[:, first : first + guess_.shape[1]]
         regression = F.smooth_l1_loss(guess_[keep].float(), target[keep].float())
-        token = _token_loss(guess_[:, :-1], first + 1, ids, feats, answer, head, soft)
+        token = token_loss(guess_[:, :-1], first + 1, ids, feats, answer, head, soft)
         return regression + EAGLE_CLASSIFICATION_WEIGHT * token
 
     loss = step_loss(guess, 1)
@@ -191,7 +194,7 @@ def train_heads(target, tokenizer, target_name: str, kind: str, prompt_files: Se
             orders[phase] = list(range(len(seqs)))
             rng.shuffle(orders[phase])
         picked = [orders[phase].pop() for _ in range(batch_size)]
-        ids, feats, valid, answer = _batch([seqs[i] for i in picked], [states[i] for i in picked], torch.float32,
+        ids, feats, valid, answer = padded_batch([seqs[i] for i in picked], [states[i] for i in picked], torch.float32,
                                            device)
         return heads_loss(kind, module, head, lambda t: embeddings(t).float(), ids, feats, valid, answer,
                           soft=phase == 2, noise=noise)
@@ -216,4 +219,4 @@ def train_heads(target, tokenizer, target_name: str, kind: str, prompt_files: Se
     return out_dir
 
 
-__all__ = ["heads_loss", "train_heads"]
+__all__ = ["heads_loss", "padded_batch", "token_loss", "train_heads"]
