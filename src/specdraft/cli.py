@@ -28,6 +28,9 @@ def _training_args(p: argparse.ArgumentParser, steps: int, steps_help: str, lr: 
                         "you benchmark on)")
     p.add_argument("--target", default=None, help="as for generate (default: SmolLM2-135M-Instruct)")
     p.add_argument("--num-prompts", type=int, default=600, help="prompts the target answers (default: 600)")
+    p.add_argument("--self-prompts", type=int, default=0, metavar="N",
+                   help="also N prompts the target writes itself from its chat template's user turn, and its "
+                        "answers: more varied data (default: 0)")
     p.add_argument("--max-new-tokens", type=int, default=128, help="answer length (default: 128)")
     p.add_argument("--steps", type=int, default=steps, help=f"{steps_help} (default: {steps})")
     p.add_argument("--batch-size", type=int, default=8, help="sequences per step (default: 8)")
@@ -224,11 +227,14 @@ def _distill(args) -> int:
     from .training.distill import distill
 
     _check_positive(args, "num_prompts", "max_new_tokens", "layers", "head_tokens", "steps", "batch_size")
+    if args.self_prompts < 0:
+        raise ConfigError("--self-prompts must be >= 0")
     load_prompts(args.prompts, limit=1)  # a missing or empty file fails before the model loads
     model, tokenizer, name = load_target(args.target, dtype=args.dtype, device=args.device)
     out = distill(model, tokenizer, name, args.prompts, args.output, num_prompts=args.num_prompts,
                   max_new_tokens=args.max_new_tokens, layers=args.layers, head_tokens=args.head_tokens,
                   steps=args.steps, batch_size=args.batch_size, lr=args.lr, objective=args.objective,
+                  self_prompts=args.self_prompts,
                   work_dir=args.work)
     print(f"draft written to {out}; use it with: specdraft generate --drafter draft-model "
           f"--drafter-option model={out} ...")
@@ -243,12 +249,15 @@ def _train_heads(args) -> int:
     _check_positive(args, "num_texts", "num_prompts", "max_new_tokens", "steps", "batch_size", "num_heads")
     if args.head_tokens < 0:
         raise ConfigError("--head-tokens must be >= 0 (0 = the whole vocabulary)")
+    if args.self_prompts < 0:
+        raise ConfigError("--self-prompts must be >= 0")
     load_prompts(args.prompts, limit=1)  # a missing or empty file fails before the model loads
     model, tokenizer, name = load_target(args.target, dtype=args.dtype, device=args.device)
     config = {"num_heads": args.num_heads} if args.kind == "medusa" else (
         {"num_stages": args.num_heads} if args.kind == "mlp-speculator" else {})
     out = train_heads(model, tokenizer, name, args.kind, args.prompts, args.output, num_texts=args.num_texts,
-                      num_prompts=args.num_prompts, max_new_tokens=args.max_new_tokens, steps=args.steps,
+                      num_prompts=args.num_prompts, self_prompts=args.self_prompts,
+                      max_new_tokens=args.max_new_tokens, steps=args.steps,
                       batch_size=args.batch_size, lr=args.lr, head_tokens=args.head_tokens or None,
                       work_dir=args.work, **config)
     print(f"heads written to {out}; use them with: specdraft generate --drafter {args.kind} "

@@ -106,3 +106,16 @@ def test_train_heads_runs_both_phases_and_the_heads_are_exact(tmp_path, smol_tok
 def test_draft_model_without_a_model_or_shipped_draft_says_what_to_do(tiny_model):
     with pytest.raises(ConfigError, match="no shipped draft for target.*--drafter-option model="):
         SpeculativeDecoder(tiny_model, None, drafter="draft-model")
+
+
+def test_the_target_writes_its_own_training_prompts(tmp_path, smol_tokenizer):
+    from specdraft.training.data import self_prompted_generations, user_turn_prefix
+
+    prefix = user_turn_prefix(smol_tokenizer)
+    assert smol_tokenizer.decode(prefix).endswith("<|im_start|>user\n")
+    target = tiny_llama(vocab_size=len(smol_tokenizer), seed=5, max_positions=512)  # never ends a turn: fallback
+    seqs = self_prompted_generations(target, smol_tokenizer, tmp_path / "s.json", 3, max_new_tokens=4, batch_size=2)
+    assert len(seqs) == 3 and len({tuple(s["ids"]) for s in seqs}) == 3
+    for s in seqs:
+        assert s["ids"][: len(prefix)] == prefix and len(s["ids"]) == s["prompt_len"] + 4
+    assert self_prompted_generations(target, smol_tokenizer, tmp_path / "s.json", 3) == seqs  # cached

@@ -141,6 +141,51 @@ def generate_sequences(model, tokenizer, prompts: Sequence[str], max_new_tokens:
     return out
 
 
+def user_turn_prefix(tokenizer) -> list[int]:
+    """Token ids of the chat template up to where the user's message begins."""
+    marker = "\x00MARK\x00"
+    if not getattr(tokenizer, "chat_template", None):
+        raise ConfigError("the target has no chat template, so it cannot write prompts for itself")
+    text = tokenizer.apply_chat_template([{"role": "user", "content": marker}], add_generation_prompt=True,
+                                         tokenize=False)
+    return tokenizer(text[: text.index(marker)], add_special_tokens=False).input_ids
+
+
+def self_prompted_generations(model, tokenizer, cache_file: Path, count: int, max_new_tokens: int = 128,
+                              batch_size: int = 16, seed: int = 0, progress: bool = True) -> list[dict]:
+    """Prompts the target writes itself (sampled from its user-turn prefix), and its greedy answers.
+
+    More varied than any fixed prompt set at hand, and in the target's own distribution.
+    Cached in ``cache_file``.
+    """
+    from tqdm.auto import tqdm
+
+    from ..decoder import SpeculativeDecoder
+
+    if cache_file.is_file():
+        return json.loads(cache_file.read_text())
+    dec = SpeculativeDecoder(model, tokenizer, drafter="none")
+    prefix = user_turn_prefix(tokenizer)
+    prompts: list[str] = []
+    bar = tqdm(total=count, disable=not progress, unit="prompt", desc="prompts written by the target")
+    attempt, patience = 0, 4 * (count // batch_size + 1)
+    while len(prompts) < count:
+        results = dec.generate_ids([prefix] * batch_size, max_new_tokens=96, temperature=1.0, top_p=0.95,
+                                   seed=seed + attempt)
+        attempt += 1
+        for r in results:
+            text = (r.text or "").strip()
+            finished = r.finish_reason == "eos" or attempt > patience  # then take unfinished ones too
+            if finished and len(r.token_ids) >= 8 and text and text not in prompts and len(prompts) < count:
+                prompts.append(text)
+                bar.update()
+    bar.close()
+    sequences = generate_sequences(model, tokenizer, prompts, max_new_tokens, batch_size, progress=progress)
+    cache_file.parent.mkdir(parents=True, exist_ok=True)
+    cache_file.write_text(json.dumps(sequences))
+    return sequences
+
+
 def target_features(model, sequences: Sequence[dict], cache_file: Path | None = None, batch_tokens: int = 4096,
                     progress: bool = True, desc: str = "target states") -> list:
     """The target's last-layer hidden states (after its final norm) at every position of each sequence.
@@ -184,3 +229,25 @@ def target_features(model, sequences: Sequence[dict], cache_file: Path | None = 
         cache_file.parent.mkdir(parents=True, exist_ok=True)
         save_file({"states": torch.cat(states), "lengths": torch.tensor([s.shape[0] for s in states])}, cache_file)
     return states
+
+
+def target_answers(model, tokenizer, prompt_files: Sequence[str], work: Path, num_prompts: int, self_prompts: int = 0,
+                   sampled_fraction: float = 0.25, max_new_tokens: int = 128, batch_size: int = 16, seed: int = 0,
+                   states: bool = True, progress: bool = True):
+    """The target's answers to ``num_prompts`` prompts from the files plus ``self_prompts`` prompts it
+    wrote itself, and (with ``states``) its hidden states over them; everything cached in ``work``.
+
+    Returns ``(sequences, states or None)``. distill and train-heads both train on this.
+    """
+    sequences = target_generations(model, tokenizer, prompt_files, work / "sequences.json", num_prompts,
+                                   sampled_fraction, max_new_tokens, batch_size, seed, progress)
+    extra = self_prompted_generations(model, tokenizer, work / f"self_prompted_{self_prompts}.json", self_prompts,
+                                      max_new_tokens, batch_size, seed, progress) if self_prompts else []
+    if not states:
+        return sequences + extra, None
+    found = target_features(model, sequences, work / "answer_states.safetensors", progress=progress,
+                            desc="target states (answers)")
+    if extra:
+        found += target_features(model, extra, work / f"self_prompted_{self_prompts}_states.safetensors",
+                                 progress=progress, desc="target states (self-prompted)")
+    return sequences + extra, found

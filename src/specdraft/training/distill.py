@@ -26,13 +26,13 @@ import torch
 from ..drafters.compact_draft import build_compact_draft, save_compact_draft, target_fingerprint
 from ..drafters.heads.modules import SharedHead
 from ..errors import ConfigError
-from .data import frequent_tokens, target_features, target_generations
+from .data import frequent_tokens, target_answers
 from .heads import padded_batch, token_loss
 from .loop import train
 
 
 def distill(target, tokenizer, target_name: str, prompt_files: Sequence[str], out_dir: str | Path,
-            num_prompts: int = 600, sampled_fraction: float = 0.25, max_new_tokens: int = 128, layers: int = 2,
+            num_prompts: int = 600, self_prompts: int = 0, sampled_fraction: float = 0.25, max_new_tokens: int = 128, layers: int = 2,
             head_tokens: int = 8192, steps: int = 300, batch_size: int = 8, lr: float = 5e-4,
             gen_batch_size: int = 16, seed: int = 0, objective: str = "kl", work_dir: str | Path | None = None,
             progress: bool = True) -> Path:
@@ -48,10 +48,9 @@ def distill(target, tokenizer, target_name: str, prompt_files: Sequence[str], ou
     (work / "draft-model").mkdir(parents=True, exist_ok=True)
     began = time.perf_counter()
 
-    sequences = target_generations(target, tokenizer, prompt_files, work / "sequences.json", num_prompts,
-                                   sampled_fraction, max_new_tokens, gen_batch_size, seed, progress)
-    states = target_features(target, sequences, work / "answer_states.safetensors", progress=progress,
-                             desc="target states (answers)") if objective == "kl" else None
+    sequences, states = target_answers(target, tokenizer, prompt_files, work, num_prompts, self_prompts,
+                                       sampled_fraction, max_new_tokens, gen_batch_size, seed,
+                                       states=objective == "kl", progress=progress)
     gen_seconds = time.perf_counter() - began
 
     specials = [t for t in (tokenizer.eos_token_id, tokenizer.bos_token_id, tokenizer.pad_token_id) if t is not None]
@@ -85,7 +84,7 @@ def distill(target, tokenizer, target_name: str, prompt_files: Sequence[str], ou
     train_tokens = sum(len(s["ids"]) - s["prompt_len"] for s in sequences)
     save_compact_draft(draft, out_dir, target_name, target_fingerprint(target.get_input_embeddings().weight), extra={
         "name": f"{target_name}-draft-{layers}L",
-        "layers": layers, "prompts": len(sequences), "answer_tokens": train_tokens, "steps": steps,
+        "layers": layers, "prompts": len(sequences), "self_prompted": self_prompts, "answer_tokens": train_tokens, "steps": steps,
         "batch_size": batch_size, "objective": objective, "final_loss": sum(losses[-20:]) / max(1, len(losses[-20:])),
         "generation_seconds": round(gen_seconds, 1), "total_seconds": round(time.perf_counter() - began, 1),
         "prompt_files": [Path(p).name for p in prompt_files],

@@ -30,7 +30,7 @@ from ..drafters.compact_draft import target_fingerprint
 from ..drafters.heads.formats import save_heads
 from ..drafters.heads.modules import KINDS, SharedHead, build_heads, causal_mask
 from ..errors import ConfigError
-from .data import chat_sequences, frequent_tokens, load_examples, target_features, target_generations
+from .data import chat_sequences, frequent_tokens, load_examples, target_answers, target_features
 from .loop import train
 
 #: EAGLE-1's weighting of its two losses: feature regression 1, token classification 0.1
@@ -146,7 +146,8 @@ def _eagle_loss(module, head, embeddings, ids, feats, valid, answer, soft: bool,
 
 
 def train_heads(target, tokenizer, target_name: str, kind: str, prompt_files: Sequence[str], out_dir: str | Path,
-                num_texts: int = 600, num_prompts: int = 600, max_new_tokens: int = 128, steps: int = 700,
+                num_texts: int = 600, num_prompts: int = 600, self_prompts: int = 0, max_new_tokens: int = 128,
+                steps: int = 700,
                 batch_size: int = 8, lr: float = 1e-3, head_tokens: int | None = 8192, seed: int = 0,
                 work_dir: str | Path | None = None, progress: bool = True, **head_config) -> Path:
     """Train heads of ``kind`` for ``target`` and save them in specdraft's format in ``out_dir``.
@@ -164,14 +165,11 @@ def train_heads(target, tokenizer, target_name: str, kind: str, prompt_files: Se
     device = target.device
 
     texts = chat_sequences(tokenizer, load_examples(prompt_files, limit=num_texts, seed=seed))
-    answers = target_generations(target, tokenizer, prompt_files, work / "sequences.json", num_prompts,
-                                 max_new_tokens=max_new_tokens, seed=seed, progress=progress)
-    data_seconds = time.perf_counter() - began
+    answers, answer_states = target_answers(target, tokenizer, prompt_files, work, num_prompts, self_prompts,
+                                            max_new_tokens=max_new_tokens, seed=seed, progress=progress)
     text_states = target_features(target, texts, work / "text_states.safetensors", progress=progress,
                                   desc="target states (text)")
-    answer_states = target_features(target, answers, work / "answer_states.safetensors", progress=progress,
-                                    desc="target states (answers)")
-    state_seconds = time.perf_counter() - began - data_seconds
+    data_seconds = time.perf_counter() - began
 
     specials = [t for t in (tokenizer.eos_token_id, tokenizer.bos_token_id, tokenizer.pad_token_id) if t is not None]
     head_ids = frequent_tokens(answers + texts, head_tokens, specials) if head_tokens else None
@@ -202,15 +200,15 @@ def train_heads(target, tokenizer, target_name: str, kind: str, prompt_files: Se
     with torch.enable_grad():
         losses = train(params, loss_fn, steps, work / kind, lr=lr, progress=progress, desc=f"train-heads ({kind})")
     module.eval()
-    train_seconds = time.perf_counter() - began - data_seconds - state_seconds
+    train_seconds = time.perf_counter() - began - data_seconds
     tail = losses[-20:]
     save_heads(module, head, out_dir, target_name, target_fingerprint(embeddings.weight), extra={
         "name": f"{target_name}-{kind}",
         "steps": steps, "phase1_steps": phase1, "batch_size": batch_size, "lr": lr,
-        "text_sequences": len(texts), "answer_sequences": len(answers),
+        "text_sequences": len(texts), "answer_sequences": len(answers), "self_prompted": self_prompts,
         "final_loss": sum(tail) / max(1, len(tail)),
-        "seconds": {"target_answers": round(data_seconds, 1), "target_states": round(state_seconds, 1),
-                    "training": round(train_seconds, 1), "total": round(time.perf_counter() - began, 1)},
+        "seconds": {"target_answers_and_states": round(data_seconds, 1), "training": round(train_seconds, 1),
+                    "total": round(time.perf_counter() - began, 1)},
         "prompt_files": [Path(p).name for p in prompt_files],
     })
     for name in ("loss.png", "losses.json"):
