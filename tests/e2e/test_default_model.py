@@ -119,7 +119,7 @@ def test_shipped_heads_are_exact_out_of_the_box(default_f64, plain_outputs, prom
     for (cat, _), r in zip(prompts.items(), results):
         assert r.token_ids == plain_outputs[cat].token_ids, cat
     accepted = sum(r.stats.accepted_tokens for r in results)
-    assert 0.1 * sum(r.stats.drafted_tokens for r in results) < accepted  # trained heads, not noise
+    assert 0.03 * sum(r.stats.drafted_tokens for r in results) < accepted  # trained heads (random ones: ~0 of 49k)
 
 
 def test_shipped_eagle_samples_reproducibly(default_f32, prompts):

@@ -31,7 +31,9 @@ FORMAT = "specdraft-compact-draft/1"
 
 def target_fingerprint(embedding_weight: torch.Tensor) -> str:
     """A short hash of the target's embedding matrix: identifies the target a draft was trained for."""
-    sample = embedding_weight.detach()[::97].to(torch.float32).contiguous().cpu()
+    rows = embedding_weight.shape[0]
+    step = 97 if rows > 97 * 16 else 1  # small vocabularies: every row (row 0 alone may be padding)
+    sample = embedding_weight.detach()[::step].to(torch.float32).contiguous().cpu()
     h = hashlib.sha256(str(tuple(embedding_weight.shape)).encode())
     h.update(sample.numpy().tobytes())
     return h.hexdigest()[:16]

@@ -71,12 +71,13 @@ class SharedHead(nn.Module):
 
 
 class ResBlock(nn.Module):
-    """Medusa's block: ``x + SiLU(W x + b)``, with ``W`` zero-initialised (starts as identity)."""
+    """Medusa's block: ``x + SiLU(W x + b)``, with ``W`` and ``b`` zero-initialised: it starts as the identity."""
 
     def __init__(self, hidden: int) -> None:
         super().__init__()
         self.linear = nn.Linear(hidden, hidden)
         nn.init.zeros_(self.linear.weight)
+        nn.init.zeros_(self.linear.bias)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return x + F.silu(self.linear(x))
