@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from collections import deque
+
 import pytest
 import torch
 
@@ -189,7 +191,8 @@ def test_adaptive_verifier_stops_verifying_hopeless_drafts(tiny_model):
 
 def test_seeded_sampling_with_adaptive_length_ignores_timings(tiny_model):
     dec = SpeculativeDecoder(tiny_model, None, drafter="prompt-lookup", spec_length=4)
-    dec._verifier.policy.seconds = {1: 1.0, 2: 50.0, 3: 50.0, 4: 50.0, 5: 50.0}  # absurd costs must not matter
+    absurd = {1: 1.0, 2: 50.0, 3: 50.0, 4: 50.0, 5: 50.0}  # absurd costs must not matter
+    dec._verifier.policy.seconds = {w: deque([t] * 5, maxlen=5) for w, t in absurd.items()}
     a = dec.generate_ids(repetitive_prompts(64), max_new_tokens=20, temperature=1.0, seed=3)
     dec._verifier.policy.seconds = {}
     b = dec.generate_ids(repetitive_prompts(64), max_new_tokens=20, temperature=1.0, seed=3)

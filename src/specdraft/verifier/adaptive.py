@@ -7,7 +7,9 @@ Every drafter benefits: the verifier asks for ``k`` tokens where ``k`` maximises
 with ``a_i`` the acceptance rate of draft position ``i`` given that positions before it
 were accepted, ``c(n)`` the cost of an ``n``-token verify pass relative to a 1-token pass,
 and ``d`` the cost of drafting one token in the same unit (next to nothing for n-gram
-tables, a forward pass for a draft model). ``k = 0`` (a plain step, score 1) wins whenever speculation does not pay, so a
+tables, a forward pass for a draft model). ``k = 0`` (a plain step, score 1) wins unless
+some ``k`` is expected to be at least ``min_gain`` (5%) better: a round has costs no
+estimate captures exactly, and a gain of a percent or two is within their noise, so a
 drafter whose guesses are rarely accepted costs (almost) nothing.
 
 Both estimates are learnt online. Acceptance counts decay every round towards a prior
@@ -15,7 +17,10 @@ Both estimates are learnt online. Acceptance counts decay every round towards a 
 estimate), so
 a policy that stopped drafting tries again after a while and notices when acceptance
 comes back (for instance when the output starts copying the prompt). Costs are measured
-per width; a width never measured is assumed to cost ``1 + 0.1 (n - 1)``, so it gets tried.
+per width as the median of the last few passes of that width, so one slow pass (a cache
+growing, a kernel being chosen, another process) cannot switch drafting off for good. A
+width measured fewer than three times is read optimistically, as the cheaper of its
+measurements and the prior ``1 + 0.1 (n - 1)``, so it gets tried until it is known.
 With ``measure_costs=False`` (seeded sampling) only the prior cost curve is used, which
 keeps the draft lengths, and so the output, a function of the seed alone.
 """
@@ -28,15 +33,20 @@ from typing import Sequence
 
 
 class AdaptiveDraftLength:
+    #: a width's cost is trusted once measured this many times
+    TRUSTED = 3
+
     def __init__(self, max_k: int, prior: float = 0.6, prior_weight: float = 0.5, decay: float = 0.9,
-                 cost_alpha: float = 0.25, prior_cost_slope: float = 0.1, measure_costs: bool = True) -> None:
+                 cost_window: int = 5, prior_cost_slope: float = 0.1, measure_costs: bool = True,
+                 min_gain: float = 0.05) -> None:
         self.max_k = max_k
+        self.min_gain = min_gain
         self.prior, self.prior_weight, self.decay = prior, prior_weight, decay
-        self.cost_alpha, self.prior_cost_slope = cost_alpha, prior_cost_slope
+        self.cost_window, self.prior_cost_slope = cost_window, prior_cost_slope
         self.measure_costs = measure_costs
         self.accepted = [0.0] * max_k  # decayed count of acceptances at position i
         self.reached = [0.0] * max_k  # decayed count of rounds that tested position i
-        self.seconds: dict[int, float] = {}  # verify width -> EMA of its wall time
+        self.seconds: dict[int, deque[float]] = {}  # verify width -> wall times of its last passes
         # drafting time per drafted token, last rounds; the median ignores one-off catch-ups
         self.draft_seconds: deque[float] = deque(maxlen=9)
 
@@ -55,25 +65,36 @@ class AdaptiveDraftLength:
         Read as non-decreasing in width (and >= 1): timing noise can make a wider pass look
         cheaper than a narrower one, which would make drafting look free.
         """
-        prior = 1.0 + self.prior_cost_slope * (width - 1)
-        if not (self.measure_costs and self.seconds.get(1)):
-            return prior
+        one = self._seconds(1)
+        if not (self.measure_costs and one):
+            return 1.0 + self.prior_cost_slope * (width - 1)
         cost = 1.0
         for w in range(2, width + 1):
-            measured = self.seconds.get(w)
-            cost = max(cost, measured / self.seconds[1] if measured is not None else 1.0 + self.prior_cost_slope * (w - 1))
+            prior = 1.0 + self.prior_cost_slope * (w - 1)
+            times = self.seconds.get(w, ())
+            if len(times) >= self.TRUSTED:
+                estimate = median(times) / one
+            else:  # optimistic until known: a first, cold pass must not rule a width out
+                estimate = min([prior, *(t / one for t in times)])
+            cost = max(cost, estimate)
         return cost
+
+    def _seconds(self, width: int) -> float | None:
+        times = self.seconds.get(width)
+        return median(times) if times else None
 
     def draft_cost(self) -> float:
         """Cost of drafting one token, in units of a 1-token verify pass."""
-        if self.measure_costs and self.draft_seconds and self.seconds.get(1):
-            return median(self.draft_seconds) / self.seconds[1]
+        one = self._seconds(1)
+        if self.measure_costs and self.draft_seconds and one:
+            return median(self.draft_seconds) / one
         return 0.0
 
     def choose(self, cap: int | None = None) -> int:
-        """The draft length with the best expected tokens per unit cost (0 = plain step)."""
+        """The draft length with the best expected tokens per unit cost (0 = plain step, which a
+        draft must beat by ``min_gain``)."""
         cap = self.max_k if cap is None else min(cap, self.max_k)
-        best_k, best = 0, 1.0 / self.relative_cost(1)
+        best_k, best = 0, (1.0 + self.min_gain) / self.relative_cost(1)
         expected, survive, per_draft = 1.0, 1.0, self.draft_cost()
         for k in range(1, cap + 1):
             survive *= self.acceptance(k - 1)
@@ -88,8 +109,7 @@ class AdaptiveDraftLength:
         """Record one round: a verify pass of ``width`` tokens taking ``seconds``, per-row drafted
         and accepted counts, and the time spent drafting (``width - 1`` tokens; None = do not
         count it, as for the first round of a request, where a draft model prefills the prompt)."""
-        old = self.seconds.get(width)
-        self.seconds[width] = seconds if old is None else old + self.cost_alpha * (seconds - old)
+        self.seconds.setdefault(width, deque(maxlen=self.cost_window)).append(seconds)
         if width > 1 and draft_seconds is not None:
             self.draft_seconds.append(draft_seconds / (width - 1))
         self.accepted = [a * self.decay for a in self.accepted]

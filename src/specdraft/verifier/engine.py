@@ -22,6 +22,7 @@ import torch
 
 from ..cache import KVCache, forward_step
 from ..errors import ConfigError, DrafterError, SpecdraftError
+from ..fastpath import prepare as prepare_fastpath
 from ..sampling import SamplingParams, logits_to_probs
 from ..types import Draft, DraftContext, GenerationResult, GenerationStats, TargetInfo
 from .adaptive import AdaptiveDraftLength
@@ -173,6 +174,8 @@ class Verifier:
             sampling=sampling,
             generator=generator,
         )
+        if torch.device(device).type == "cpu":  # choose the few-row kernels before anything is timed
+            prepare_fastpath(self.model, [batch * w for w in range(1, self.spec_length + 2)])
         self._call_drafter("reset")
         policy = self.policy
         if policy is not None:
