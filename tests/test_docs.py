@@ -11,7 +11,7 @@ from specdraft.cli import build_parser
 DOCS = Path(__file__).resolve().parents[1] / "docs"
 
 
-@pytest.mark.parametrize("command", ["generate", "bench", "distill", "drafters"])
+@pytest.mark.parametrize("command", ["generate", "bench", "distill", "train-heads", "drafters"])
 def test_cli_reference_quotes_the_real_help(command, monkeypatch, capsys):
     monkeypatch.setenv("COLUMNS", "100")
     with pytest.raises(SystemExit):

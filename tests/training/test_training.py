@@ -119,3 +119,44 @@ def test_the_target_writes_its_own_training_prompts(tmp_path, smol_tokenizer):
     for s in seqs:
         assert s["ids"][: len(prefix)] == prefix and len(s["ids"]) == s["prompt_len"] + 4
     assert self_prompted_generations(target, smol_tokenizer, tmp_path / "s.json", 3) == seqs  # cached
+
+
+def test_document_prompts_wrap_the_targets_own_answers(smol_tokenizer):
+    from specdraft.training.data import DOCUMENT_TASKS, document_prompts
+
+    answers = [f"Answer number {i} talks about topic {i} at some length." for i in range(5)]
+    seqs = [{"ids": [1, 2] + smol_tokenizer(a, add_special_tokens=False).input_ids, "prompt_len": 2} for a in answers]
+    prompts = document_prompts(smol_tokenizer, seqs, 14, seed=0, min_tokens=4, max_parts=2)
+    assert len(prompts) == 14
+    for i, p in enumerate(prompts):
+        head, _, tail = DOCUMENT_TASKS[i % len(DOCUMENT_TASKS)].partition("{text}")
+        assert p.startswith(head) and p.endswith(tail)
+        assert 1 <= sum(a in p for a in answers) <= 2
+    with pytest.raises(ConfigError, match="no answer of 999"):
+        document_prompts(smol_tokenizer, seqs, 3, min_tokens=999)
+
+
+def test_training_precision(monkeypatch):
+    from specdraft.training import loop
+
+    assert loop.autocast_dtype("float32", "cpu") is None
+    assert loop.autocast_dtype("bfloat16", "cpu") is torch.bfloat16
+    monkeypatch.setattr(loop, "_has_bf16_matrix_units", lambda: False)
+    assert loop.autocast_dtype("auto", "cpu") is None
+    monkeypatch.setattr(loop, "_has_bf16_matrix_units", lambda: True)
+    assert loop.autocast_dtype("auto", "cpu") is torch.bfloat16
+    with pytest.raises(ConfigError, match="unknown training dtype 'fp8'"):
+        loop.autocast_dtype("fp8", "cpu")
+
+
+def test_the_loop_runs_the_loss_under_autocast(tmp_path):
+    w = torch.nn.Parameter(torch.randn(8, 8))
+    seen = []
+
+    def loss_fn(step):
+        out = w @ torch.randn(8, 8)
+        seen.append(out.dtype)
+        return out.float().pow(2).mean()
+
+    train({"w": w}, loss_fn, steps=2, out_dir=tmp_path, progress=False, autocast=torch.bfloat16)
+    assert seen == [torch.bfloat16] * 2 and w.dtype == torch.float32

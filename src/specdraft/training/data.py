@@ -122,7 +122,7 @@ def target_generations(model, tokenizer, prompt_files: Sequence[str], cache_file
 
 def generate_sequences(model, tokenizer, prompts: Sequence[str], max_new_tokens: int, batch_size: int = 16,
                        temperature: float = 0.0, seed: int = 0, progress: bool = True) -> list[dict]:
-    """The target's outputs: ``[{"ids": prompt+output ids, "prompt_len": n}]``, batched."""
+    """The target's outputs: ``[{"ids": prompt+output ids, "prompt_len": n, "greedy": bool}]``, batched."""
     from tqdm.auto import tqdm
 
     from ..decoder import SpeculativeDecoder
@@ -135,7 +135,8 @@ def generate_sequences(model, tokenizer, prompts: Sequence[str], max_new_tokens:
         batch = [dec.encode(p) for p in prompts[start : start + batch_size]]
         results = dec.generate_ids(batch, max_new_tokens=max_new_tokens, temperature=temperature,
                                    seed=seed + start if temperature > 0 else None)
-        out += [{"ids": ids + r.token_ids, "prompt_len": len(ids)} for ids, r in zip(batch, results)]
+        out += [{"ids": ids + r.token_ids, "prompt_len": len(ids), "greedy": temperature == 0}
+                for ids, r in zip(batch, results)]
         bar.update(len(batch))
     bar.close()
     return out
@@ -231,23 +232,69 @@ def target_features(model, sequences: Sequence[dict], cache_file: Path | None = 
     return states
 
 
+#: instructions that make the target work over a document (summarize, extract, rewrite), so
+#: that drafters also learn what it does with long inputs; ``{text}`` is one of its own answers
+DOCUMENT_TASKS = (
+    "Summarize: {text}",
+    "Summarize the following text in a few sentences.\n\n{text}",
+    "{text}\n\nWhat are the main points of the text above?",
+    "Extract the key facts from this text as a bulleted list:\n\n{text}",
+    "Rewrite the following text in simpler words:\n\n{text}",
+    "{text}\n\nWrite a one-sentence summary of the text above.",
+    "Read the text and answer: what is it mostly about?\n\n{text}",
+)
+
+
+def document_prompts(tokenizer, sequences: Sequence[dict], count: int, seed: int = 0, min_tokens: int = 64,
+                     max_parts: int = 3) -> list[str]:
+    """``count`` prompts asking the target to work over documents made of its own answers.
+
+    A document joins one to ``max_parts`` answers of at least ``min_tokens`` tokens (long
+    inputs like articles), and each prompt wraps it in one of :data:`DOCUMENT_TASKS`.
+    """
+    texts = [tokenizer.decode(s["ids"][s["prompt_len"]:], skip_special_tokens=True).strip() for s in sequences
+             if len(s["ids"]) - s["prompt_len"] >= min_tokens]
+    texts = [t for t in texts if t]
+    if not texts:
+        raise ConfigError(f"no answer of {min_tokens}+ tokens to build document prompts from")
+    rng = random.Random(seed)
+    prompts = []
+    for i in range(count):
+        parts = rng.sample(texts, min(len(texts), rng.randint(1, max_parts)))
+        prompts.append(DOCUMENT_TASKS[i % len(DOCUMENT_TASKS)].format(text="\n\n".join(parts)))
+    return prompts
+
+
 def target_answers(model, tokenizer, prompt_files: Sequence[str], work: Path, num_prompts: int, self_prompts: int = 0,
                    sampled_fraction: float = 0.25, max_new_tokens: int = 128, batch_size: int = 16, seed: int = 0,
-                   states: bool = True, progress: bool = True):
-    """The target's answers to ``num_prompts`` prompts from the files plus ``self_prompts`` prompts it
-    wrote itself, and (with ``states``) its hidden states over them; everything cached in ``work``.
+                   states: bool = True, progress: bool = True, document_prompts_count: int = 0):
+    """The target's answers to ``num_prompts`` prompts from the files, ``self_prompts`` prompts it
+    wrote itself and ``document_prompts_count`` prompts over documents made of those answers
+    (:func:`document_prompts`), and (with ``states``) its hidden states over them; everything
+    cached in ``work``.
 
     Returns ``(sequences, states or None)``. distill and train-heads both train on this.
     """
-    sequences = target_generations(model, tokenizer, prompt_files, work / "sequences.json", num_prompts,
-                                   sampled_fraction, max_new_tokens, batch_size, seed, progress)
-    extra = self_prompted_generations(model, tokenizer, work / f"self_prompted_{self_prompts}.json", self_prompts,
-                                      max_new_tokens, batch_size, seed, progress) if self_prompts else []
+    parts = [(target_generations(model, tokenizer, prompt_files, work / "sequences.json", num_prompts,
+                                 sampled_fraction, max_new_tokens, batch_size, seed, progress), "answer_states")]
+    if self_prompts:
+        parts.append((self_prompted_generations(model, tokenizer, work / f"self_prompted_{self_prompts}.json",
+                                                self_prompts, max_new_tokens, batch_size, seed, progress),
+                      f"self_prompted_{self_prompts}_states"))
+    if document_prompts_count:
+        cache = work / f"document_prompted_{document_prompts_count}.json"
+        if cache.is_file():
+            docs = json.loads(cache.read_text())
+        else:
+            prompts = document_prompts(tokenizer, [s for part, _ in parts for s in part], document_prompts_count, seed)
+            docs = generate_sequences(model, tokenizer, prompts, max_new_tokens, batch_size, progress=progress)
+            cache.write_text(json.dumps(docs))
+        parts.append((docs, f"document_prompted_{document_prompts_count}_states"))
+    sequences = [s for part, _ in parts for s in part]
     if not states:
-        return sequences + extra, None
-    found = target_features(model, sequences, work / "answer_states.safetensors", progress=progress,
-                            desc="target states (answers)")
-    if extra:
-        found += target_features(model, extra, work / f"self_prompted_{self_prompts}_states.safetensors",
-                                 progress=progress, desc="target states (self-prompted)")
-    return sequences + extra, found
+        return sequences, None
+    found = []
+    for part, name in parts:
+        found += target_features(model, part, work / f"{name}.safetensors", progress=progress,
+                                 desc=f"target states ({name.removesuffix('_states').replace('_', ' ')})")
+    return sequences, found

@@ -27,15 +27,16 @@ from ..drafters.compact_draft import build_compact_draft, save_compact_draft, ta
 from ..drafters.heads.modules import SharedHead
 from ..errors import ConfigError
 from .data import frequent_tokens, target_answers
+from .evaluate import draft_model_predictor, held_out_acceptance, split_held_out
 from .heads import padded_batch, token_loss
-from .loop import train
+from .loop import autocast_dtype, train
 
 
 def distill(target, tokenizer, target_name: str, prompt_files: Sequence[str], out_dir: str | Path,
-            num_prompts: int = 600, self_prompts: int = 0, sampled_fraction: float = 0.25, max_new_tokens: int = 128, layers: int = 2,
-            head_tokens: int = 8192, steps: int = 300, batch_size: int = 8, lr: float = 5e-4,
-            gen_batch_size: int = 16, seed: int = 0, objective: str = "kl", work_dir: str | Path | None = None,
-            progress: bool = True) -> Path:
+            num_prompts: int = 600, self_prompts: int = 0, document_prompts: int = 0, sampled_fraction: float = 0.25,
+            max_new_tokens: int = 128, layers: int = 2, head_tokens: int = 8192, steps: int = 300, batch_size: int = 8,
+            lr: float = 5e-4, gen_batch_size: int = 16, seed: int = 0, objective: str = "kl",
+            work_dir: str | Path | None = None, progress: bool = True, train_dtype: str = "auto") -> Path:
     """Build and train a compact draft; ``objective`` "kl" matches the target's distributions, "ce" its tokens.
 
     ``work_dir`` (default ``out_dir/work``) caches the target's answers (and, for "kl", its
@@ -50,8 +51,13 @@ def distill(target, tokenizer, target_name: str, prompt_files: Sequence[str], ou
 
     sequences, states = target_answers(target, tokenizer, prompt_files, work, num_prompts, self_prompts,
                                        sampled_fraction, max_new_tokens, gen_batch_size, seed,
-                                       states=objective == "kl", progress=progress)
+                                       states=objective == "kl", progress=progress,
+                                       document_prompts_count=document_prompts)
     gen_seconds = time.perf_counter() - began
+    keep, held = split_held_out(sequences)  # greedy answers never trained on, to measure acceptance
+    held_sequences = [sequences[i] for i in held]
+    sequences = [sequences[i] for i in keep]
+    states = [states[i] for i in keep] if states is not None else None
 
     specials = [t for t in (tokenizer.eos_token_id, tokenizer.bos_token_id, tokenizer.pad_token_id) if t is not None]
     head_ids = frequent_tokens(sequences, head_tokens, specials).to(target.device)
@@ -79,13 +85,18 @@ def distill(target, tokenizer, target_name: str, prompt_files: Sequence[str], ou
                           student=draft.lm_head.proj)
 
     with torch.enable_grad():
-        losses = train(params, loss_fn, steps, work / "draft-model", lr=lr, progress=progress, desc="distill")
+        losses = train(params, loss_fn, steps, work / "draft-model", lr=lr, progress=progress, desc="distill",
+                       autocast=autocast_dtype(train_dtype, target.device))
     draft.eval()
+    acceptance = held_out_acceptance(draft_model_predictor(draft, 4), held_sequences, None, 4,
+                                     dtype=target.dtype, device=target.device) if held_sequences else []
     train_tokens = sum(len(s["ids"]) - s["prompt_len"] for s in sequences)
     save_compact_draft(draft, out_dir, target_name, target_fingerprint(target.get_input_embeddings().weight), extra={
         "name": f"{target_name}-draft-{layers}L",
-        "layers": layers, "prompts": len(sequences), "self_prompted": self_prompts, "answer_tokens": train_tokens, "steps": steps,
-        "batch_size": batch_size, "objective": objective, "final_loss": sum(losses[-20:]) / max(1, len(losses[-20:])),
+        "layers": layers, "prompts": len(sequences), "self_prompted": self_prompts, "document_prompted": document_prompts,
+        "answer_tokens": train_tokens, "steps": steps,
+        "batch_size": batch_size, "objective": objective, "train_dtype": train_dtype, "final_loss": sum(losses[-20:]) / max(1, len(losses[-20:])),
+        "held_out": {"answers": len(held_sequences), "acceptance_by_position": [round(a, 4) for a in acceptance]},
         "generation_seconds": round(gen_seconds, 1), "total_seconds": round(time.perf_counter() - began, 1),
         "prompt_files": [Path(p).name for p in prompt_files],
     })

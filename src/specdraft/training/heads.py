@@ -28,13 +28,16 @@ import torch.nn.functional as F
 
 from ..drafters.compact_draft import target_fingerprint
 from ..drafters.heads.formats import save_heads
-from ..drafters.heads.modules import KINDS, SharedHead, build_heads, causal_mask
+from ..drafters.heads.modules import KINDS, SharedHead, build_heads
 from ..errors import ConfigError
 from .data import chat_sequences, frequent_tokens, load_examples, target_answers, target_features
-from .loop import train
+from .evaluate import heads_predictor, held_out_acceptance, split_held_out
+from .loop import autocast_dtype, train
 
 #: EAGLE-1's weighting of its two losses: feature regression 1, token classification 0.1
 EAGLE_CLASSIFICATION_WEIGHT = 0.1
+#: drafting steps EAGLE is trained over (each after the first is fed the layer's own guesses)
+EAGLE_DEPTH = 2
 
 
 def padded_batch(seqs: list[dict], states: list[torch.Tensor], dtype, device):
@@ -101,55 +104,79 @@ def heads_loss(kind: str, module, head: SharedHead, embeddings, ids, feats, vali
     raise ConfigError(f"unknown head kind {kind!r}; expected one of {', '.join(KINDS)}")
 
 
-def _eagle_loss(module, head, embeddings, ids, feats, valid, answer, soft: bool, noise: float) -> torch.Tensor:
-    """EAGLE's loss over two drafting steps.
+def _chain_mask(steps: torch.Tensor, chains: torch.Tensor, dtype, device) -> torch.Tensor:
+    """Additive mask ``[1, 1, N, N]`` of an unrolled EAGLE pass (see :func:`eagle_unroll`).
 
-    Step 1: pair ``t = (f_t, x_{t+1})`` guesses ``f_{t+1}`` (whose token is ``x_{t+2}``).
-    Step 2, as at drafting time: the pair ``(guess of f_{t+1}, x_{t+2})`` guesses
-    ``f_{t+2}``, attending to the true pairs before it and to itself only (one pass over the
-    true pairs followed by the guessed ones, with a mask that says so). Without step 2 the
-    layer never sees its own guesses as input and the second draft token is rarely right.
-    Each step: smooth-L1 on the feature plus ``EAGLE_CLASSIFICATION_WEIGHT`` x cross-entropy.
+    Item ``a`` = (step ``s_a``, chain ``c_a``) sees true pairs (step 1) up to its chain's start
+    ``c_b <= c_a``, and its own chain's guessed pairs of steps ``<= s_a``: what drafting sees.
+    """
+    s_a, s_b = steps[:, None], steps[None, :]
+    c_a, c_b = chains[:, None], chains[None, :]
+    visible = ((s_b == 1) & (c_b <= c_a)) | ((s_b >= 2) & (c_b == c_a) & (s_b <= s_a))
+    mask = torch.zeros(visible.shape, dtype=dtype, device=device).masked_fill_(~visible, torch.finfo(dtype).min)
+    return mask[None, None]
+
+
+def eagle_unroll(module, embeddings, ids, feats, depth: int, noise: float = 0.0) -> list[torch.Tensor]:
+    """EAGLE drafting ``depth`` steps deep from every position at once, as the drafter runs it.
+
+    ``ids # [B, W]``, ``feats # [B, W, H]`` (``n = W - 1`` pairs). Returns ``guesses`` with
+    ``guesses[s-1] # [B, n-s+1, H]``: entry ``j`` is the guess of ``f_{j+s}`` by the chain that
+    starts after the true pairs ``0..j`` (pair ``t = (f_t, x_{t+1})``) and is then fed its own
+    guessed features with the tokens ``x_{j+2}..x_{j+s}``; its token guess is ``x_{j+s+1}``.
+    Step ``s`` is one pass over the true pairs and the guessed pairs of steps ``2..s``, with
+    :func:`_chain_mask` (so that training sees exactly what drafting sees; a test checks it
+    against the drafter's cache path).
     """
     batch, width = ids.shape
     n = width - 1
+    device = feats.device
     true_in = feats[:, :-1]
     if noise:
         true_in = true_in + (torch.rand_like(true_in) * 2 - 1) * noise
-    tokens = embeddings(ids[:, 1:])  # x_{t+1} for pair t
-    positions = torch.arange(n, device=ids.device)
-    guess = module(true_in, tokens, positions[None].expand(batch, n), causal_mask(n, feats.dtype, feats.device))
+    f_in, x_in = [true_in], [embeddings(ids[:, 1:])]
+    positions, steps, chains = [torch.arange(n, device=device)], [torch.ones(n, dtype=torch.long, device=device)], \
+        [torch.arange(n, device=device)]
+    guesses: list[torch.Tensor] = []
+    for s in range(1, depth + 1):
+        m = n - s + 1  # chains that reach step s
+        if m <= 0:
+            break
+        if s > 1:
+            f_in.append(guesses[-1][:, :m])  # guess of f_{j+s-1}
+            x_in.append(embeddings(ids[:, s : s + m]))  # x_{j+s}
+            positions.append(torch.arange(m, device=device) + s - 1)
+            steps.append(torch.full((m,), s, dtype=torch.long, device=device))
+            chains.append(torch.arange(m, device=device))
+        pos = torch.cat(positions)
+        mask = _chain_mask(torch.cat(steps), torch.cat(chains), feats.dtype, device)
+        out = module(torch.cat(f_in, 1), torch.cat(x_in, 1), pos[None].expand(batch, -1), mask)
+        guesses.append(out[:, -m:])
+    return guesses
 
-    def step_loss(guess_, first: int) -> torch.Tensor:
-        """``guess_[:, i]`` guesses ``f_{i+first}``; its token is at position ``i+first+1``."""
-        target = feats[:, first : first + guess_.shape[1]]
-        keep = valid[:, first : first + guess_.shape[1]]
-        regression = F.smooth_l1_loss(guess_[keep].float(), target[keep].float())
-        token = token_loss(guess_[:, :-1], first + 1, ids, feats, answer, head, soft)
-        return regression + EAGLE_CLASSIFICATION_WEIGHT * token
 
-    loss = step_loss(guess, 1)
-    if n < 3:
-        return loss
-    m = n - 1  # guessed pairs (guess of f_{t+1}, x_{t+2}) at positions t+1, t = 0..n-2
-    both_f = torch.cat([true_in, guess[:, :-1]], dim=1)  # [B, n + m, H]
-    both_x = torch.cat([tokens, embeddings(ids[:, 2:])], dim=1)
-    both_pos = torch.cat([positions, positions[1:]])[None].expand(batch, n + m)
-    mask = torch.full((n + m, n + m), torch.finfo(feats.dtype).min, dtype=feats.dtype, device=feats.device)
-    mask[:n, :n] = causal_mask(n, feats.dtype, feats.device)[0, 0]
-    rows = torch.arange(m, device=feats.device)
-    sees_true = torch.arange(n, device=feats.device)[None] <= rows[:, None]  # guessed pair at t+1 sees true pairs <= t
-    mask[n:, :n] = mask[n:, :n].masked_fill(sees_true, 0.0)
-    mask[n + rows, n + rows] = 0.0  # and itself
-    out = module(both_f, both_x, both_pos, mask[None, None])
-    return loss + step_loss(out[:, n:], 2)
+def _eagle_loss(module, head, embeddings, ids, feats, valid, answer, soft: bool, noise: float,
+                depth: int = EAGLE_DEPTH, token_weight: float = EAGLE_CLASSIFICATION_WEIGHT) -> torch.Tensor:
+    """EAGLE's loss over ``depth`` drafting steps (:func:`eagle_unroll`), summed.
+
+    Each step: smooth-L1 between guessed and true features plus ``token_weight`` x the token
+    loss of the guesses. Without the steps after the first, the layer never sees its own
+    guesses as input and later draft tokens are rarely right.
+    """
+    loss = 0
+    for s, guess in enumerate(eagle_unroll(module, embeddings, ids, feats, depth, noise), 1):
+        target, keep = feats[:, s:], valid[:, s:]  # f_{j+s}
+        regression = F.smooth_l1_loss(guess[keep].float(), target[keep].float())
+        loss = loss + regression + token_weight * token_loss(guess[:, :-1], s + 1, ids, feats, answer, head, soft)
+    return loss
 
 
 def train_heads(target, tokenizer, target_name: str, kind: str, prompt_files: Sequence[str], out_dir: str | Path,
-                num_texts: int = 600, num_prompts: int = 600, self_prompts: int = 0, max_new_tokens: int = 128,
+                num_texts: int = 600, num_prompts: int = 600, self_prompts: int = 0,
+                document_prompts: int = 0, max_new_tokens: int = 128,
                 steps: int = 700,
                 batch_size: int = 8, lr: float = 1e-3, head_tokens: int | None = 8192, seed: int = 0,
-                work_dir: str | Path | None = None, progress: bool = True, **head_config) -> Path:
+                work_dir: str | Path | None = None, progress: bool = True, train_dtype: str = "auto", **head_config) -> Path:
     """Train heads of ``kind`` for ``target`` and save them in specdraft's format in ``out_dir``.
 
     ``work_dir`` (default ``out_dir/work``) caches the target's answers and hidden states,
@@ -166,10 +193,14 @@ def train_heads(target, tokenizer, target_name: str, kind: str, prompt_files: Se
 
     texts = chat_sequences(tokenizer, load_examples(prompt_files, limit=num_texts, seed=seed))
     answers, answer_states = target_answers(target, tokenizer, prompt_files, work, num_prompts, self_prompts,
-                                            max_new_tokens=max_new_tokens, seed=seed, progress=progress)
+                                            max_new_tokens=max_new_tokens, seed=seed, progress=progress,
+                                            document_prompts_count=document_prompts)
     text_states = target_features(target, texts, work / "text_states.safetensors", progress=progress,
                                   desc="target states (text)")
     data_seconds = time.perf_counter() - began
+    keep, held = split_held_out(answers)  # greedy answers never trained on, to measure acceptance
+    held_answers, held_states = [answers[i] for i in held], [answer_states[i] for i in held]
+    answers, answer_states = [answers[i] for i in keep], [answer_states[i] for i in keep]
 
     specials = [t for t in (tokenizer.eos_token_id, tokenizer.bos_token_id, tokenizer.pad_token_id) if t is not None]
     head_ids = frequent_tokens(answers + texts, head_tokens, specials) if head_tokens else None
@@ -198,15 +229,21 @@ def train_heads(target, tokenizer, target_name: str, kind: str, prompt_files: Se
                           soft=phase == 2, noise=noise)
 
     with torch.enable_grad():
-        losses = train(params, loss_fn, steps, work / kind, lr=lr, progress=progress, desc=f"train-heads ({kind})")
+        losses = train(params, loss_fn, steps, work / kind, lr=lr, progress=progress, desc=f"train-heads ({kind})",
+                       autocast=autocast_dtype(train_dtype, target.device))
     module.eval()
     train_seconds = time.perf_counter() - began - data_seconds
+    depth = {"medusa": getattr(module, "num_heads", 0), "mlp-speculator": getattr(module, "num_stages", 0)}.get(kind, 4)
+    acceptance = held_out_acceptance(heads_predictor(kind, module, head, lambda t: embeddings(t).float(), depth),
+                                     held_answers, held_states, depth, device=device) if held_answers else []
     tail = losses[-20:]
     save_heads(module, head, out_dir, target_name, target_fingerprint(embeddings.weight), extra={
         "name": f"{target_name}-{kind}",
-        "steps": steps, "phase1_steps": phase1, "batch_size": batch_size, "lr": lr,
+        "steps": steps, "phase1_steps": phase1, "batch_size": batch_size, "lr": lr, "train_dtype": train_dtype,
         "text_sequences": len(texts), "answer_sequences": len(answers), "self_prompted": self_prompts,
+        "document_prompted": document_prompts,
         "final_loss": sum(tail) / max(1, len(tail)),
+        "held_out": {"answers": len(held_answers), "acceptance_by_position": [round(a, 4) for a in acceptance]},
         "seconds": {"target_answers_and_states": round(data_seconds, 1), "training": round(train_seconds, 1),
                     "total": round(time.perf_counter() - began, 1)},
         "prompt_files": [Path(p).name for p in prompt_files],

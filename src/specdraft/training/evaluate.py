@@ -1,0 +1,115 @@
+"""Held-out acceptance: how often a learnt drafter's greedy guesses would be accepted.
+
+Measured offline on greedy answers of the target that training did not see, which is
+exactly what greedy verification tests: a chain that starts after position ``j`` (the
+target's newest state ``f_j``, its newest token ``x_{j+1}``) guesses ``x_{j+2}, x_{j+3}, ...``
+and its guess at depth ``s`` counts only if every guess before it was right. Because the
+answers are the target's own greedy tokens, feeding the true tokens is feeding the guesses
+whenever the guesses were right, so one teacher-forced pass per depth gives every chain.
+
+``acceptance[s-1]`` is P(guesses ``1..s`` all right): the share of drafts of at least ``s``
+tokens whose ``s``-th token is accepted, which is what ``specdraft bench`` and ``--stats``
+report as acceptance by position. Its ratios are the conditional rates the verifier's
+draft-length policy weighs (P(guess ``s`` right | guesses before it right)).
+"""
+
+from __future__ import annotations
+
+from typing import Callable, Sequence
+
+import torch
+
+#: ``predict(ids # [B, W], feats # [B, W, H]) -> [guesses of depth 1, 2, ...]``, depth ``s``
+#: a ``[B, W - s - 1]`` tensor of token ids whose entry ``j`` guesses ``x_{j+s+1}``
+Predictor = Callable[[torch.Tensor, torch.Tensor], list[torch.Tensor]]
+
+
+def held_out_acceptance(predict: Predictor, sequences: Sequence[dict], states: Sequence[torch.Tensor] | None,
+                        depth: int, batch_size: int = 8, dtype=torch.float32, device="cpu") -> list[float]:
+    """Acceptance by draft position (see the module docstring) over ``sequences``' answers.
+
+    Chains are counted where the target's answer is long enough to test them: depth ``s``
+    conditions on the chains that reach it, and the rates are chained from there.
+    """
+    from .heads import padded_batch
+
+    right = [0] * (depth + 1)  # right[s]: chains whose first s guesses were all right
+    tested = [0] * (depth + 1)  # tested[s]: chains whose guess s was tested
+    width = states[0].shape[-1] if states else 1
+    with torch.no_grad():
+        for start in range(0, len(sequences), batch_size):
+            seqs = list(sequences[start : start + batch_size])
+            feats = list(states[start : start + batch_size]) if states else [torch.zeros(len(s["ids"]), width) for s in seqs]
+            ids, feats, valid, _ = padded_batch(seqs, feats, dtype, device)
+            W = ids.shape[1]
+            lengths = valid.sum(1)
+            chain = torch.ones((ids.shape[0], max(W - 2, 0)), dtype=torch.bool, device=ids.device)  # j = 0..W-3
+            starts = torch.arange(chain.shape[1], device=ids.device)
+            first = torch.tensor([s["prompt_len"] - 2 for s in seqs], device=ids.device)  # chains after prefill
+            for s, guess in enumerate(predict(ids, feats)[:depth], 1):
+                n = W - s - 1  # chains whose guess s lies inside the padded width
+                if n <= 0:
+                    break
+                ok = guess[:, :n] == ids[:, s + 1 : s + 1 + n]
+                inside = (starts[None, :n] >= first[:, None]) & (starts[None, :n] + s + 1 < lengths[:, None])
+                alive = chain[:, :n] & inside
+                tested[s] += int(alive.sum())
+                chain = chain[:, :n] & ok
+                right[s] += int((chain & inside).sum())
+    acceptance, survive = [], 1.0
+    for s in range(1, depth + 1):
+        survive *= right[s] / tested[s] if tested[s] else 0.0
+        acceptance.append(survive)
+    return acceptance
+
+
+def _argmax_ids(logits: torch.Tensor, head_ids: torch.Tensor | None) -> torch.Tensor:
+    best = logits.argmax(-1)
+    return best if head_ids is None else head_ids[best]
+
+
+def heads_predictor(kind: str, module, head, embeddings, depth: int) -> Predictor:
+    """Greedy guesses of trained heads of ``kind`` (``head``: their :class:`SharedHead`)."""
+    from .heads import eagle_unroll
+
+    def predict(ids: torch.Tensor, feats: torch.Tensor) -> list[torch.Tensor]:
+        W = ids.shape[1]
+        out = []
+        if kind == "eagle":
+            for s, guess in enumerate(eagle_unroll(module, embeddings, ids, feats, depth), 1):
+                out.append(_argmax_ids(head.small(guess[:, :-1]), head.head_ids))
+        elif kind == "medusa":
+            for s in range(1, min(depth, module.num_heads) + 1):
+                feature = module.blocks[s - 1](feats[:, : W - s - 1])
+                if module.own_heads is None:  # the target's LM head, shared
+                    out.append(_argmax_ids(head.small(feature), head.head_ids))
+                else:  # a published checkpoint's own LM head per Medusa head
+                    out.append(module.own_heads[s - 1](feature).argmax(-1))
+        else:  # mlp-speculator: stage s reads stage s-1's state and the token before its guess
+            state = feats[:, : W - 2]
+            for s in range(1, min(depth, module.num_stages) + 1):
+                n = W - s - 1
+                state, feature = module.stage(s - 1, state[:, :n], embeddings(ids[:, s : s + n]))
+                out.append(_argmax_ids(head.small(feature), head.head_ids))
+        return out
+
+    return predict
+
+
+def draft_model_predictor(draft, depth: int) -> Predictor:
+    """Greedy guesses of an autoregressive draft model: depth ``s`` of chain ``j`` is its
+    prediction after ``x_{j+s}``."""
+
+    def predict(ids: torch.Tensor, feats: torch.Tensor) -> list[torch.Tensor]:
+        W = ids.shape[1]
+        best = draft(input_ids=ids).logits.argmax(-1)  # [B, W]: best[:, p] guesses x_{p+1}
+        return [best[:, s : W - 1] for s in range(1, depth + 1)]
+
+    return predict
+
+
+def split_held_out(sequences: Sequence[dict], every: int = 20) -> tuple[list[int], list[int]]:
+    """``(train, held_out)`` indices: every ``every``-th greedy answer is held out."""
+    greedy = [i for i, s in enumerate(sequences) if s.get("greedy", False)]
+    held = set(greedy[every - 1 :: every])
+    return [i for i in range(len(sequences)) if i not in held], sorted(held)
