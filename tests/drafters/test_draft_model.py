@@ -143,3 +143,15 @@ def test_missing_draft_weights_say_which_and_how(tiny_model, monkeypatch):
     with pytest.raises(ModelLoadError, match=r"draft model 'meta-llama/Llama-3.2-1B-Instruct' is not available.*"
                                              r"--drafter-option model=/path/to/model"):
         SpeculativeDecoder(tiny_model, None, drafter="llama-1b")
+
+
+def test_target_fingerprint_ignores_precision_but_not_the_weights():
+    from specdraft.drafters.compact_draft import target_fingerprint
+
+    w = torch.randn(3000, 24)
+    fp = target_fingerprint(w)
+    assert {target_fingerprint(w.to(d)) for d in (torch.float64, torch.bfloat16, torch.float16)} == {fp}
+    changed = w.clone()
+    changed[97 * 5, 3] *= -1  # one sampled value of another model
+    assert target_fingerprint(changed) != fp
+    assert target_fingerprint(w[:2999]) != fp

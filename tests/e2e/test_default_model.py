@@ -127,3 +127,16 @@ def test_shipped_eagle_samples_reproducibly(default_f32, prompts):
     dec = SpeculativeDecoder(model, tok, drafter="eagle")
     kw = dict(max_new_tokens=16, temperature=0.7, seed=5)
     assert dec.generate(prompts["qa"], **kw)[0].token_ids == dec.generate(prompts["qa"], **kw)[0].token_ids
+
+
+def test_shipped_weights_are_found_in_every_precision(prompts):
+    """A GPU loads the default target in bfloat16: the shipped drafters must still find their weights."""
+    import torch
+
+    from specdraft.models import load_target
+
+    model, tok, _ = load_target(None, dtype="bfloat16")
+    assert model.dtype == torch.bfloat16
+    for kind in ("draft-model", "medusa", "eagle", "mlp-speculator"):
+        dec = SpeculativeDecoder(model, tok, drafter=kind, spec_length=2)
+        assert dec.generate(prompts["qa"], max_new_tokens=4)[0].stats.target_passes > 0, kind

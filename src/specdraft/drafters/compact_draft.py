@@ -21,6 +21,7 @@ import json
 from pathlib import Path
 from typing import Any
 
+import numpy as np
 import torch
 
 from ..errors import ConfigError
@@ -30,12 +31,18 @@ FORMAT = "specdraft-compact-draft/1"
 
 
 def target_fingerprint(embedding_weight: torch.Tensor) -> str:
-    """A short hash of the target's embedding matrix: identifies the target a draft was trained for."""
+    """A short hash of the target's embedding matrix: identifies the target a draft was trained for.
+
+    It hashes the shape and the *signs* of a strided sample of rows, so the same target gives
+    the same fingerprint whatever precision it was loaded in (float32, bfloat16 on a GPU,
+    float16, float64), while a different model, or a fine-tune of this one, gives another.
+    """
     rows = embedding_weight.shape[0]
     step = 97 if rows > 97 * 16 else 1  # small vocabularies: every row (row 0 alone may be padding)
-    sample = embedding_weight.detach()[::step].to(torch.float32).contiguous().cpu()
-    h = hashlib.sha256(str(tuple(embedding_weight.shape)).encode())
-    h.update(sample.numpy().tobytes())
+    sample = embedding_weight.detach()[::step]
+    signs = (sample > 0).flatten().cpu().numpy()
+    h = hashlib.sha256(f"signs|{tuple(embedding_weight.shape)}".encode())
+    h.update(np.packbits(signs).tobytes())
     return h.hexdigest()[:16]
 
 
