@@ -155,9 +155,12 @@ class EagleDraft(nn.Module):
 
         ``attention_mask`` is additive ``[B, 1, n, kv]``; ``cache`` a KVCache (or None in training).
         """
+        from ...cache import attention_backends
+
         x = self.fc(torch.cat([embeds, features], dim=-1))
-        out = self.layer(x, attention_mask=attention_mask, position_ids=position_ids, past_key_values=cache,
-                         use_cache=cache is not None, position_embeddings=self.rotary(x, position_ids))
+        with attention_backends(x.device):
+            out = self.layer(x, attention_mask=attention_mask, position_ids=position_ids, past_key_values=cache,
+                             use_cache=cache is not None, position_embeddings=self.rotary(x, position_ids))
         return out[0] if isinstance(out, tuple) else out
 
 
