@@ -26,6 +26,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from ...cache import attention_backends
+
 KINDS = ("medusa", "eagle", "mlp-speculator")
 
 
@@ -155,8 +157,6 @@ class EagleDraft(nn.Module):
 
         ``attention_mask`` is additive ``[B, 1, n, kv]``; ``cache`` a KVCache (or None in training).
         """
-        from ...cache import attention_backends
-
         x = self.fc(torch.cat([embeds, features], dim=-1))
         with attention_backends(x.device):
             out = self.layer(x, attention_mask=attention_mask, position_ids=position_ids, past_key_values=cache,
