@@ -197,3 +197,34 @@ def test_seeded_sampling_with_adaptive_length_ignores_timings(tiny_model):
     dec._verifier.policy.seconds = {}
     b = dec.generate_ids(repetitive_prompts(64), max_new_tokens=20, temperature=1.0, seed=3)
     assert [r.token_ids for r in a] == [r.token_ids for r in b]
+
+
+class _ScriptedPolicy:
+    """Chooses draft lengths from a script and records what the verifier reports back."""
+
+    def __init__(self, script):
+        self.script, self.observed, self.measure_costs = deque(script), [], True
+
+    def reset_acceptance(self):
+        pass
+
+    def choose(self, cap=None):
+        return self.script.popleft() if self.script else 0
+
+    def observe(self, width, seconds, drafted, accepted, draft_seconds=None):
+        self.observed.append((width, draft_seconds))
+
+
+def test_drafting_time_is_a_cost_sample_only_after_a_drafting_round(tiny_model):
+    """The first drafting round (a draft model's prefill) and one after plain steps (its catch-up
+    on the tokens they emitted) are not samples of what drafting a token costs: counting them
+    made a paused draft model look ever dearer until the policy never drafted again."""
+    prompt = repetitive_prompts(64)[0]
+    dec = SpeculativeDecoder(tiny_model, None, drafter="prompt-lookup", spec_length=2)
+    policy = _ScriptedPolicy([2, 2, 0, 0, 1, 2, 0, 2, 2])
+    dec._verifier.policy = policy
+    r = dec.generate_ids([prompt], max_new_tokens=40)[0]
+    assert r.token_ids == plain_greedy(tiny_model, prompt, 40)
+    ks = [2, 2, 0, 0, 1, 2, 0, 2, 2]
+    measured = [d is not None for _, d in policy.observed[: len(ks)]]
+    assert measured == [False, True, False, False, False, True, False, False, True]
