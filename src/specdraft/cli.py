@@ -22,6 +22,13 @@ def _parse_option(text: str) -> tuple[str, str]:
     return key.strip(), value
 
 
+def _parse_drafter_option(text: str) -> tuple[str, str, str]:
+    drafter, sep, option = text.partition(":")
+    if not sep or not drafter.strip():
+        raise argparse.ArgumentTypeError(f"expected DRAFTER:KEY=VALUE (for example draft-model:model=DIR), got {text!r}")
+    return (drafter.strip(), *_parse_option(option))
+
+
 def _training_args(p: argparse.ArgumentParser, steps: int, steps_help: str, lr: float, head_tokens_help: str) -> None:
     """The options ``distill`` and ``train-heads`` share."""
     p.add_argument("--prompts", nargs="+", required=True, metavar="FILE.jsonl",
@@ -87,6 +94,9 @@ def build_parser() -> argparse.ArgumentParser:
     bench.add_argument("--categories", default=None, help="comma-separated categories (default: all)")
     bench.add_argument("--limit-per-category", type=int, default=5, metavar="N", help="default: 5")
     bench.add_argument("--drafters", default="ngram,prompt-lookup", help="comma-separated (default: ngram,prompt-lookup)")
+    bench.add_argument("--drafter-option", dest="drafter_options", action="append", type=_parse_drafter_option,
+                       default=[], metavar="DRAFTER:KEY=VALUE",
+                       help="an option for one of the drafters, e.g. draft-model:model=DIR (repeatable)")
     bench.add_argument("--spec-length", type=int, default=4, metavar="K", help="default: 4")
     bench.add_argument("--max-new-tokens", type=int, default=128, metavar="N", help="default: 128")
     bench.add_argument("--temperature", type=float, default=0.0, help="default: 0 (greedy; outputs are compared)")
@@ -206,10 +216,18 @@ def _bench(args) -> int:
     from .decoder import check_generation_args, check_spec_length
     from .plugins import get_registry
 
+    options: dict[str, dict[str, str]] = {}
+    for drafter, key, value in args.drafter_options:
+        options.setdefault(drafter, {})[key] = value
+    unknown = sorted(set(options) - set(_split(args.drafters)))
+    if unknown:
+        raise ConfigError(f"--drafter-option names {', '.join(unknown)}, which --drafters does not run "
+                          f"({args.drafters}); add it to --drafters or drop the option")
     settings = BenchSettings(
         questions=args.questions, categories=_split(args.categories) or None,
         limit_per_category=args.limit_per_category, drafters=_split(args.drafters), spec_length=args.spec_length,
         max_new_tokens=args.max_new_tokens, temperature=args.temperature, peers=_split(args.peers),
+        drafter_options=options,
     )
     check_spec_length(settings.spec_length)
     check_generation_args(settings.max_new_tokens, settings.temperature, 0, 1.0, None, None)
@@ -217,6 +235,8 @@ def _bench(args) -> int:
         raise ConfigError("--limit-per-category must be >= 1")
     for d in settings.drafters:
         get_registry().get(d)
+        if d in options:
+            get_registry().validate_options(d, options[d])
     load_questions(settings.questions, settings.categories, settings.limit_per_category)
     from .models import load_target
 

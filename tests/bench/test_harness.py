@@ -47,7 +47,8 @@ def test_tiny_bench_writes_results(questions, tmp_path):
     tokenizer = AutoTokenizer.from_pretrained(resolve_target(None)[1])
     model = tiny_llama(vocab_size=len(tokenizer), seed=4, max_positions=512)
     settings = BenchSettings(questions=str(questions), categories=["copy", "chat"], limit_per_category=1,
-                             drafters=["ngram", "prompt-lookup"], max_new_tokens=8, peers=["hf"])
+                             drafters=["ngram", "prompt-lookup"], max_new_tokens=8, peers=["hf"],
+                             drafter_options={"ngram": {"max_order": 3}})
     records, summary, env = run_bench(model, tokenizer, settings, name="tiny", progress=False)
     out = write_outputs(tmp_path / "out", records, summary, env)
 
@@ -64,6 +65,7 @@ def test_tiny_bench_writes_results(questions, tmp_path):
             assert key in data["summary"][method]["overall"]
         assert data["summary"][method]["overall"]["mismatches"] == 0  # exactness, on every prompt
     assert {"model", "device", "versions", "spec_length", "torch_threads"} <= set(data["environment"])
+    assert data["environment"]["ngram options"] == "max_order=3"  # what was benchmarked is on record
     assert len(data["records"]) == 2 * len(methods)
     md = (out / "results.md").read_text()
     assert "## Overall" in md and "| ngram |" in md and "hf-prompt-lookup" in md

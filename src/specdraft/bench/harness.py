@@ -162,6 +162,8 @@ def run_bench(model, tokenizer, settings: BenchSettings, name: str = "", progres
     bar.close()
     env = environment(model, settings, name)
     env["questions"] = f"{settings.questions} ({len(questions)} prompts)"
+    for drafter, options in settings.drafter_options.items():
+        env[f"{drafter} options"] = ", ".join(f"{k}={v}" for k, v in options.items())
     return records, summarize(records), env
 
 
