@@ -72,6 +72,16 @@ def test_target_as_its_own_draft_accepts_everything(tiny_model, saved):
     assert r.stats.acceptance_rate == 1.0 and r.stats.target_passes == 24 // 4  # K accepted, K+1 emitted
 
 
+def test_own_draft_accepts_everything_in_a_ragged_batch(tiny_model, saved):
+    """Rows of different lengths: the draft reads its logits at each row's own last position."""
+    dec = _decoder(tiny_model, saved(tiny_model, "same-ragged"), k=3, adaptive=False)
+    prompts = repetitive_prompts(64)
+    assert len({len(p) for p in prompts}) > 1
+    for p, r in zip(prompts, dec.generate_ids(prompts, max_new_tokens=16)):
+        assert r.token_ids == plain_greedy(tiny_model, p, 16)
+        assert r.stats.acceptance_rate == 1.0
+
+
 @pytest.mark.parametrize("same", [True, False])
 def test_draft_cache_equals_a_fresh_prefill(tiny_model, draft_dir, saved, same):
     """After rollbacks (different draft) or catch-ups (same model), the cache is a fresh prefill."""

@@ -129,8 +129,11 @@ class DraftModelDrafter(Drafter):
         for b, p in enumerate(pending):  # right-padded; padding slots are rolled back below
             feed[b, : len(p)] = torch.tensor(p)
         starts = list(self.cache.lengths)
-        logits = forward_step(self.model, self.cache, feed.to(device))  # [batch, width, vocab_d]
-        last = torch.tensor([len(p) - 1 for p in pending], device=device)
+        # only each row's last fed position needs logits: on a lazy prefill of a long prompt, logits
+        # (and the head's scatter into the full vocabulary) at every position cost a third of the pass
+        keep = width - min(len(p) for p in pending) + 1
+        logits = forward_step(self.model, self.cache, feed.to(device), logits_to_keep=keep)  # [batch, keep, vocab_d]
+        last = torch.tensor([len(p) - 1 - (width - keep) for p in pending], device=device)
         step_logits = logits[torch.arange(ctx.batch_size, device=device), last]  # [batch, vocab_d]
         self.cache.rollback([s + len(p) for s, p in zip(starts, pending)])
         for fed, p in zip(self._fed, pending):
