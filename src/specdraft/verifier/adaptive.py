@@ -16,7 +16,13 @@ Both estimates are learnt online. Acceptance counts decay every round towards a 
 (weighted like half an observation, so it steers exploration without biasing a settled
 estimate), so
 a policy that stopped drafting tries again after a while and notices when acceptance
-comes back (for instance when the output starts copying the prompt). Costs are measured
+comes back (for instance when the output starts copying the prompt). How soon depends on
+what a retry costs: resuming after plain steps makes a draft model catch up on the tokens
+they emitted (and the retry pays a wider verify pass), which on a long prompt is a sizeable
+fraction of a step, while an n-gram table resumes for free. Plain rounds therefore decay the
+counts more slowly the dearer a retry, so that exploring costs about ``explore_budget`` (4%)
+of a step per round whatever the drafter: an n-gram drafter retries after a few rounds, a
+draft model whose guesses fail on this text every few dozen. Costs are measured
 per width as the median of the last few passes of that width, so one slow pass (a cache
 growing, a kernel being chosen, another process) cannot switch drafting off for good. A
 width measured fewer than three times is read optimistically, as the cheaper of its
@@ -38,9 +44,9 @@ class AdaptiveDraftLength:
 
     def __init__(self, max_k: int, prior: float = 0.6, prior_weight: float = 0.5, decay: float = 0.9,
                  cost_window: int = 5, prior_cost_slope: float = 0.1, measure_costs: bool = True,
-                 min_gain: float = 0.05) -> None:
+                 min_gain: float = 0.05, explore_budget: float = 0.04) -> None:
         self.max_k = max_k
-        self.min_gain = min_gain
+        self.min_gain, self.explore_budget = min_gain, explore_budget
         self.prior, self.prior_weight, self.decay = prior, prior_weight, decay
         self.cost_window, self.prior_cost_slope = cost_window, prior_cost_slope
         self.measure_costs = measure_costs
@@ -49,6 +55,8 @@ class AdaptiveDraftLength:
         self.seconds: dict[int, deque[float]] = {}  # verify width -> wall times of its last passes
         # drafting time per drafted token, last rounds; the median ignores one-off catch-ups
         self.draft_seconds: deque[float] = deque(maxlen=9)
+        # drafting time of rounds that resumed drafting after plain steps (catch-up included)
+        self.resume_seconds: deque[float] = deque(maxlen=9)
 
     def reset_acceptance(self) -> None:
         """Forget acceptance statistics (kept costs are still valid)."""
@@ -90,6 +98,15 @@ class AdaptiveDraftLength:
             return median(self.draft_seconds) / one
         return 0.0
 
+    def idle_decay(self) -> float:
+        """How much a plain round decays the acceptance counts: ``decay`` when retrying is cheap,
+        closer to 1 the more a retry costs (see the module docstring)."""
+        one = self._seconds(1)
+        if not (self.measure_costs and one and self.resume_seconds):
+            return self.decay
+        retry = median(self.resume_seconds) / one + self.relative_cost(2) - 1.0  # in 1-token passes
+        return self.decay ** (1.0 / max(1.0, retry / self.explore_budget))
+
     def choose(self, cap: int | None = None) -> int:
         """The draft length with the best expected tokens per unit cost (0 = plain step, which a
         draft must beat by ``min_gain``)."""
@@ -105,15 +122,20 @@ class AdaptiveDraftLength:
         return best_k
 
     def observe(self, width: int, seconds: float, drafted: Sequence[int], accepted: Sequence[int],
-                draft_seconds: float | None = None) -> None:
+                draft_seconds: float | None = None, resume_seconds: float | None = None) -> None:
         """Record one round: a verify pass of ``width`` tokens taking ``seconds``, per-row drafted
-        and accepted counts, and the time spent drafting (``width - 1`` tokens; None = do not
-        count it, as for the first round of a request, where a draft model prefills the prompt)."""
+        and accepted counts, and the time spent drafting (``width - 1`` tokens): as
+        ``draft_seconds`` when the drafter also ran the round before, as ``resume_seconds`` when
+        it resumed after plain steps (a catch-up included); neither for a request's first
+        drafting round, where a draft model prefills the prompt."""
         self.seconds.setdefault(width, deque(maxlen=self.cost_window)).append(seconds)
         if width > 1 and draft_seconds is not None:
             self.draft_seconds.append(draft_seconds / (width - 1))
-        self.accepted = [a * self.decay for a in self.accepted]
-        self.reached = [r * self.decay for r in self.reached]
+        if width > 1 and resume_seconds is not None:
+            self.resume_seconds.append(resume_seconds)
+        decay = self.decay if width > 1 else self.idle_decay()
+        self.accepted = [a * decay for a in self.accepted]
+        self.reached = [r * decay for r in self.reached]
         for d, a in zip(drafted, accepted):
             for i in range(min(a + 1, d, self.max_k)):  # positions tested: up to the first rejection
                 self.reached[i] += 1.0
