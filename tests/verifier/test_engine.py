@@ -211,15 +211,14 @@ class _ScriptedPolicy:
     def choose(self, cap=None):
         return self.script.popleft() if self.script else 0
 
-    def observe(self, width, seconds, drafted, accepted, draft_seconds=None, resume_seconds=None):
-        self.observed.append((width, draft_seconds, resume_seconds))
+    def observe(self, width, seconds, drafted, accepted, draft_seconds=None):
+        self.observed.append((width, draft_seconds))
 
 
 def test_drafting_time_is_a_cost_sample_only_after_a_drafting_round(tiny_model):
     """The first drafting round (a draft model's prefill) and one after plain steps (its catch-up
     on the tokens they emitted) are not samples of what drafting a token costs: counting them
-    made a paused draft model look ever dearer until the policy never drafted again. Rounds
-    that resume after plain steps are reported apart, as the cost of resuming."""
+    made a paused draft model look ever dearer until the policy never drafted again."""
     prompt = repetitive_prompts(64)[0]
     dec = SpeculativeDecoder(tiny_model, None, drafter="prompt-lookup", spec_length=2)
     policy = _ScriptedPolicy([2, 2, 0, 0, 1, 2, 0, 2, 2])
@@ -227,7 +226,5 @@ def test_drafting_time_is_a_cost_sample_only_after_a_drafting_round(tiny_model):
     r = dec.generate_ids([prompt], max_new_tokens=40)[0]
     assert r.token_ids == plain_greedy(tiny_model, prompt, 40)
     ks = [2, 2, 0, 0, 1, 2, 0, 2, 2]
-    measured = [d is not None for _, d, _ in policy.observed[: len(ks)]]
+    measured = [d is not None for _, d in policy.observed[: len(ks)]]
     assert measured == [False, True, False, False, False, True, False, False, True]
-    resumed = [r is not None for _, _, r in policy.observed[: len(ks)]]
-    assert resumed == [False, False, False, False, True, False, False, True, False]

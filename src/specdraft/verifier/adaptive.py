@@ -17,12 +17,13 @@ Both estimates are learnt online. Acceptance counts decay every round towards a 
 estimate), so
 a policy that stopped drafting tries again after a while and notices when acceptance
 comes back (for instance when the output starts copying the prompt). How soon depends on
-what a retry costs: resuming after plain steps makes a draft model catch up on the tokens
-they emitted (and the retry pays a wider verify pass), which on a long prompt is a sizeable
-fraction of a step, while an n-gram table resumes for free. Plain rounds therefore decay the
-counts more slowly the dearer a retry, so that exploring costs about ``explore_budget`` (4%)
-of a step per round whatever the drafter: an n-gram drafter retries after a few rounds, a
-draft model whose guesses fail on this text every few dozen. Costs are measured
+what a retry costs: drafting a token (a forward pass for a draft model, next to nothing for
+an n-gram table) plus the wider verify pass. A retry costing n times ``explore_budget``
+(4% of a step) makes plain rounds decay the counts at the n-th root of the usual rate, so it
+comes about n times less often: a draft model whose guesses fail on this text retries
+several times less often than an n-gram table. (A
+draft model also catches up on the tokens the plain steps emitted; that costs about the same
+per paused token however long the pause, so it does not enter the choice.) Costs are measured
 per width as the median of the last few passes of that width, so one slow pass (a cache
 growing, a kernel being chosen, another process) cannot switch drafting off for good. A
 width measured fewer than three times is read optimistically, as the cheaper of its
@@ -55,8 +56,6 @@ class AdaptiveDraftLength:
         self.seconds: dict[int, deque[float]] = {}  # verify width -> wall times of its last passes
         # drafting time per drafted token, last rounds; the median ignores one-off catch-ups
         self.draft_seconds: deque[float] = deque(maxlen=9)
-        # drafting time of rounds that resumed drafting after plain steps (catch-up included)
-        self.resume_seconds: deque[float] = deque(maxlen=9)
 
     def reset_acceptance(self) -> None:
         """Forget acceptance statistics (kept costs are still valid)."""
@@ -99,12 +98,11 @@ class AdaptiveDraftLength:
         return 0.0
 
     def idle_decay(self) -> float:
-        """How much a plain round decays the acceptance counts: ``decay`` when retrying is cheap,
-        closer to 1 the more a retry costs (see the module docstring)."""
-        one = self._seconds(1)
-        if not (self.measure_costs and one and self.resume_seconds):
+        """How much a plain round decays the acceptance counts: ``decay`` when a retry costs at
+        most ``explore_budget`` of a step, proportionally closer to 1 the more it costs."""
+        if not self.measure_costs:
             return self.decay
-        retry = median(self.resume_seconds) / one + self.relative_cost(2) - 1.0  # in 1-token passes
+        retry = self.draft_cost() + self.relative_cost(2) - 1.0  # in 1-token passes
         return self.decay ** (1.0 / max(1.0, retry / self.explore_budget))
 
     def choose(self, cap: int | None = None) -> int:
@@ -122,17 +120,14 @@ class AdaptiveDraftLength:
         return best_k
 
     def observe(self, width: int, seconds: float, drafted: Sequence[int], accepted: Sequence[int],
-                draft_seconds: float | None = None, resume_seconds: float | None = None) -> None:
+                draft_seconds: float | None = None) -> None:
         """Record one round: a verify pass of ``width`` tokens taking ``seconds``, per-row drafted
-        and accepted counts, and the time spent drafting (``width - 1`` tokens): as
-        ``draft_seconds`` when the drafter also ran the round before, as ``resume_seconds`` when
-        it resumed after plain steps (a catch-up included); neither for a request's first
-        drafting round, where a draft model prefills the prompt."""
+        and accepted counts, and the time spent drafting (``width - 1`` tokens; None = not a
+        sample of the per-token cost, as for a round whose drafter prefilled the prompt or
+        caught up on tokens emitted by plain steps)."""
         self.seconds.setdefault(width, deque(maxlen=self.cost_window)).append(seconds)
         if width > 1 and draft_seconds is not None:
             self.draft_seconds.append(draft_seconds / (width - 1))
-        if width > 1 and resume_seconds is not None:
-            self.resume_seconds.append(resume_seconds)
         decay = self.decay if width > 1 else self.idle_decay()
         self.accepted = [a * decay for a in self.accepted]
         self.reached = [r * decay for r in self.reached]

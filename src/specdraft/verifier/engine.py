@@ -200,11 +200,10 @@ class Verifier:
         prefill_time = timer.now() - start
         draft_time = verify_time = 0.0
         # Drafting time is a per-token cost sample only when the drafter also ran the round
-        # before: one after plain steps includes a draft model's catch-up on the tokens they
-        # emitted (counting it made drafting look ever dearer the longer the policy paused it,
-        # until it never drafted); it is reported apart, as the cost of resuming. The first
-        # drafting round of a request includes a draft model's prefill of the prompt: neither.
-        drafted_last = drafted_before = False
+        # before: the first drafting round includes a draft model's prefill of the prompt, and
+        # one after plain steps its catch-up on the tokens they emitted (counting that made
+        # drafting look ever dearer the longer the policy paused it, until it never drafted).
+        drafted_last = False
 
         while any(ctx.active):
             t0 = timer.now()
@@ -264,9 +263,8 @@ class Verifier:
             if policy is not None:
                 live = [b for b in range(batch) if was_active[b]]
                 policy.observe(int(ids.shape[1]) + 1, t2 - t1, [drafted[b] for b in live], [accepted[b] for b in live],
-                               draft_seconds=(t1 - t0) if drafted_last and k > 0 else None,
-                               resume_seconds=(t1 - t0) if drafted_before and not drafted_last and k > 0 else None)
-            drafted_last, drafted_before = k > 0, drafted_before or k > 0
+                               draft_seconds=(t1 - t0) if drafted_last and k > 0 else None)
+            drafted_last = k > 0
             ctx.num_verified = drafted
             if self.wants_hidden:  # the states of the positions whose next token is now known
                 self._hand_hidden(ctx, hidden, committed)
