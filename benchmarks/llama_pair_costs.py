@@ -55,7 +55,7 @@ def time_pass(model, width, context, reps, device):
     """
     cache = KVCache(model.config.num_hidden_layers, slots=context + reps + 16)
     cache.reset(1)
-    ids = torch.randint(0, 128256, (1, context + reps + 16), device=device)
+    ids = torch.randint(0, model.config.get_text_config().vocab_size, (1, context + reps + 16), device=device)
     with torch.inference_mode():
         forward_step(model, cache, ids[:, :context - 3])
         for i in range(3):
