@@ -32,8 +32,8 @@ def main() -> None:
     args = p.parse_args()
     model, _, name = load_target(args.target, dtype=args.dtype, device=args.device)
     device = model.device
-    fastpath.prepare(model, args.widths)  # choose the few-row kernels before timing
     widths = sorted(set(args.widths) | {1})
+    fastpath.prepare(model, widths)  # choose the few-row kernels before timing
     print(f"{name}, {model.dtype}, {device}: an n-token pass relative to a 1-token pass\n")
     print("| context | 1-token pass | " + " | ".join(f"n={w}" for w in widths if w > 1) + " |")
     print("|---|---|" + "---|" * (len(widths) - 1))

@@ -233,10 +233,8 @@ def _bench(args) -> int:
     check_generation_args(settings.max_new_tokens, settings.temperature, 0, 1.0, None, None)
     if args.limit_per_category is not None and args.limit_per_category < 1:
         raise ConfigError("--limit-per-category must be >= 1")
-    for d in settings.drafters:
-        get_registry().get(d)
-        if d in options:
-            get_registry().validate_options(d, options[d])
+    for d in settings.drafters:  # unknown names and bad options fail here, before the model loads
+        get_registry().validate_options(d, options.get(d))
     load_questions(settings.questions, settings.categories, settings.limit_per_category)
     from .models import load_target
 

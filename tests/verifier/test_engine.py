@@ -221,10 +221,10 @@ def test_drafting_time_is_a_cost_sample_only_after_a_drafting_round(tiny_model):
     made a paused draft model look ever dearer until the policy never drafted again."""
     prompt = repetitive_prompts(64)[0]
     dec = SpeculativeDecoder(tiny_model, None, drafter="prompt-lookup", spec_length=2)
-    policy = _ScriptedPolicy([2, 2, 0, 0, 1, 2, 0, 2, 2])
+    ks = [2, 2, 0, 0, 1, 2, 0, 2, 2]
+    policy = _ScriptedPolicy(ks)
     dec._verifier.policy = policy
     r = dec.generate_ids([prompt], max_new_tokens=40)[0]
     assert r.token_ids == plain_greedy(tiny_model, prompt, 40)
-    ks = [2, 2, 0, 0, 1, 2, 0, 2, 2]
     measured = [d is not None for _, d in policy.observed[: len(ks)]]
     assert measured == [False, True, False, False, False, True, False, False, True]

@@ -20,10 +20,9 @@ comes back (for instance when the output starts copying the prompt). How soon de
 what a retry costs: drafting a token (a forward pass for a draft model, next to nothing for
 an n-gram table) plus the wider verify pass. A retry costing n times ``explore_budget``
 (4% of a step) makes plain rounds decay the counts at the n-th root of the usual rate, so it
-comes about n times less often: a draft model whose guesses fail on this text retries
-several times less often than an n-gram table. (A
-draft model also catches up on the tokens the plain steps emitted; that costs about the same
-per paused token however long the pause, so it does not enter the choice.) Costs are measured
+comes about n times less often. (A draft model also catches up on the tokens the plain steps
+emitted; that costs about the same per paused token however long the pause, so it does not
+enter the choice.) Costs are measured
 per width as the median of the last few passes of that width, so one slow pass (a cache
 growing, a kernel being chosen, another process) cannot switch drafting off for good. A
 width measured fewer than three times is read optimistically, as the cheaper of its
