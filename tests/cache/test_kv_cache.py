@@ -61,3 +61,26 @@ def test_invalid_rollback_and_overflow_are_refused(tiny_model):
         cache.rollback([1, 2])
     with pytest.raises(ValueError, match="overflow"):
         forward_step(tiny_model, cache, torch.zeros((1, 60), dtype=torch.long))
+
+
+def test_cpu_passes_keep_grouped_heads_and_match_the_models_own_forward(tiny_model, monkeypatch):
+    """specdraft's CPU attention (grouped K/V heads not copied per query head) computes what
+    transformers' own "sdpa" forward does, for prefill, multi-token and one-token passes."""
+    from specdraft.cache import kv_cache
+
+    assert tiny_model.config.num_key_value_heads < tiny_model.config.num_attention_heads  # a grouped model
+    calls = []
+    real = kv_cache._cpu_gqa_attention
+    monkeypatch.setattr(kv_cache, "_cpu_gqa_attention", lambda *a, **k: calls.append(a[1].shape) or real(*a, **k))
+    from transformers import AttentionInterface
+
+    monkeypatch.setitem(AttentionInterface._global_mapping, kv_cache.CPU_ATTENTION, kv_cache._cpu_gqa_attention)
+    torch.manual_seed(2)
+    seq = torch.randint(0, 64, (2, 16))
+    reference = tiny_model(seq).logits  # transformers' own path, no cache
+    cache = KVCache(tiny_model.config.num_hidden_layers, slots=32)
+    cache.reset(2)
+    parts = [forward_step(tiny_model, cache, seq[:, a:b]) for a, b in ((0, 9), (9, 13), (13, 14), (14, 16))]
+    assert torch.allclose(torch.cat(parts, dim=1), reference, atol=1e-10)
+    assert len(calls) == 4 * tiny_model.config.num_hidden_layers  # every layer of every pass went through it
+    assert tiny_model.config._attn_implementation == "sdpa"  # and the model is left as it was
