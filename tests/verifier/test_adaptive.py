@@ -164,3 +164,36 @@ def test_seeded_policy_retries_on_the_prior_schedule():
     policy.observe(1, 1.0, [0], [0])
     policy.observe(2, 1.0, [1], [0], draft_seconds=5.0)
     assert policy.idle_decay() == policy.decay
+
+
+def test_one_rejected_first_draft_does_not_stop_drafting_three_do():
+    """A position is read as at least the prior until tested three times in a request: a drafter
+    accepted 40% of the time fails its first draft 60% of the time, and believing that one
+    failure would stop it for most of the request."""
+    policy = AdaptiveDraftLength(1)
+    for width in (1, 2):
+        for _ in range(3):
+            policy.observe(width, 1.0 + 0.1 * (width - 1), [], [])
+    for attempt in range(3):
+        assert policy.choose() == 1, attempt
+        policy.observe(2, 1.1, [1], [0], draft_seconds=0.15)
+    assert policy.choose() == 0  # three rejections: now the evidence is believed
+    policy.reset_acceptance()  # a new request starts optimistic again
+    assert policy.choose() == 1
+
+
+def test_costs_measured_under_load_are_measured_again_later():
+    """Verify widths and drafting timed while the machine was busy look dear; a policy that
+    trusted them for good would never draft again. Old measurements count as none."""
+    policy = AdaptiveDraftLength(2)
+    for _ in range(5):
+        policy.observe(1, 1.0, [], [])
+        policy.observe(2, 3.0, [1], [1], draft_seconds=2.0)  # a burst of load
+        policy.observe(3, 3.5, [2], [2], draft_seconds=4.0)
+    assert policy.choose() == 0
+    for _ in range(policy.STALE + 1):  # plain steps only: the dear widths are never re-timed
+        policy.observe(1, 1.0, [0], [0])
+    assert policy.draft_cost() == 0.0 and policy.relative_cost(2) == pytest.approx(1.1)
+    assert policy.choose() >= 1
+    policy.observe(2, 1.02, [1], [1], draft_seconds=0.05)  # measured afresh, old samples dropped
+    assert list(policy.seconds[2]) == [1.02] and list(policy.draft_seconds) == [0.05]

@@ -14,7 +14,9 @@ drafter whose guesses are rarely accepted costs (almost) nothing.
 
 Both estimates are learnt online. Acceptance counts decay every round towards a prior
 (weighted like half an observation, so it steers exploration without biasing a settled
-estimate), so
+estimate), and a draft position tested fewer than three times in a request is read as at
+least the prior, so one unlucky first draft does not stop a drafter for the rest of the
+request (that cost a draft accepted 40% of the time most of its drafting). So
 a policy that stopped drafting tries again after a while and notices when acceptance
 comes back (for instance when the output starts copying the prompt). How soon depends on
 what a retry costs: drafting a token (a forward pass for a draft model, next to nothing for
@@ -26,7 +28,10 @@ enter the choice.) Costs are measured
 per width as the median of the last few passes of that width, so one slow pass (a cache
 growing, a kernel being chosen, another process) cannot switch drafting off for good. A
 width measured fewer than three times is read optimistically, as the cheaper of its
-measurements and the prior ``1 + 0.1 (n - 1)``, so it gets tried until it is known.
+measurements and the prior ``1 + 0.1 (n - 1)``, so it gets tried until it is known. A
+measurement older than ``STALE`` rounds counts as none and is taken again when next used:
+costs measured while another process loaded the machine once made every verify width look
+dear for good, and a long-running process never drafted again.
 With ``measure_costs=False`` (seeded sampling) only the prior cost curve is used, which
 keeps the draft lengths, and so the output, a function of the seed alone.
 """
@@ -41,6 +46,9 @@ from typing import Sequence
 class AdaptiveDraftLength:
     #: a width's cost is trusted once measured this many times
     TRUSTED = 3
+    #: rounds after which a width's (or drafting's) last measurement is too old to trust: it is
+    #: measured afresh when next used, and read optimistically until then
+    STALE = 256
 
     def __init__(self, max_k: int, prior: float = 0.6, prior_weight: float = 0.5, decay: float = 0.9,
                  cost_window: int = 5, prior_cost_slope: float = 0.1, measure_costs: bool = True,
@@ -52,18 +60,28 @@ class AdaptiveDraftLength:
         self.measure_costs = measure_costs
         self.accepted = [0.0] * max_k  # decayed count of acceptances at position i
         self.reached = [0.0] * max_k  # decayed count of rounds that tested position i
+        self.tested = [0] * max_k  # rounds that tested position i in this request (not decayed)
         self.seconds: dict[int, deque[float]] = {}  # verify width -> wall times of its last passes
         # drafting time per drafted token, last rounds; the median ignores one-off catch-ups
         self.draft_seconds: deque[float] = deque(maxlen=9)
+        self.rounds = 0  # rounds observed (the policy's clock)
+        self.measured_at: dict[int | str, int] = {}  # width, or "draft" -> round of its last measurement
 
     def reset_acceptance(self) -> None:
         """Forget acceptance statistics (kept costs are still valid)."""
         self.accepted = [0.0] * self.max_k
         self.reached = [0.0] * self.max_k
+        self.tested = [0] * self.max_k
 
     def acceptance(self, i: int) -> float:
-        """Estimated P(position i accepted | positions < i accepted), i from 0."""
-        return (self.accepted[i] + self.prior * self.prior_weight) / (self.reached[i] + self.prior_weight)
+        """Estimated P(position i accepted | positions < i accepted), i from 0.
+
+        Read optimistically (at least the prior) until the position has been tested
+        ``TRUSTED`` times in this request: one rejected first draft says little about a
+        drafter accepted 40% of the time, and believed at once it stops drafting for long.
+        """
+        estimate = (self.accepted[i] + self.prior * self.prior_weight) / (self.reached[i] + self.prior_weight)
+        return estimate if self.tested[i] >= self.TRUSTED else max(estimate, self.prior)
 
     def relative_cost(self, width: int) -> float:
         """Cost of a ``width``-token verify pass in units of a 1-token pass.
@@ -77,13 +95,16 @@ class AdaptiveDraftLength:
         cost = 1.0
         for w in range(2, width + 1):
             prior = 1.0 + self.prior_cost_slope * (w - 1)
-            times = self.seconds.get(w, ())
+            times = self.seconds.get(w, ()) if not self._stale(w) else ()
             if len(times) >= self.TRUSTED:
                 estimate = median(times) / one
             else:  # optimistic until known: a first, cold pass must not rule a width out
                 estimate = min([prior, *(t / one for t in times)])
             cost = max(cost, estimate)
         return cost
+
+    def _stale(self, what: int | str) -> bool:
+        return what in self.measured_at and self.rounds - self.measured_at[what] > self.STALE
 
     def _seconds(self, width: int) -> float | None:
         times = self.seconds.get(width)
@@ -92,7 +113,7 @@ class AdaptiveDraftLength:
     def draft_cost(self) -> float:
         """Cost of drafting one token, in units of a 1-token verify pass."""
         one = self._seconds(1)
-        if self.measure_costs and self.draft_seconds and one:
+        if self.measure_costs and self.draft_seconds and one and not self._stale("draft"):
             return median(self.draft_seconds) / one
         return 0.0
 
@@ -124,14 +145,23 @@ class AdaptiveDraftLength:
         and accepted counts, and the time spent drafting (``width - 1`` tokens; None = not a
         sample of the per-token cost, as for a round whose drafter prefilled the prompt or
         caught up on tokens emitted by plain steps)."""
-        self.seconds.setdefault(width, deque(maxlen=self.cost_window)).append(seconds)
+        self.rounds += 1
+        times = self.seconds.setdefault(width, deque(maxlen=self.cost_window))
+        if self._stale(width):  # measured under other conditions (another process, say): start over
+            times.clear()
+        times.append(seconds)
+        self.measured_at[width] = self.rounds
         if width > 1 and draft_seconds is not None:
+            if self._stale("draft"):
+                self.draft_seconds.clear()
             self.draft_seconds.append(draft_seconds / (width - 1))
+            self.measured_at["draft"] = self.rounds
         decay = self.decay if width > 1 else self.idle_decay()
         self.accepted = [a * decay for a in self.accepted]
         self.reached = [r * decay for r in self.reached]
         for d, a in zip(drafted, accepted):
             for i in range(min(a + 1, d, self.max_k)):  # positions tested: up to the first rejection
                 self.reached[i] += 1.0
+                self.tested[i] += 1
                 if i < a:
                     self.accepted[i] += 1.0
