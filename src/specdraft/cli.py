@@ -116,6 +116,9 @@ def build_parser() -> argparse.ArgumentParser:
                       help="kl: match the target's distributions (default); ce: its tokens")
     dist.add_argument("--work", default=None, metavar="DIR",
                       help="cache of the target's answers and states (default: DIR/work); train-heads can share it")
+    dist.add_argument("--gate-steps", type=int, default=300,
+                      help="steps of the copy gate's training, after the draft's (default: 300; 0: no copy gate: "
+                           "the draft never copies from the context)")
     _training_args(dist, steps=300, steps_help="training steps", lr=5e-4, head_tokens_help="output-head vocabulary")
 
     th = sub.add_parser("train-heads", help="train Medusa, EAGLE or MLP-speculator heads on a frozen target",
@@ -259,7 +262,7 @@ def _distill(args) -> int:
     from .training.distill import distill
 
     _check_positive(args, "num_prompts", "max_new_tokens", "layers", "head_tokens", "steps", "batch_size")
-    for name in ("self_prompts", "document_prompts"):
+    for name in ("self_prompts", "document_prompts", "gate_steps"):
         if getattr(args, name) < 0:
             raise ConfigError(f"--{name.replace('_', '-')} must be >= 0")
     load_prompts(args.prompts, limit=1)  # a missing or empty file fails before the model loads
@@ -268,7 +271,8 @@ def _distill(args) -> int:
                   max_new_tokens=args.max_new_tokens, layers=args.layers, head_tokens=args.head_tokens,
                   steps=args.steps, batch_size=args.batch_size, lr=args.lr, objective=args.objective,
                   self_prompts=args.self_prompts, document_prompts=args.document_prompts,
-                  work_dir=args.work, train_dtype=args.train_dtype)
+                  work_dir=args.work, train_dtype=args.train_dtype, copy_gate=args.gate_steps > 0,
+                  gate_steps=args.gate_steps)
     from .drafters.compact_draft import FORMAT_FILE
 
     _print_held_out(out / FORMAT_FILE)

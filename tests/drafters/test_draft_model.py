@@ -165,3 +165,76 @@ def test_target_fingerprint_ignores_precision_but_not_the_weights():
     changed[97 * 5, 3] *= -1  # one sampled value of another model
     assert target_fingerprint(changed) != fp
     assert target_fingerprint(w[:2999]) != fp
+
+
+def _draft_with_copy_gate(target, path, head_tokens, seed=0, match_bias=2.0):
+    """A compact draft (1 layer, the ``head_tokens`` first ids in its head) with a copy gate that
+    trusts its candidate often: both halves of the mixture get drafted."""
+    from specdraft.drafters.compact_draft import CopyGate, build_compact_draft, save_compact_draft, target_fingerprint
+
+    torch.manual_seed(seed)
+    draft = build_compact_draft(target, 1, torch.arange(head_tokens), init_layers=[1])
+    gate = CopyGate(target.config.hidden_size).to(target.dtype)
+    with torch.no_grad():
+        gate.match.weight.fill_(match_bias)
+        gate.match.weight[1] = -match_bias  # a 1-gram match alone: mostly the draft's own guess
+        gate.agree.fill_(0.5)
+    draft.copy_gate = gate
+    save_compact_draft(draft, path, "tiny", target_fingerprint(target.get_input_embeddings().weight), dtype=torch.float64)
+    return str(path)
+
+
+@pytest.fixture(scope="module")
+def gated_dir(tiny_model, tmp_path_factory):
+    return _draft_with_copy_gate(tiny_model, tmp_path_factory.mktemp("gated"), head_tokens=48)
+
+
+def test_copy_gate_changes_the_drafts(tiny_model, gated_dir):
+    """The copy mixture is really drafted from: on a repetitive context the gated draft proposes
+    what followed the trailing n-gram where the draft alone proposes something else."""
+    from specdraft.types import DraftContext
+
+    prompts = repetitive_prompts(64, seed=5)
+    proposals = {}
+    for on in (True, False):
+        dec = SpeculativeDecoder(tiny_model, None, drafter="draft-model", spec_length=3,
+                                 drafter_options={"model": gated_dir, "dtype": "float64", "copy_gate": on})
+        assert (dec.drafter.gate is not None) == on
+        ctx = DraftContext(token_ids=[list(p) for p in prompts], prompt_lengths=[len(p) for p in prompts],
+                           active=[True] * len(prompts), vocab_size=64, device=torch.device("cpu"),
+                           sampling=SamplingParams())
+        proposals[on] = dec.drafter.propose(ctx, 3).token_ids
+    from specdraft.drafters.prompt_lookup import prompt_lookup
+
+    copied = [prompt_lookup(p, 1, 2, 3) for p in prompts]
+    assert any(c and int(proposals[True][b, 0]) == c[0] != int(proposals[False][b, 0]) for b, c in enumerate(copied))
+
+
+@pytest.mark.parametrize("k", [1, 3, 5])
+def test_greedy_parity_with_a_copy_gate(tiny_model, gated_dir, k):
+    prompts = repetitive_prompts(64, seed=11)
+    dec = SpeculativeDecoder(tiny_model, None, drafter="draft-model", spec_length=k,
+                             drafter_options={"model": gated_dir, "dtype": "float64"})
+    assert dec.drafter.gate is not None
+    for p, r in zip(prompts, dec.generate_ids(prompts, max_new_tokens=30)):
+        assert r.token_ids == plain_greedy(tiny_model, p, 30)
+        assert r.stats.drafted_tokens > 0
+
+
+@pytest.mark.parametrize("params", [SamplingParams(temperature=1.0), SamplingParams(temperature=0.8, top_k=4)])
+def test_sampling_with_a_copy_gate_matches_target_joint_distribution(small_vocab_model, tmp_path, params):
+    """The drafts come from the copy mixture (head of 12 of the 16 tokens, so the candidate is
+    sometimes a token the draft itself gives probability 0); the output is still the target's."""
+    path = _draft_with_copy_gate(small_vocab_model, tmp_path / "gated", head_tokens=12, seed=3)
+    prompt = [3, 5, 3, 5, 3]  # "3" was followed by "5": a candidate from the first round on
+    n = 12_000
+    exact = exact_joint_distribution(small_vocab_model, prompt, params)
+    dec = SpeculativeDecoder(small_vocab_model, None, drafter="draft-model", spec_length=3,
+                             drafter_options={"model": path, "dtype": "float64"})
+    results = dec.generate_ids([prompt] * n, max_new_tokens=2, seed=7, temperature=params.temperature,
+                               top_k=params.top_k, top_p=params.top_p)
+    counts = torch.zeros_like(exact)
+    for r in results:
+        counts[tuple(r.token_ids)] += 1
+    assert sum(r.stats.drafted_tokens for r in results) >= n
+    assert chi_square_pvalue(counts, exact) > ALPHA

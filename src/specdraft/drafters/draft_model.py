@@ -52,6 +52,9 @@ class DraftModelDrafter(Drafter):
                                                     "(default: the draft shipped for the target, if any)")
         dtype: str | None = Field(None, description="default: the target's dtype")
         device: str | None = Field(None, description="default: the target's device")
+        copy_gate: bool = Field(True, description="use the draft's copy gate, if it has one (a learnt mixture of the "
+                                             "draft's guess and the token that followed the last occurrence of "
+                                             "the trailing n-gram); false: the draft's own distribution only")
 
     def __init__(self, options: Options, target: TargetInfo) -> None:
         from ..cache import KVCache
@@ -93,6 +96,14 @@ class DraftModelDrafter(Drafter):
                 f"draft model {name!r} has a vocabulary of {self.vocab} but target {target.name!r} has {target.vocab_size}"
             )
         self.cache = KVCache(model.config.get_text_config().num_hidden_layers, slots=0)
+        gate = getattr(model, "copy_gate", None)
+        self.gate = gate if options.copy_gate else None
+        if self.gate is not None:  # token id -> its row in the draft's head (-1: not in the head)
+            import torch
+
+            head_ids = model.lm_head.head_ids
+            self._head_slot = torch.full((max(self.vocab, target.vocab_size),), -1, dtype=torch.long, device=head_ids.device)
+            self._head_slot[head_ids] = torch.arange(head_ids.numel(), device=head_ids.device)
         super().__init__(options, target)
 
     def reset(self) -> None:
@@ -105,8 +116,8 @@ class DraftModelDrafter(Drafter):
             self.cache.reset(ctx.batch_size)
         pending, keep = [], []
         for fed, tokens in zip(self._fed, ctx.token_ids):
-            n = 0
             limit = min(len(fed), len(tokens) - 1)
+            n = limit if fed[:limit] == tokens[:limit] else 0  # the common case, compared in C
             while n < limit and fed[n] == tokens[n]:
                 n += 1
             del fed[n:]
@@ -117,9 +128,6 @@ class DraftModelDrafter(Drafter):
 
     def propose(self, ctx: DraftContext, k: int) -> Draft:
         import torch
-
-        from ..cache import forward_step
-        from ..sampling import draw
 
         device = self.model.device
         pending = self._sync(ctx)
@@ -132,25 +140,71 @@ class DraftModelDrafter(Drafter):
         # only each row's last fed position needs logits: on a lazy prefill of a long prompt, logits
         # (and the head's scatter into the full vocabulary) at every position cost a third of the pass
         keep = width - min(len(p) for p in pending) + 1
-        logits = forward_step(self.model, self.cache, feed.to(device), logits_to_keep=keep)  # [batch, keep, vocab_d]
+        if self.gate is None:
+            return self._draft(ctx, k, pending, feed.to(device), width, keep, starts)
+        self.model.lm_head.scatter = False  # the head's own logits [..., N]: the copy mixture works in that space
+        try:
+            return self._draft(ctx, k, pending, feed.to(device), width, keep, starts)
+        finally:
+            self.model.lm_head.scatter = True
+
+    def _draft(self, ctx: DraftContext, k: int, pending: list[list[int]], feed, width: int, keep: int,
+               starts: list[int]) -> Draft:
+        import torch
+
+        from ..cache import forward_step
+        from ..sampling import draw
+
+        device = feed.device
+        out = forward_step(self.model, self.cache, feed, logits_to_keep=keep, return_hidden=self.gate is not None)
+        logits, hidden = out if self.gate is not None else (out, None)  # [batch, keep, vocab_d], [batch, width, dim]
+        rows = torch.arange(ctx.batch_size, device=device)
         last = torch.tensor([len(p) - 1 - (width - keep) for p in pending], device=device)
-        step_logits = logits[torch.arange(ctx.batch_size, device=device), last]  # [batch, vocab_d]
+        step_logits = logits[rows, last]  # [batch, vocab_d]
+        step_hidden = hidden[rows, last + (width - keep)] if hidden is not None else None  # [batch, dim]
         self.cache.rollback([s + len(p) for s, p in zip(starts, pending)])
         for fed, p in zip(self._fed, pending):
             fed.extend(p)
 
         tokens, probs = [], []
         for i in range(k):
-            token, p = draw(self._to_target_vocab(step_logits), ctx.sampling, ctx.generator)  # [batch], [batch, vocab]
+            if self.gate is None:
+                token, p = draw(self._to_target_vocab(step_logits), ctx.sampling, ctx.generator)  # [batch], [batch, vocab]
+            else:
+                token, p = self._draw_with_copy(ctx, step_logits, step_hidden, tokens)
             if p is not None:
                 probs.append(p)
             tokens.append(token)
             if i + 1 < k:
-                step_logits = forward_step(self.model, self.cache, token[:, None])[:, -1]
+                out = forward_step(self.model, self.cache, token[:, None], return_hidden=self.gate is not None)
+                step_logits, step_hidden = (out[0][:, -1], out[1][:, -1]) if self.gate is not None else (out[:, -1], None)
                 for fed, t in zip(self._fed, token.tolist()):
                     fed.append(t)
         ids = torch.stack(tokens, dim=1)  # [batch, k]
         return Draft(token_ids=ids, probs=torch.stack(probs, dim=1) if probs else None)
+
+    def _draw_with_copy(self, ctx: DraftContext, small, hidden, drafted: list):
+        """One token per row from the copy mixture (see :class:`~.compact_draft.CopyGate`), given
+        the head's own logits ``small # [batch, N]``: ``(tokens # [batch], probs # [batch, vocab] |
+        None)``, like :func:`~specdraft.sampling.draw`."""
+        import torch
+
+        from ..sampling import logits_to_probs
+        from .compact_draft import copy_argmax, copy_candidates, copy_mixture
+
+        head = self.model.lm_head
+        so_far = torch.stack(drafted, dim=1).tolist() if drafted else [[] for _ in ctx.token_ids]
+        copy_ids, match = copy_candidates([t + d for t, d in zip(ctx.token_ids, so_far)], self.gate, small.device)
+        slot = self._head_slot[copy_ids.clamp(min=0)]  # [batch]: the candidate's row in the head, -1 if none
+        logp = small.float().log_softmax(-1)  # [batch, N]
+        logp_copy = torch.where(slot >= 0, logp.gather(1, slot.clamp(min=0)[:, None])[:, 0], -torch.inf)
+        gate = self.gate(hidden, match, logp_copy.to(hidden.dtype))  # [batch], 0 where nothing matched
+        if ctx.sampling.greedy:
+            return copy_argmax(logp, gate, copy_ids, logp_copy, head.head_ids), None
+        full = torch.full((small.shape[0], self.target.vocab_size), torch.finfo(torch.float32).min, device=small.device)
+        full.index_copy_(1, head.head_ids, small.float())
+        mixed = copy_mixture(logits_to_probs(full, ctx.sampling), gate, copy_ids)
+        return torch.multinomial(mixed, 1, generator=ctx.generator).squeeze(1), mixed
 
     def _to_target_vocab(self, logits: Any):
         """Draft logits ``[batch, vocab_d]`` -> ``[batch, vocab_t]``: rows past the target's are padding."""

@@ -26,6 +26,17 @@ def prompt_lookup(tokens: Sequence[int], k: int, min_ngram: int = 1, max_ngram: 
     >>> prompt_lookup([7, 1, 5, 2, 6, 5], k=2, min_ngram=2)
     []
     """
+    return lookup(tokens, k, min_ngram, max_ngram)[0]
+
+
+def lookup(tokens: Sequence[int], k: int, min_ngram: int = 1, max_ngram: int = 3) -> tuple[list[int], int]:
+    """:func:`prompt_lookup` plus the length n of the n-gram that matched (0: no match).
+
+    >>> lookup([1, 2, 3, 4, 9, 1, 2, 3], k=1)
+    ([4], 3)
+    >>> lookup([7, 1, 5, 2, 6, 5], k=2)
+    ([2, 6], 1)
+    """
     import numpy as np
     from numpy.lib.stride_tricks import sliding_window_view
 
@@ -39,8 +50,8 @@ def prompt_lookup(tokens: Sequence[int], k: int, min_ngram: int = 1, max_ngram: 
         hits = np.flatnonzero((windows == arr[length - n:]).all(axis=1))
         if hits.size:
             start = int(hits[-1]) + n
-            return arr[start : start + k].tolist()
-    return []
+            return arr[start : start + k].tolist(), n
+    return [], 0
 
 
 class PromptLookupDrafter(Drafter):

@@ -98,11 +98,23 @@ def heads_predictor(kind: str, module, head, embeddings, depth: int) -> Predicto
 
 def draft_model_predictor(draft, depth: int) -> Predictor:
     """Greedy guesses of an autoregressive draft model: depth ``s`` of chain ``j`` is its
-    prediction after ``x_{j+s}``."""
+    prediction after ``x_{j+s}`` (through its copy gate, when it has one)."""
+    from ..drafters.compact_draft import copy_argmax, copy_candidates
 
     def predict(ids: torch.Tensor, feats: torch.Tensor) -> list[torch.Tensor]:
         W = ids.shape[1]
-        best = draft(input_ids=ids).logits.argmax(-1)  # [B, W]: best[:, p] guesses x_{p+1}
+        gate = getattr(draft, "copy_gate", None)
+        hidden = draft.model(input_ids=ids).last_hidden_state  # [B, W, dim]
+        logits = draft.lm_head(hidden)
+        best = logits.argmax(-1)  # [B, W]: best[:, p] guesses x_{p+1}
+        if gate is not None:
+            rows = ids.tolist()
+            for p in range(W):
+                copy_ids, match = copy_candidates([r[: p + 1] for r in rows], gate, ids.device)
+                logp = logits[:, p].float().log_softmax(-1)
+                logp_copy = logp.gather(1, copy_ids.clamp(min=0)[:, None])[:, 0]
+                g = gate(hidden[:, p].to(gate.proj.weight.dtype), match, logp_copy.to(gate.proj.weight.dtype))
+                best[:, p] = copy_argmax(logp, g, copy_ids, logp_copy)  # as the drafter chooses
         return [best[:, s : W - 1] for s in range(1, depth + 1)]
 
     return predict
