@@ -116,6 +116,8 @@ def distill(target, tokenizer, target_name: str, prompt_files: Sequence[str], ou
     for name in ("loss.png", "losses.json"):
         if (work / "draft-model" / name).is_file():
             (out_dir / name).write_bytes((work / "draft-model" / name).read_bytes())
+        if gate_info and (work / "copy-gate" / name).is_file():
+            (out_dir / f"copy_gate_{name}").write_bytes((work / "copy-gate" / name).read_bytes())
     return out_dir
 
 
