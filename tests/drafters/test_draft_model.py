@@ -109,12 +109,17 @@ def test_sampling_matches_target_joint_distribution(small_vocab_model, saved, pa
     with torch.no_grad():
         draft.lm_head.weight.mul_(6.0)
     draft_path = saved(draft, "small-draft")
-    prompt = [3, 5, 3, 5, 3]
-    n = 12_000
-    exact = exact_joint_distribution(small_vocab_model, prompt, params)
-    dec = SpeculativeDecoder(small_vocab_model, None, drafter="draft-model", spec_length=3,
+    _check_sampling_exactness(small_vocab_model, draft_path, params, seed=99)
+
+
+def _check_sampling_exactness(target, draft_path, params, seed, n=12_000, prompt=(3, 5, 3, 5, 3)):
+    """The first two tokens of ``n`` speculative samples against the target's exact joint
+    distribution (chi-square at ALPHA); every row must have drafted."""
+    prompt = list(prompt)
+    exact = exact_joint_distribution(target, prompt, params)
+    dec = SpeculativeDecoder(target, None, drafter="draft-model", spec_length=3,
                              drafter_options={"model": draft_path, "dtype": "float64"})
-    results = dec.generate_ids([prompt] * n, max_new_tokens=2, seed=99, temperature=params.temperature,
+    results = dec.generate_ids([prompt] * n, max_new_tokens=2, seed=seed, temperature=params.temperature,
                                top_k=params.top_k, top_p=params.top_p)
     counts = torch.zeros_like(exact)
     for r in results:
@@ -226,15 +231,5 @@ def test_sampling_with_a_copy_gate_matches_target_joint_distribution(small_vocab
     """The drafts come from the copy mixture (head of 12 of the 16 tokens, so the candidate is
     sometimes a token the draft itself gives probability 0); the output is still the target's."""
     path = _draft_with_copy_gate(small_vocab_model, tmp_path / "gated", head_tokens=12, seed=3)
-    prompt = [3, 5, 3, 5, 3]  # "3" was followed by "5": a candidate from the first round on
-    n = 12_000
-    exact = exact_joint_distribution(small_vocab_model, prompt, params)
-    dec = SpeculativeDecoder(small_vocab_model, None, drafter="draft-model", spec_length=3,
-                             drafter_options={"model": path, "dtype": "float64"})
-    results = dec.generate_ids([prompt] * n, max_new_tokens=2, seed=7, temperature=params.temperature,
-                               top_k=params.top_k, top_p=params.top_p)
-    counts = torch.zeros_like(exact)
-    for r in results:
-        counts[tuple(r.token_ids)] += 1
-    assert sum(r.stats.drafted_tokens for r in results) >= n
-    assert chi_square_pvalue(counts, exact) > ALPHA
+    # the prompt 3 5 3 5 3: "3" was followed by "5", so a candidate exists from the first round on
+    _check_sampling_exactness(small_vocab_model, path, params, seed=7)
