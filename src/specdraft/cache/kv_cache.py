@@ -24,7 +24,9 @@ from typing import Sequence
 import torch
 import torch.nn.functional as F
 from torch.nn.attention import SDPBackend, sdpa_kernel
+from transformers import AttentionInterface
 from transformers.cache_utils import Cache, CacheLayerMixin
+from transformers.masking_utils import ALL_MASK_ATTENTION_FUNCTIONS, sdpa_mask
 
 from ..fastpath import few_row_linears
 
@@ -161,7 +163,7 @@ def attention_backends(device: torch.device):
     return sdpa_kernel(list(GPU_ATTENTION)) if device.type == "cuda" else nullcontext()
 
 
-#: The attention specdraft's own passes use on CPU (registered with transformers on first use).
+#: The attention specdraft's own passes use on CPU (registered with transformers below).
 CPU_ATTENTION = "specdraft_cpu_gqa"
 
 
@@ -182,6 +184,10 @@ def _cpu_gqa_attention(module, query, key, value, attention_mask, dropout=0.0, s
     return out.transpose(1, 2).contiguous(), None
 
 
+AttentionInterface.register(CPU_ATTENTION, _cpu_gqa_attention)
+ALL_MASK_ATTENTION_FUNCTIONS.register(CPU_ATTENTION, sdpa_mask)
+
+
 @contextmanager
 def _attention_for(model, device: torch.device):
     """Run ``model``'s "sdpa" attention as :func:`_cpu_gqa_attention` on CPU for the block."""
@@ -189,12 +195,6 @@ def _attention_for(model, device: torch.device):
     if device.type != "cpu" or getattr(config, "_attn_implementation", None) != "sdpa":
         yield
         return
-    from transformers import AttentionInterface
-    from transformers.masking_utils import ALL_MASK_ATTENTION_FUNCTIONS, sdpa_mask
-
-    if CPU_ATTENTION not in AttentionInterface._global_mapping:
-        AttentionInterface.register(CPU_ATTENTION, _cpu_gqa_attention)
-        ALL_MASK_ATTENTION_FUNCTIONS.register(CPU_ATTENTION, sdpa_mask)
     config._attn_implementation = CPU_ATTENTION
     try:
         yield

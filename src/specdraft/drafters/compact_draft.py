@@ -22,6 +22,7 @@ embeddings).
 from __future__ import annotations
 
 import hashlib
+from contextlib import contextmanager
 import json
 from pathlib import Path
 from typing import Any
@@ -60,8 +61,17 @@ class ScatteredHead(torch.nn.Module):
         self.register_buffer("head_ids", head_ids.long(), persistent=True)
         self.vocab_size = vocab_size
 
-    #: False: return the ``N`` head logits only (``[..., N]``), for callers that map ids themselves
+    #: False (inside :meth:`unscattered`): return the ``N`` head logits only (``[..., N]``)
     scatter: bool = True
+
+    @contextmanager
+    def unscattered(self):
+        """Within the block the head returns its own ``[..., N]`` logits, for callers that map ids themselves."""
+        self.scatter = False
+        try:
+            yield
+        finally:
+            self.scatter = True
 
     def forward(self, hidden: torch.Tensor) -> torch.Tensor:
         small = self.proj(hidden)  # [..., N]
@@ -86,7 +96,9 @@ class CopyGate(torch.nn.Module):
     distribution the draft really samples from, so rejection sampling stays exact.
     """
 
-    def __init__(self, hidden: int, min_ngram: int = 1, max_ngram: int = 3) -> None:
+    MIN_NGRAM, MAX_NGRAM = 1, 3  # the default n-gram range (prompt-lookup's)
+
+    def __init__(self, hidden: int, min_ngram: int = MIN_NGRAM, max_ngram: int = MAX_NGRAM) -> None:
         super().__init__()
         self.min_ngram, self.max_ngram = min_ngram, max_ngram
         self.proj = torch.nn.Linear(hidden, 1)

@@ -10,6 +10,7 @@ yields the first new draft. Then K-1 single-token steps follow.
 
 from __future__ import annotations
 
+from contextlib import nullcontext
 from typing import Any
 
 from pydantic import BaseModel, ConfigDict, Field
@@ -140,13 +141,9 @@ class DraftModelDrafter(Drafter):
         # only each row's last fed position needs logits: on a lazy prefill of a long prompt, logits
         # (and the head's scatter into the full vocabulary) at every position cost a third of the pass
         keep = width - min(len(p) for p in pending) + 1
-        if self.gate is None:
+        # with a copy gate the head returns its own logits [..., N]: the mixture works in that space
+        with self.model.lm_head.unscattered() if self.gate is not None else nullcontext():
             return self._draft(ctx, k, pending, feed.to(device), width, keep, starts)
-        self.model.lm_head.scatter = False  # the head's own logits [..., N]: the copy mixture works in that space
-        try:
-            return self._draft(ctx, k, pending, feed.to(device), width, keep, starts)
-        finally:
-            self.model.lm_head.scatter = True
 
     def _draft(self, ctx: DraftContext, k: int, pending: list[list[int]], feed, width: int, keep: int,
                starts: list[int]) -> Draft:

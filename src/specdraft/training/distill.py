@@ -128,19 +128,17 @@ def gate_examples(draft, sequences: Sequence[dict], batch_size: int = 8) -> dict
     candidate and of the target's token, and whether the candidate is the target's token."""
     from ..drafters.prompt_lookup import lookup
 
-    probe = CopyGate(draft.config.hidden_size)  # only its n-gram range is read here
-    gate = getattr(draft, "copy_gate", None) or probe
+    gate = getattr(draft, "copy_gate", None)
+    lo, hi = (gate.min_ngram, gate.max_ngram) if gate is not None else (CopyGate.MIN_NGRAM, CopyGate.MAX_NGRAM)
     parts: dict[str, list[torch.Tensor]] = {k: [] for k in ("hidden", "match", "logp_copy", "logp_token", "hit")}
     with torch.no_grad():
         for start in range(0, len(sequences), batch_size):
             seqs = list(sequences[start : start + batch_size])
-            width = draft.config.hidden_size
-            ids, _, valid, _ = padded_batch(seqs, [torch.zeros(1, width)] * len(seqs), torch.float32,
-                                            draft.device)
+            ids, _, valid, _ = padded_batch(seqs, [torch.zeros(1, 1)] * len(seqs), torch.float32, draft.device)
             hidden = draft.model(input_ids=ids, attention_mask=valid.long()).last_hidden_state
             for b, seq in enumerate(seqs):
                 tokens = seq["ids"]
-                found = [(p, *lookup(tokens[:p], 1, gate.min_ngram, gate.max_ngram))
+                found = [(p, *lookup(tokens[:p], 1, lo, hi))
                          for p in range(seq["prompt_len"], len(tokens))]
                 found = [(p, c[0], n) for p, c, n in found if c]
                 if not found:
@@ -152,7 +150,7 @@ def gate_examples(draft, sequences: Sequence[dict], batch_size: int = 8) -> dict
                 truth = ids[b, pos]
                 parts["hidden"].append(h.float())
                 parts["match"].append(torch.tensor([n for _, _, n in found], device=draft.device))
-                parts["logp_copy"].append(logp.gather(1, copy[:, None])[:, 0].clamp(min=-30.0))
+                parts["logp_copy"].append(logp.gather(1, copy[:, None])[:, 0])  # the gate clamps it
                 parts["logp_token"].append(logp.gather(1, truth[:, None])[:, 0].clamp(min=-30.0))
                 parts["hit"].append((copy == truth).float())
     out = {k: torch.cat(v) for k, v in parts.items()}
