@@ -9,6 +9,7 @@ from __future__ import annotations
 import argparse
 import json
 import sys
+from pathlib import Path
 from typing import Sequence
 
 from .errors import ConfigError, SpecdraftError
@@ -131,6 +132,12 @@ def build_parser() -> argparse.ArgumentParser:
                     help="cache of the target's answers and hidden states (default: DIR/work); share it between kinds")
     th.add_argument("--num-texts", type=int, default=600, help="phase-1 examples with reference answers (default: 600)")
     th.add_argument("--num-heads", type=int, default=4, help="medusa heads / mlp-speculator stages (default: 4)")
+    th.add_argument("--gate-steps", type=int, default=300,
+                    help="steps of the copy gate's training, after the heads' (default: 300; 0: no copy gate: "
+                         "the heads never copy from the context)")
+    th.add_argument("--init", default=None, metavar="DIR",
+                    help="start from these heads (specdraft's format, same kind) instead of fresh ones; with "
+                         "--steps 0 only their copy gate is fitted")
     _training_args(th, steps=700, steps_help="training steps, split 5:2 between phases", lr=1e-3,
                    head_tokens_help="output vocabulary: the most frequent answer tokens; 0 = all")
 
@@ -286,10 +293,13 @@ def _train_heads(args) -> int:
     from .training.data import load_prompts
     from .training.heads import train_heads
 
-    _check_positive(args, "num_texts", "num_prompts", "max_new_tokens", "steps", "batch_size", "num_heads")
+    _check_positive(args, "num_texts", "num_prompts", "max_new_tokens", "batch_size", "num_heads",
+                    *(("steps",) if args.init is None else ()))
     if args.head_tokens < 0:
         raise ConfigError("--head-tokens must be >= 0 (0 = the whole vocabulary)")
-    for name in ("self_prompts", "document_prompts"):
+    if args.init is not None and not Path(args.init).is_dir():
+        raise ConfigError(f"--init {args.init!r} is not a folder; pass heads made by `specdraft train-heads`")
+    for name in ("self_prompts", "document_prompts", "gate_steps", "steps"):
         if getattr(args, name) < 0:
             raise ConfigError(f"--{name.replace('_', '-')} must be >= 0")
     load_prompts(args.prompts, limit=1)  # a missing or empty file fails before the model loads
@@ -300,7 +310,8 @@ def _train_heads(args) -> int:
                       num_prompts=args.num_prompts, self_prompts=args.self_prompts,
                       document_prompts=args.document_prompts, max_new_tokens=args.max_new_tokens, steps=args.steps,
                       batch_size=args.batch_size, lr=args.lr, head_tokens=args.head_tokens or None,
-                      work_dir=args.work, train_dtype=args.train_dtype, **config)
+                      work_dir=args.work, train_dtype=args.train_dtype, copy_gate=args.gate_steps > 0,
+                      gate_steps=args.gate_steps, init_from=args.init, **config)
     from .drafters.heads.formats import FORMAT_FILE
 
     _print_held_out(out / FORMAT_FILE)

@@ -57,6 +57,24 @@ def encode_prompt(tokenizer, prompt: str, raw: bool = False) -> list[int]:
     return tokenizer(prompt).input_ids
 
 
+def describe_target(model, tokenizer=None, target_name: str = "") -> TargetInfo:
+    """What drafters are told about a loaded target model."""
+    config = model.config.get_text_config()
+    return TargetInfo(
+        vocab_size=model.get_output_embeddings().weight.shape[0],
+        device=model.device,
+        dtype=model.dtype,
+        max_context=int(getattr(config, "max_position_embeddings", 0) or 2**31 - 1),
+        eos_token_ids=_eos_ids(model, tokenizer),
+        tokenizer=tokenizer,
+        config=config,
+        name=target_name or getattr(config, "_name_or_path", ""),
+        embeddings=model.get_input_embeddings(),
+        lm_head=model.get_output_embeddings(),
+        hidden_size=int(getattr(config, "hidden_size", 0) or 0),
+    )
+
+
 class SpeculativeDecoder:
     """Speculative decoding of a target model with a pluggable drafter.
 
@@ -85,20 +103,7 @@ class SpeculativeDecoder:
         check_spec_length(spec_length)
         self.model = model.eval()
         self.tokenizer = tokenizer
-        config = model.config.get_text_config()
-        self.target = TargetInfo(
-            vocab_size=model.get_output_embeddings().weight.shape[0],
-            device=model.device,
-            dtype=model.dtype,
-            max_context=int(getattr(config, "max_position_embeddings", 0) or 2**31 - 1),
-            eos_token_ids=_eos_ids(model, tokenizer),
-            tokenizer=tokenizer,
-            config=config,
-            name=target_name or getattr(config, "_name_or_path", ""),
-            embeddings=model.get_input_embeddings(),
-            lm_head=model.get_output_embeddings(),
-            hidden_size=int(getattr(config, "hidden_size", 0) or 0),
-        )
+        self.target = describe_target(model, tokenizer, target_name)
         if isinstance(drafter, Drafter):
             if drafter_options:
                 raise ConfigError("drafter_options only apply when the drafter is given by name")

@@ -31,11 +31,27 @@ def tiny_llama(vocab_size: int = 64, seed: int = 0, layers: int = 2, max_positio
     return LlamaForCausalLM(config).to(dtype or torch.float64).eval()
 
 
-def random_heads(kind: str, model, path, seed: int = 0, head_ids=None, scale: float = 0.5, **config):
+def trusting_copy_gate(hidden: int, match_bias: float = 2.0, dtype=None):
+    """A :class:`~specdraft.drafters.copy_gate.CopyGate` that often trusts its candidate (2- and
+    3-gram matches) and mostly not (1-gram matches), so both halves of the mixture get drafted."""
+    import torch
+
+    from .drafters.copy_gate import CopyGate
+
+    gate = CopyGate(hidden).to(dtype or torch.float32)
+    with torch.no_grad():
+        gate.match.weight.fill_(match_bias)
+        gate.match.weight[1] = -match_bias
+        gate.agree.fill_(0.5)
+    return gate
+
+
+def random_heads(kind: str, model, path, seed: int = 0, head_ids=None, scale: float = 0.5, copy_gate: bool = False,
+                 **config):
     """Save randomly initialised heads of ``kind`` for ``model`` into ``path`` (specdraft's format).
 
     ``scale`` is the std of the random weights (Medusa's blocks start at identity otherwise);
-    ``head_ids`` trims the vocabulary. Returns ``path``.
+    ``head_ids`` trims the vocabulary; ``copy_gate`` adds a :func:`trusting_copy_gate`. Returns ``path``.
     """
     import torch
 
@@ -49,6 +65,8 @@ def random_heads(kind: str, model, path, seed: int = 0, head_ids=None, scale: fl
         for name, p in module.named_parameters():
             if p.dim() == 2:
                 p.normal_(0.0, scale / p.shape[1] ** 0.5 * 3)
+    if copy_gate:
+        module.copy_gate = trusting_copy_gate(model.config.get_text_config().hidden_size, dtype=model.dtype)
     vocab = model.get_output_embeddings().weight.shape[0]
     shared = SharedHead(model.get_output_embeddings(), vocab, head_ids)
     return save_heads(module, shared, path, "tiny", target_fingerprint(model.get_input_embeddings().weight),

@@ -175,16 +175,12 @@ def test_target_fingerprint_ignores_precision_but_not_the_weights():
 def _draft_with_copy_gate(target, path, head_tokens, seed=0, match_bias=2.0):
     """A compact draft (1 layer, the ``head_tokens`` first ids in its head) with a copy gate that
     trusts its candidate often: both halves of the mixture get drafted."""
-    from specdraft.drafters.compact_draft import CopyGate, build_compact_draft, save_compact_draft, target_fingerprint
+    from specdraft.drafters.compact_draft import build_compact_draft, save_compact_draft, target_fingerprint
+    from specdraft.testing import trusting_copy_gate
 
     torch.manual_seed(seed)
     draft = build_compact_draft(target, 1, torch.arange(head_tokens), init_layers=[1])
-    gate = CopyGate(target.config.hidden_size).to(target.dtype)
-    with torch.no_grad():
-        gate.match.weight.fill_(match_bias)
-        gate.match.weight[1] = -match_bias  # a 1-gram match alone: mostly the draft's own guess
-        gate.agree.fill_(0.5)
-    draft.copy_gate = gate
+    draft.copy_gate = trusting_copy_gate(target.config.hidden_size, match_bias, dtype=target.dtype)
     save_compact_draft(draft, path, "tiny", target_fingerprint(target.get_input_embeddings().weight), dtype=torch.float64)
     return str(path)
 
@@ -204,7 +200,7 @@ def test_copy_gate_changes_the_drafts(tiny_model, gated_dir):
     for on in (True, False):
         dec = SpeculativeDecoder(tiny_model, None, drafter="draft-model", spec_length=3,
                                  drafter_options={"model": gated_dir, "dtype": "float64", "copy_gate": on})
-        assert (dec.drafter.gate is not None) == on
+        assert (dec.drafter.copier is not None) == on
         ctx = DraftContext(token_ids=[list(p) for p in prompts], prompt_lengths=[len(p) for p in prompts],
                            active=[True] * len(prompts), vocab_size=64, device=torch.device("cpu"),
                            sampling=SamplingParams())
@@ -220,7 +216,7 @@ def test_greedy_parity_with_a_copy_gate(tiny_model, gated_dir, k):
     prompts = repetitive_prompts(64, seed=11)
     dec = SpeculativeDecoder(tiny_model, None, drafter="draft-model", spec_length=k,
                              drafter_options={"model": gated_dir, "dtype": "float64"})
-    assert dec.drafter.gate is not None
+    assert dec.drafter.copier is not None
     for p, r in zip(prompts, dec.generate_ids(prompts, max_new_tokens=30)):
         assert r.token_ids == plain_greedy(tiny_model, p, 30)
         assert r.stats.drafted_tokens > 0

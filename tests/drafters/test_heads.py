@@ -158,10 +158,128 @@ def test_greedy_parity_with_trained_heads(sharp_model, trained, kind, k):
     assert 0 < accepted < drafted  # both full and partial acceptance paths ran
 
 
+@pytest.mark.parametrize("gate", [False, True])
 @pytest.mark.parametrize("kind", KINDS)
-def test_conformance_with_random_heads_and_a_trimmed_vocabulary(tiny_model, tmp_path, kind):
-    random_heads(kind, tiny_model, tmp_path, head_ids=torch.arange(0, 64, 2))
+def test_conformance_with_random_heads_and_a_trimmed_vocabulary(tiny_model, tmp_path, kind, gate):
+    random_heads(kind, tiny_model, tmp_path, head_ids=torch.arange(0, 64, 2), copy_gate=gate)
     check_drafter(kind, tiny_model, drafter_options={"heads": str(tmp_path)})
+
+
+# -- the copy gate ------------------------------------------------------------------------------
+
+def _with_copy_gate(model, kind, path, out):
+    """The heads in ``path`` plus a :func:`trusting_copy_gate`, saved to ``out``."""
+    from specdraft.drafters.compact_draft import target_fingerprint
+    from specdraft.drafters.heads.formats import save_heads
+    from specdraft.testing import trusting_copy_gate
+
+    module, shared, _ = load_heads(path, _target_info(model), kind)
+    module.copy_gate = trusting_copy_gate(model.config.hidden_size, dtype=model.dtype)
+    return str(save_heads(module, shared, out, "tiny", target_fingerprint(model.model.embed_tokens.weight),
+                          dtype=model.dtype))
+
+
+@pytest.fixture(scope="module")
+def gated(sharp_model, trained, tmp_path_factory):
+    return {kind: _with_copy_gate(sharp_model, kind, trained[kind][0], tmp_path_factory.mktemp(f"{kind}-gated"))
+            for kind in KINDS}
+
+
+@pytest.mark.parametrize("kind", KINDS)
+def test_copy_gate_changes_the_heads_drafts(sharp_model, gated, kind):
+    """The heads really draft from the copy mixture: on repetitive contexts the gated heads propose
+    what followed the trailing n-gram where the heads alone propose something else."""
+    from specdraft.drafters.prompt_lookup import prompt_lookup
+
+    prompts = repetitive_prompts(64, seed=5)
+    firsts = {}
+    for on in (True, False):
+        dec = SpeculativeDecoder(sharp_model, None, drafter=kind, spec_length=3, adaptive=False,
+                                 drafter_options={"heads": gated[kind], "copy_gate": on})
+        assert (dec.drafter.copier is not None) == on
+        seen = []
+        original = dec.drafter.propose
+
+        def record(ctx, k):
+            draft = original(ctx, k)
+            seen.extend((list(t), int(d[0])) for t, d in zip(ctx.token_ids, draft.token_ids))
+            return draft
+
+        dec.drafter.propose = record
+        dec.generate_ids(prompts, max_new_tokens=3)  # the first round drafts after each prompt
+        firsts[on] = dict((tuple(t), d) for t, d in seen)
+        assert firsts[on], "no round drafted"
+    copied = {t: prompt_lookup(list(t), 1, 2, 3) for t in firsts[True]}
+    assert any(c and t in firsts[False] and firsts[True][t] == c[0] != firsts[False][t] for t, c in copied.items())
+
+
+@pytest.mark.parametrize("kind", KINDS)
+def test_heads_copy_gate_learns_to_copy_where_answers_repeat_the_prompt(tiny_model, tmp_path, kind):
+    """train-heads' last stage: fitted with the heads frozen, the gate's held-out guesses (through
+    the gate, as the drafter chooses them) get right what the random heads alone get wrong."""
+    from specdraft.training.copy_gate import fit_copy_gate
+    from specdraft.training.evaluate import heads_predictor, held_out_acceptance
+    from specdraft.training.heads import heads_gate_source
+
+    g = torch.Generator().manual_seed(0)
+
+    def sequence():
+        prompt = torch.randint(1, 64, (12,), generator=g).tolist()
+        return {"ids": prompt + prompt[:10], "prompt_len": 12, "greedy": True}
+
+    train_seqs, held = [sequence() for _ in range(40)], [sequence() for _ in range(8)]
+    states, held_states = (target_features(tiny_model, s, progress=False) for s in (train_seqs, held))
+    random_heads(kind, tiny_model, tmp_path / "heads", num_heads=2, num_stages=2)
+    module, head, _ = load_heads(tmp_path / "heads", _target_info(tiny_model), kind)
+    embeddings = tiny_model.get_input_embeddings()
+
+    def acceptance():
+        return held_out_acceptance(heads_predictor(kind, module, head, embeddings, 2), held, held_states, 2,
+                                   dtype=torch.float64)
+
+    before = acceptance()
+    losses = fit_copy_gate(module, heads_gate_source(kind, module, head, embeddings), train_seqs, tmp_path / "gate",
+                           states=states, steps=60, batch=256, progress=False, dtype=torch.float64)
+    assert sum(losses[-10:]) / 10 < 0.5 * sum(losses[:10]) / 10
+    after = acceptance()
+    assert after[0] > 0.8 > before[0] + 0.3
+
+
+@pytest.mark.parametrize("kind", KINDS)
+@pytest.mark.parametrize("k", [1, 3, 5])
+def test_greedy_parity_with_gated_heads(sharp_model, gated, kind, k):
+    prompts = repetitive_prompts(64, seed=11) + [s["ids"][: s["prompt_len"]] for s in _tiny_sequences(sharp_model, 4, seed=9)]
+    dec = SpeculativeDecoder(sharp_model, None, drafter=kind, spec_length=k, drafter_options={"heads": gated[kind]},
+                             adaptive=False)
+    assert dec.drafter.copier is not None
+    results = dec.generate_ids(prompts, max_new_tokens=30)
+    for p, r in zip(prompts, results):
+        assert r.token_ids == plain_greedy(sharp_model, p, 30)
+    accepted = sum(r.stats.accepted_tokens for r in results)
+    assert 0 < accepted < sum(r.stats.drafted_tokens for r in results)
+
+
+@pytest.mark.parametrize("kind, params", [
+    ("medusa", SamplingParams(temperature=1.0)),
+    ("eagle", SamplingParams(temperature=0.9, top_k=5)),
+    ("mlp-speculator", SamplingParams(temperature=1.0, top_p=0.8)),
+])
+def test_sampling_with_gated_heads_matches_target_joint_distribution(small_vocab_model, trained_small, tmp_path,
+                                                                      kind, params):
+    """Drafts from the copy mixture (a head over 12 of the 16 tokens, so the candidate is sometimes
+    a token the head gives probability 0); the output is still distributed as the target's."""
+    from specdraft.drafters.compact_draft import target_fingerprint
+    from specdraft.drafters.heads.formats import save_heads
+
+    module, shared, _ = load_heads(trained_small[kind], _target_info(small_vocab_model), kind)
+    from specdraft.drafters.heads.modules import SharedHead
+    from specdraft.testing import trusting_copy_gate
+
+    module.copy_gate = trusting_copy_gate(small_vocab_model.config.hidden_size, dtype=small_vocab_model.dtype)
+    trimmed = SharedHead(small_vocab_model.lm_head, 16, torch.arange(12))
+    path = save_heads(module, trimmed, tmp_path / "gated", "tiny",
+                      target_fingerprint(small_vocab_model.model.embed_tokens.weight), dtype=small_vocab_model.dtype)
+    _check_heads_sampling(small_vocab_model, kind, str(path), params)
 
 
 # -- sampling exactness -------------------------------------------------------------------------
@@ -175,11 +293,15 @@ def test_conformance_with_random_heads_and_a_trimmed_vocabulary(tiny_model, tmp_
     ("mlp-speculator", SamplingParams(temperature=0.8, top_k=6, top_p=0.9)),
 ])
 def test_sampling_matches_target_joint_distribution(small_vocab_model, trained_small, kind, params):
+    _check_heads_sampling(small_vocab_model, kind, trained_small[kind], params)
+
+
+def _check_heads_sampling(small_vocab_model, kind, heads, params):
+    """Chi-square test, at level ALPHA, of the first two sampled tokens against the target's exact joint."""
     prompt = [3, 5, 3, 5, 3]
     n = 12_000
     exact = exact_joint_distribution(small_vocab_model, prompt, params)
-    dec = SpeculativeDecoder(small_vocab_model, None, drafter=kind, spec_length=3,
-                             drafter_options={"heads": trained_small[kind]})
+    dec = SpeculativeDecoder(small_vocab_model, None, drafter=kind, spec_length=3, drafter_options={"heads": heads})
     results = dec.generate_ids([prompt] * n, max_new_tokens=2, seed=17, temperature=params.temperature,
                                top_k=params.top_k, top_p=params.top_p)
     counts = torch.zeros_like(exact)

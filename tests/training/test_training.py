@@ -166,7 +166,8 @@ def test_copy_gate_learns_to_copy_where_the_answer_repeats_the_prompt(tmp_path, 
     """Answers that repeat their prompt: the gate's mixture likelihood rises, and the draft's
     held-out guesses (through the gate, as the drafter chooses them) get more right."""
     from specdraft.drafters.compact_draft import build_compact_draft
-    from specdraft.training.distill import gate_examples, mixture_nll, train_copy_gate
+    from specdraft.training.copy_gate import fit_copy_gate, gate_examples, mixture_nll
+    from specdraft.training.distill import draft_gate_source
     from specdraft.training.evaluate import draft_model_predictor, held_out_acceptance
 
     g = torch.Generator().manual_seed(0)
@@ -178,9 +179,10 @@ def test_copy_gate_learns_to_copy_where_the_answer_repeats_the_prompt(tmp_path, 
     train_seqs, held = [sequence() for _ in range(40)], [sequence() for _ in range(8)]
     draft = build_compact_draft(tiny_model, 1, torch.arange(64))
     before = held_out_acceptance(draft_model_predictor(draft, 2), held, None, 2, dtype=torch.float64)
-    losses = train_copy_gate(draft, train_seqs, tmp_path / "gate", steps=60, batch=256, progress=False)
+    losses = fit_copy_gate(draft, draft_gate_source(draft), train_seqs, tmp_path / "gate", steps=60, batch=256,
+                           progress=False)
     assert sum(losses[-10:]) / 10 < 0.5 * sum(losses[:10]) / 10
-    ex = gate_examples(draft, held)
+    ex = gate_examples(draft_gate_source(draft), held)
     with torch.no_grad():
         assert float(mixture_nll(draft.copy_gate, ex)) < 1.0
     after = held_out_acceptance(draft_model_predictor(draft, 2), held, None, 2, dtype=torch.float64)

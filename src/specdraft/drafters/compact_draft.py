@@ -7,11 +7,9 @@ path run it unchanged) with two twists that keep it small on disk and fast per t
 * the output head has rows for the ``N`` most frequent tokens only (``head_ids``); logits
   of every other token are the most negative float, so their probability is exactly 0,
   which rejection sampling handles exactly;
-* optionally a copy gate (:class:`CopyGate`, a pointer-generator for drafting): a
-  2-layer draft cannot copy from a long prompt the way its target does (on Spec-Bench
-  summarization it guesses 12% of the target's tokens, while the token that followed the
-  last occurrence of the trailing n-gram is right 42% of the time), so the draft's
-  distribution is a learnt mixture of its own and that copy candidate.
+* optionally a copy gate (:class:`~specdraft.drafters.copy_gate.CopyGate`, a
+  pointer-generator for drafting): the draft's distribution is a learnt mixture of its own
+  and the token that followed the last occurrence of the trailing n-gram.
 
 On disk (``save_compact_draft``): ``config.json`` (the draft's LlamaConfig),
 ``specdraft_draft.json`` (format, the target's name and fingerprint), and
@@ -31,6 +29,7 @@ import numpy as np
 import torch
 
 from ..errors import ConfigError
+from .copy_gate import STATE_PREFIX, CopyGate
 
 FORMAT_FILE = "specdraft_draft.json"
 FORMAT = "specdraft-compact-draft/1"
@@ -82,68 +81,6 @@ class ScatteredHead(torch.nn.Module):
         return full.index_copy_(-1, self.head_ids, small)  # [..., vocab]
 
 
-class CopyGate(torch.nn.Module):
-    """How much of the draft's next-token probability goes to the copy candidate.
-
-    The candidate is the token that followed the most recent earlier occurrence of the
-    sequence's trailing n-gram (``min_ngram <= n <= max_ngram``, longest first: the
-    prompt-lookup rule). The draft's distribution becomes
-
-        q = (1 - g) p_draft + g onehot(candidate),   g = sigmoid(w.h + b[n] + a log p_draft(candidate))
-
-    from the draft's last hidden state ``h``, the matched n-gram's length ``n`` and how
-    likely the draft itself finds the candidate; ``g = 0`` where nothing matched. ``q`` is a
-    distribution the draft really samples from, so rejection sampling stays exact.
-    """
-
-    MIN_NGRAM, MAX_NGRAM = 1, 3  # the default n-gram range (prompt-lookup's)
-
-    def __init__(self, hidden: int, min_ngram: int = MIN_NGRAM, max_ngram: int = MAX_NGRAM) -> None:
-        super().__init__()
-        self.min_ngram, self.max_ngram = min_ngram, max_ngram
-        self.proj = torch.nn.Linear(hidden, 1)
-        self.match = torch.nn.Embedding(max_ngram + 1, 1)
-        self.agree = torch.nn.Parameter(torch.zeros(1))
-
-    def forward(self, hidden: torch.Tensor, match: torch.Tensor, logp_copy: torch.Tensor) -> torch.Tensor:
-        """``hidden # [..., H]``, ``match # [...]`` (0: no candidate), ``logp_copy # [...]`` -> g ``# [...]``."""
-        z = self.proj(hidden).squeeze(-1) + self.match(match).squeeze(-1) + self.agree * logp_copy.clamp(min=-30.0)
-        return torch.sigmoid(z.float()) * (match > 0)
-
-
-def copy_mixture(probs: torch.Tensor, gate: torch.Tensor, copy_ids: torch.Tensor) -> torch.Tensor:
-    """``(1 - gate) probs + gate onehot(copy_ids)``: ``probs # [B, V]``, ``gate, copy_ids # [B]``.
-
-    Rows without a candidate must have ``gate == 0`` (their ``copy_ids`` entry is ignored).
-    """
-    gate = gate.to(probs.dtype)[:, None]
-    mixed = probs * (1 - gate)
-    return mixed.scatter_add_(1, copy_ids.clamp(min=0)[:, None], gate)
-
-
-def copy_argmax(logp: torch.Tensor, gate: torch.Tensor, copy_ids: torch.Tensor, logp_copy: torch.Tensor,
-                token_ids: torch.Tensor | None = None) -> torch.Tensor:
-    """The copy mixture's most likely token per row, without building the mixture.
-
-    ``logp # [B, N]`` the draft's log-probabilities (``token_ids # [N]`` maps their columns to
-    token ids; None: columns are ids), ``gate, copy_ids, logp_copy # [B]``. The candidate
-    wins when ``g + (1 - g) p(candidate) >= (1 - g) max p``.
-    """
-    top_logp, top_i = logp.max(-1)
-    best = top_i if token_ids is None else token_ids[top_i]
-    take = (gate > 0) & (gate + (1 - gate) * logp_copy.exp() >= (1 - gate) * top_logp.exp())
-    return torch.where(take, copy_ids, best)
-
-
-def copy_candidates(rows: list[list[int]], gate: CopyGate, device) -> tuple[torch.Tensor, torch.Tensor]:
-    """Each row's copy candidate ``# [B]`` (-1: none) and matched n-gram length ``# [B]``."""
-    from .prompt_lookup import lookup
-
-    found = [lookup(r, 1, gate.min_ngram, gate.max_ngram) for r in rows]
-    ids = torch.tensor([c[0] if c else -1 for c, _ in found], dtype=torch.long, device=device)
-    return ids, torch.tensor([n for _, n in found], dtype=torch.long, device=device)
-
-
 def build_compact_draft(target, num_layers: int, head_ids: torch.Tensor, init_layers: list[int] | None = None):
     """A draft for ``target`` (a Llama-family HF model) initialised from some of its layers."""
     from transformers import LlamaConfig, LlamaForCausalLM
@@ -177,7 +114,7 @@ def save_compact_draft(draft, path: str | Path, target_name: str, fingerprint: s
     path = Path(path)
     path.mkdir(parents=True, exist_ok=True)
     # the copy gate's few weights stay in float32: its logit adds terms of very different sizes
-    state = {k: (v.to(torch.float32 if k.startswith("copy_gate.") else dtype) if v.is_floating_point() else v)
+    state = {k: (v.to(torch.float32 if k.startswith(STATE_PREFIX) else dtype) if v.is_floating_point() else v)
              .contiguous().cpu() for k, v in trainable_state(draft).items()}
     save_file(state, path / "model.safetensors")
     draft.config.to_json_file(path / "config.json")
@@ -185,7 +122,7 @@ def save_compact_draft(draft, path: str | Path, target_name: str, fingerprint: s
             "head_tokens": int(draft.lm_head.head_ids.numel()), **(extra or {})}
     gate = getattr(draft, "copy_gate", None)
     if gate is not None:
-        meta["copy_gate"] = {"min_ngram": gate.min_ngram, "max_ngram": gate.max_ngram, **meta.get("copy_gate", {})}
+        meta["copy_gate"] = {**gate.spec(), **meta.get("copy_gate", {})}
     (path / FORMAT_FILE).write_text(json.dumps(meta, indent=1))
 
 
@@ -215,8 +152,7 @@ def load_compact_draft(path: str | Path, embeddings: Any, target_name: str, dtyp
     draft = LlamaForCausalLM(cfg)
     draft.lm_head = ScatteredHead(cfg.hidden_size, state["lm_head.head_ids"], cfg.vocab_size)
     if "copy_gate" in meta:
-        spec = meta["copy_gate"]
-        draft.copy_gate = CopyGate(cfg.hidden_size, spec["min_ngram"], spec["max_ngram"])
+        draft.copy_gate = CopyGate.from_spec(meta["copy_gate"], cfg.hidden_size)
     draft.model.embed_tokens = torch.nn.Embedding(1, 1)  # placeholder, replaced below
     missing = draft.load_state_dict({k: v.to(dtype) if v.is_floating_point() else v for k, v in state.items()},
                                     strict=False)

@@ -97,14 +97,12 @@ class DraftModelDrafter(Drafter):
                 f"draft model {name!r} has a vocabulary of {self.vocab} but target {target.name!r} has {target.vocab_size}"
             )
         self.cache = KVCache(model.config.get_text_config().num_hidden_layers, slots=0)
-        gate = getattr(model, "copy_gate", None)
-        self.gate = gate if options.copy_gate else None
-        if self.gate is not None:  # token id -> its row in the draft's head (-1: not in the head)
-            import torch
+        gate = getattr(model, "copy_gate", None) if options.copy_gate else None
+        self.copier = None
+        if gate is not None:
+            from .copy_gate import CopyDrafting
 
-            head_ids = model.lm_head.head_ids
-            self._head_slot = torch.full((max(self.vocab, target.vocab_size),), -1, dtype=torch.long, device=head_ids.device)
-            self._head_slot[head_ids] = torch.arange(head_ids.numel(), device=head_ids.device)
+            self.copier = CopyDrafting(gate, model.lm_head.head_ids, target.vocab_size)
         super().__init__(options, target)
 
     def reset(self) -> None:
@@ -142,7 +140,7 @@ class DraftModelDrafter(Drafter):
         # (and the head's scatter into the full vocabulary) at every position cost a third of the pass
         keep = width - min(len(p) for p in pending) + 1
         # with a copy gate the head returns its own logits [..., N]: the mixture works in that space
-        with self.model.lm_head.unscattered() if self.gate is not None else nullcontext():
+        with self.model.lm_head.unscattered() if self.copier is not None else nullcontext():
             return self._draft(ctx, k, pending, feed.to(device), width, keep, starts)
 
     def _draft(self, ctx: DraftContext, k: int, pending: list[list[int]], feed, width: int, keep: int,
@@ -151,10 +149,11 @@ class DraftModelDrafter(Drafter):
 
         from ..cache import forward_step
         from ..sampling import draw
+        from .copy_gate import drafted_rows
 
         device = feed.device
-        out = forward_step(self.model, self.cache, feed, logits_to_keep=keep, return_hidden=self.gate is not None)
-        logits, hidden = out if self.gate is not None else (out, None)  # [batch, keep, vocab_d], [batch, width, dim]
+        out = forward_step(self.model, self.cache, feed, logits_to_keep=keep, return_hidden=self.copier is not None)
+        logits, hidden = out if self.copier is not None else (out, None)  # [batch, keep, vocab_d], [batch, width, dim]
         rows = torch.arange(ctx.batch_size, device=device)
         last = torch.tensor([len(p) - 1 - (width - keep) for p in pending], device=device)
         step_logits = logits[rows, last]  # [batch, vocab_d]
@@ -165,43 +164,21 @@ class DraftModelDrafter(Drafter):
 
         tokens, probs = [], []
         for i in range(k):
-            if self.gate is None:
+            if self.copier is None:
                 token, p = draw(self._to_target_vocab(step_logits), ctx.sampling, ctx.generator)  # [batch], [batch, vocab]
             else:
-                token, p = self._draw_with_copy(ctx, step_logits, step_hidden, tokens)
+                token, p = self.copier.draw(step_logits, step_hidden, drafted_rows(ctx.token_ids, tokens),
+                                            ctx.sampling, ctx.generator)
             if p is not None:
                 probs.append(p)
             tokens.append(token)
             if i + 1 < k:
-                out = forward_step(self.model, self.cache, token[:, None], return_hidden=self.gate is not None)
-                step_logits, step_hidden = (out[0][:, -1], out[1][:, -1]) if self.gate is not None else (out[:, -1], None)
+                out = forward_step(self.model, self.cache, token[:, None], return_hidden=self.copier is not None)
+                step_logits, step_hidden = (out[0][:, -1], out[1][:, -1]) if self.copier is not None else (out[:, -1], None)
                 for fed, t in zip(self._fed, token.tolist()):
                     fed.append(t)
         ids = torch.stack(tokens, dim=1)  # [batch, k]
         return Draft(token_ids=ids, probs=torch.stack(probs, dim=1) if probs else None)
-
-    def _draw_with_copy(self, ctx: DraftContext, small, hidden, drafted: list):
-        """One token per row from the copy mixture (see :class:`~.compact_draft.CopyGate`), given
-        the head's own logits ``small # [batch, N]``: ``(tokens # [batch], probs # [batch, vocab] |
-        None)``, like :func:`~specdraft.sampling.draw`."""
-        import torch
-
-        from ..sampling import logits_to_probs
-        from .compact_draft import copy_argmax, copy_candidates, copy_mixture
-
-        head = self.model.lm_head
-        so_far = torch.stack(drafted, dim=1).tolist() if drafted else [[] for _ in ctx.token_ids]
-        copy_ids, match = copy_candidates([t + d for t, d in zip(ctx.token_ids, so_far)], self.gate, small.device)
-        slot = self._head_slot[copy_ids.clamp(min=0)]  # [batch]: the candidate's row in the head, -1 if none
-        logp = small.float().log_softmax(-1)  # [batch, N]
-        logp_copy = torch.where(slot >= 0, logp.gather(1, slot.clamp(min=0)[:, None])[:, 0], -torch.inf)
-        gate = self.gate(hidden, match, logp_copy.to(hidden.dtype))  # [batch], 0 where nothing matched
-        if ctx.sampling.greedy:
-            return copy_argmax(logp, gate, copy_ids, logp_copy, head.head_ids), None
-        full = torch.full((small.shape[0], self.target.vocab_size), torch.finfo(torch.float32).min, device=small.device)
-        full.index_copy_(1, head.head_ids, small.float())
-        mixed = copy_mixture(logits_to_probs(full, ctx.sampling), gate, copy_ids)
-        return torch.multinomial(mixed, 1, generator=ctx.generator).squeeze(1), mixed
 
     def _to_target_vocab(self, logits: Any):
         """Draft logits ``[batch, vocab_d]`` -> ``[batch, vocab_t]``: rows past the target's are padding."""

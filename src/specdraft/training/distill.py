@@ -7,7 +7,7 @@
    own next-token distribution there (objective "kl", the default: soft labels from the
    target's hidden states through its LM head, restricted to the head's tokens) or just the
    token the target produced (objective "ce").
-4. Its copy gate (:class:`~specdraft.drafters.compact_draft.CopyGate`, unless
+4. Its copy gate (:class:`~specdraft.drafters.copy_gate.CopyGate`, unless
    ``copy_gate=False``) learns, with the trained draft frozen, how far to trust the token
    that followed the last occurrence of the trailing n-gram over the draft's own guess: it
    maximises the likelihood of the target's tokens under the mixture.
@@ -27,9 +27,10 @@ from typing import Sequence
 
 import torch
 
-from ..drafters.compact_draft import CopyGate, build_compact_draft, save_compact_draft, target_fingerprint
+from ..drafters.compact_draft import build_compact_draft, save_compact_draft, target_fingerprint
 from ..drafters.heads.modules import SharedHead
 from ..errors import ConfigError
+from .copy_gate import GateSource, fit_copy_gate
 from .data import frequent_tokens, target_answers
 from .evaluate import draft_model_predictor, held_out_acceptance, split_held_out
 from .heads import padded_batch, token_loss
@@ -95,7 +96,8 @@ def distill(target, tokenizer, target_name: str, prompt_files: Sequence[str], ou
     draft.eval()
     gate_info = {}
     if copy_gate:
-        gate_losses = train_copy_gate(draft, sequences, work / "copy-gate", gate_steps, seed=seed, progress=progress)
+        gate_losses = fit_copy_gate(draft, draft_gate_source(draft), sequences, work / "copy-gate", steps=gate_steps,
+                                    seed=seed, progress=progress, device=target.device)
         if gate_losses:
             gate_info = {"copy_gate": {"steps": gate_steps,
                                        "final_loss": sum(gate_losses[-20:]) / max(1, len(gate_losses[-20:]))}}
@@ -121,68 +123,12 @@ def distill(target, tokenizer, target_name: str, prompt_files: Sequence[str], ou
     return out_dir
 
 
-def gate_examples(draft, sequences: Sequence[dict], batch_size: int = 8) -> dict[str, torch.Tensor]:
-    """What the copy gate learns from, at every answer position of ``sequences`` that has a copy
-    candidate and where the draft or the candidate can produce the target's token: the draft's
-    hidden state before it, the matched n-gram length, the draft's log-probabilities of the
-    candidate and of the target's token, and whether the candidate is the target's token."""
-    from ..drafters.prompt_lookup import lookup
-
-    gate = getattr(draft, "copy_gate", None)
-    lo, hi = (gate.min_ngram, gate.max_ngram) if gate is not None else (CopyGate.MIN_NGRAM, CopyGate.MAX_NGRAM)
-    parts: dict[str, list[torch.Tensor]] = {k: [] for k in ("hidden", "match", "logp_copy", "logp_token", "hit")}
-    with torch.no_grad():
-        for start in range(0, len(sequences), batch_size):
-            seqs = list(sequences[start : start + batch_size])
-            ids, _, valid, _ = padded_batch(seqs, [torch.zeros(1, 1)] * len(seqs), torch.float32, draft.device)
-            hidden = draft.model(input_ids=ids, attention_mask=valid.long()).last_hidden_state
-            for b, seq in enumerate(seqs):
-                tokens = seq["ids"]
-                found = [(p, *lookup(tokens[:p], 1, lo, hi))
-                         for p in range(seq["prompt_len"], len(tokens))]
-                found = [(p, c[0], n) for p, c, n in found if c]
-                if not found:
-                    continue
-                pos = torch.tensor([p for p, _, _ in found], device=draft.device)
-                copy = torch.tensor([c for _, c, _ in found], device=draft.device)
-                h = hidden[b, pos - 1]  # [n, dim]: the state before position p guesses token p
-                logp = draft.lm_head(h).float().log_softmax(-1)  # [n, vocab]
-                truth = ids[b, pos]
-                parts["hidden"].append(h.float())
-                parts["match"].append(torch.tensor([n for _, _, n in found], device=draft.device))
-                parts["logp_copy"].append(logp.gather(1, copy[:, None])[:, 0])  # the gate clamps it
-                parts["logp_token"].append(logp.gather(1, truth[:, None])[:, 0].clamp(min=-30.0))
-                parts["hit"].append((copy == truth).float())
-    out = {k: torch.cat(v) for k, v in parts.items()}
-    useful = (out["hit"] > 0) | (out["logp_token"] > -30.0)  # else no gate changes the likelihood
-    return {k: v[useful] for k, v in out.items()}
+def draft_gate_source(draft) -> GateSource:
+    """The draft model's features and head, for :func:`~.copy_gate.fit_copy_gate`."""
+    head = draft.lm_head
+    return GateSource(
+        features=lambda ids, valid, states: draft.model(input_ids=ids, attention_mask=valid.long()).last_hidden_state,
+        logits=head.proj, head_ids=head.head_ids, hidden_size=draft.config.hidden_size)
 
 
-def mixture_nll(gate: CopyGate, ex: dict[str, torch.Tensor]) -> torch.Tensor:
-    """Mean negative log-likelihood of the target's tokens under the copy mixture."""
-    g = gate(ex["hidden"], ex["match"], ex["logp_copy"])
-    likelihood = (1 - g) * ex["logp_token"].exp() + g * ex["hit"]
-    return -(likelihood + 1e-9).log().mean()
-
-
-def train_copy_gate(draft, sequences: Sequence[dict], out_dir: Path, steps: int = 300, batch: int = 4096,
-                    lr: float = 1e-2, seed: int = 0, progress: bool = True) -> list[float]:
-    """Attach a :class:`CopyGate` to ``draft`` (frozen) and fit it to ``sequences``; returns the losses
-    (none, and no gate attached, when no answer position has a copy candidate)."""
-    ex = gate_examples(draft, sequences)
-    if not len(ex["hit"]):
-        return []
-    if getattr(draft, "copy_gate", None) is None:
-        draft.copy_gate = CopyGate(draft.config.hidden_size).to(device=draft.device, dtype=torch.float32)
-    generator = torch.Generator().manual_seed(seed)
-    params = dict(draft.copy_gate.named_parameters())
-
-    def loss_fn(step: int) -> torch.Tensor:
-        pick = torch.randint(0, len(ex["hit"]), (batch,), generator=generator).to(draft.device)
-        return mixture_nll(draft.copy_gate, {k: v[pick] for k, v in ex.items()})
-
-    with torch.enable_grad():
-        return train(params, loss_fn, steps, out_dir, lr=lr, progress=progress, desc="copy gate")
-
-
-__all__ = ["distill", "train_copy_gate"]
+__all__ = ["distill", "draft_gate_source"]

@@ -63,34 +63,54 @@ def held_out_acceptance(predict: Predictor, sequences: Sequence[dict], states: S
     return acceptance
 
 
-def _argmax_ids(logits: torch.Tensor, head_ids: torch.Tensor | None) -> torch.Tensor:
-    best = logits.argmax(-1)
-    return best if head_ids is None else head_ids[best]
+class _Chooser:
+    """Greedy choice from a head's logits, through the drafter's copy gate when it has one
+    (as the drafter chooses); ``ids`` the batch's tokens, for the gate's candidates."""
+
+    def __init__(self, head_ids: torch.Tensor | None, gate, vocab_size: int, ids: torch.Tensor) -> None:
+        from ..drafters.copy_gate import CopyDrafting, copy_table
+
+        self.head_ids = head_ids
+        self.copier = CopyDrafting(gate, head_ids, vocab_size) if gate is not None else None
+        self.table = copy_table(ids, gate) if gate is not None else None
+
+    def __call__(self, small: torch.Tensor, feature: torch.Tensor, first: int) -> torch.Tensor:
+        """``small # [B, n, N]`` logits read from ``feature # [B, n, H]``, entry ``j`` guessing token ``first + j``."""
+        if self.copier is None:
+            best = small.argmax(-1)
+            return best if self.head_ids is None else self.head_ids[best]
+        n = small.shape[1]
+        copy_ids, match = (t[:, first : first + n] for t in self.table)
+        return self.copier.argmax(small, feature, copy_ids, match)
 
 
 def heads_predictor(kind: str, module, head, embeddings, depth: int) -> Predictor:
-    """Greedy guesses of trained heads of ``kind`` (``head``: their :class:`SharedHead`)."""
+    """Greedy guesses of trained heads of ``kind`` (``head``: their :class:`SharedHead`), through
+    their copy gate when they have one."""
     from .heads import eagle_unroll
 
     def predict(ids: torch.Tensor, feats: torch.Tensor) -> list[torch.Tensor]:
         W = ids.shape[1]
+        gate = getattr(module, "copy_gate", None)
+        own = kind == "medusa" and module.own_heads is not None  # a published checkpoint's own LM heads
+        choose = _Chooser(head.head_ids, None if own else gate, head.vocab_size, ids)
         out = []
         if kind == "eagle":
             for s, guess in enumerate(eagle_unroll(module, embeddings, ids, feats, depth), 1):
-                out.append(_argmax_ids(head.small(guess[:, :-1]), head.head_ids))
+                out.append(choose(head.small(guess[:, :-1]), guess[:, :-1], s + 1))
         elif kind == "medusa":
             for s in range(1, min(depth, module.num_heads) + 1):
                 feature = module.blocks[s - 1](feats[:, : W - s - 1])
-                if module.own_heads is None:  # the target's LM head, shared
-                    out.append(_argmax_ids(head.small(feature), head.head_ids))
-                else:  # a published checkpoint's own LM head per Medusa head
+                if own:
                     out.append(module.own_heads[s - 1](feature).argmax(-1))
+                else:
+                    out.append(choose(head.small(feature), feature, s + 1))
         else:  # mlp-speculator: stage s reads stage s-1's state and the token before its guess
             state = feats[:, : W - 2]
             for s in range(1, min(depth, module.num_stages) + 1):
                 n = W - s - 1
                 state, feature = module.stage(s - 1, state[:, :n], embeddings(ids[:, s : s + n]))
-                out.append(_argmax_ids(head.small(feature), head.head_ids))
+                out.append(choose(head.small(feature), feature, s + 1))
         return out
 
     return predict
@@ -99,23 +119,15 @@ def heads_predictor(kind: str, module, head, embeddings, depth: int) -> Predicto
 def draft_model_predictor(draft, depth: int) -> Predictor:
     """Greedy guesses of an autoregressive draft model: depth ``s`` of chain ``j`` is its
     prediction after ``x_{j+s}`` (through its copy gate, when it has one)."""
-    from ..drafters.compact_draft import copy_argmax, copy_candidates
 
     def predict(ids: torch.Tensor, feats: torch.Tensor) -> list[torch.Tensor]:
         W = ids.shape[1]
-        gate = getattr(draft, "copy_gate", None)
+        head = draft.lm_head
+        choose = _Chooser(head.head_ids, getattr(draft, "copy_gate", None), draft.config.vocab_size, ids)
         hidden = draft.model(input_ids=ids).last_hidden_state  # [B, W, dim]
-        logits = draft.lm_head(hidden)
-        best = logits.argmax(-1)  # [B, W]: best[:, p] guesses x_{p+1}
-        if gate is not None:
-            rows = ids.tolist()
-            for p in range(W):
-                copy_ids, match = copy_candidates([r[: p + 1] for r in rows], gate, ids.device)
-                logp = logits[:, p].float().log_softmax(-1)
-                logp_copy = logp.gather(1, copy_ids.clamp(min=0)[:, None])[:, 0]
-                g = gate(hidden[:, p].to(gate.proj.weight.dtype), match, logp_copy.to(gate.proj.weight.dtype))
-                best[:, p] = copy_argmax(logp, g, copy_ids, logp_copy)  # as the drafter chooses
-        return [best[:, s : W - 1] for s in range(1, depth + 1)]
+        with head.unscattered():
+            best = choose(head(hidden)[:, : W - 1], hidden[:, : W - 1], 1)  # [B, W-1]: entry p guesses x_{p+1}
+        return [best[:, s:] for s in range(1, depth + 1)]
 
     return predict
 

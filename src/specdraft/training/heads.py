@@ -27,9 +27,11 @@ import torch
 import torch.nn.functional as F
 
 from ..drafters.compact_draft import target_fingerprint
-from ..drafters.heads.formats import save_heads
+from ..decoder import describe_target
+from ..drafters.heads.formats import load_heads, save_heads
 from ..drafters.heads.modules import KINDS, SharedHead, build_heads
 from ..errors import ConfigError
+from .copy_gate import GateSource, fit_copy_gate
 from .data import chat_sequences, frequent_tokens, load_examples, target_answers, target_features
 from .evaluate import heads_predictor, held_out_acceptance, split_held_out
 from .loop import autocast_dtype, train
@@ -176,12 +178,18 @@ def train_heads(target, tokenizer, target_name: str, kind: str, prompt_files: Se
                 document_prompts: int = 0, max_new_tokens: int = 128,
                 steps: int = 700,
                 batch_size: int = 8, lr: float = 1e-3, head_tokens: int | None = 8192, seed: int = 0,
-                work_dir: str | Path | None = None, progress: bool = True, train_dtype: str = "auto", **head_config) -> Path:
+                work_dir: str | Path | None = None, progress: bool = True, train_dtype: str = "auto",
+                copy_gate: bool = True, gate_steps: int = 300, init_from: str | Path | None = None,
+                **head_config) -> Path:
     """Train heads of ``kind`` for ``target`` and save them in specdraft's format in ``out_dir``.
 
     ``work_dir`` (default ``out_dir/work``) caches the target's answers and hidden states,
     which do not depend on the kind: point several runs at one to compute them once.
-    Checkpoints go to ``work_dir/<kind>``.
+    Checkpoints go to ``work_dir/<kind>``. Then, unless ``copy_gate`` is False, the heads'
+    copy gate is fitted with the heads frozen (``gate_steps``, checkpoints in
+    ``work_dir/<kind>-copy-gate``). ``init_from``: start from the heads in that folder
+    (specdraft's format, same kind; their vocabulary is kept) instead of fresh ones; with
+    ``steps=0`` only the copy gate is fitted.
     """
     if kind not in KINDS:
         raise ConfigError(f"unknown head kind {kind!r}; expected one of {', '.join(KINDS)}")
@@ -191,22 +199,29 @@ def train_heads(target, tokenizer, target_name: str, kind: str, prompt_files: Se
     began = time.perf_counter()
     device = target.device
 
-    texts = chat_sequences(tokenizer, load_examples(prompt_files, limit=num_texts, seed=seed))
+    texts = chat_sequences(tokenizer, load_examples(prompt_files, limit=num_texts, seed=seed)) if steps else []
     answers, answer_states = target_answers(target, tokenizer, prompt_files, work, num_prompts, self_prompts,
                                             max_new_tokens=max_new_tokens, seed=seed, progress=progress,
                                             document_prompts_count=document_prompts)
     text_states = target_features(target, texts, work / "text_states.safetensors", progress=progress,
-                                  desc="target states (text)")
+                                  desc="target states (text)") if texts else []
     data_seconds = time.perf_counter() - began
     keep, held = split_held_out(answers)  # greedy answers never trained on, to measure acceptance
     held_answers, held_states = [answers[i] for i in held], [answer_states[i] for i in held]
     answers, answer_states = [answers[i] for i in keep], [answer_states[i] for i in keep]
 
     specials = [t for t in (tokenizer.eos_token_id, tokenizer.bos_token_id, tokenizer.pad_token_id) if t is not None]
-    head_ids = frequent_tokens(answers + texts, head_tokens, specials) if head_tokens else None
-    lm_head = target.get_output_embeddings()
-    head = SharedHead(lm_head, lm_head.weight.shape[0], head_ids).to(device=device, dtype=torch.float32)
-    module = build_heads(kind, target.config.get_text_config(), **head_config).to(device=device, dtype=torch.float32)
+    initial = None
+    if init_from is not None:
+        module, head, initial = load_heads(init_from, describe_target(target, tokenizer, target_name), kind,
+                                     dtype=torch.float32, device=device)
+        if hasattr(module, "copy_gate"):
+            del module.copy_gate  # refitted below, for the heads as they end up
+    else:
+        head_ids = frequent_tokens(answers + texts, head_tokens, specials) if head_tokens else None
+        lm_head = target.get_output_embeddings()
+        head = SharedHead(lm_head, lm_head.weight.shape[0], head_ids).to(device=device, dtype=torch.float32)
+        module = build_heads(kind, target.config.get_text_config(), **head_config).to(device=device, dtype=torch.float32)
     module.train()
     params = dict(module.named_parameters())
     embeddings = target.get_input_embeddings()
@@ -228,10 +243,22 @@ def train_heads(target, tokenizer, target_name: str, kind: str, prompt_files: Se
         return heads_loss(kind, module, head, lambda t: embeddings(t).float(), ids, feats, valid, answer,
                           soft=phase == 2, noise=noise)
 
-    with torch.enable_grad():
-        losses = train(params, loss_fn, steps, work / kind, lr=lr, progress=progress, desc=f"train-heads ({kind})",
-                       autocast=autocast_dtype(train_dtype, target.device))
+    losses = []
+    if steps:
+        with torch.enable_grad():
+            losses = train(params, loss_fn, steps, work / kind, lr=lr, progress=progress,
+                           desc=f"train-heads ({kind})", autocast=autocast_dtype(train_dtype, target.device))
     module.eval()
+    for p in module.parameters():
+        p.requires_grad_(False)
+    gate_info = {}
+    if copy_gate and gate_steps:
+        source = heads_gate_source(kind, module, head, lambda t: embeddings(t).float())
+        gate_losses = fit_copy_gate(module, source, answers, work / f"{kind}-copy-gate", states=answer_states,
+                                    steps=gate_steps, seed=seed, progress=progress, device=device)
+        if gate_losses:
+            gate_info = {"copy_gate": {"steps": gate_steps,
+                                       "final_loss": sum(gate_losses[-20:]) / max(1, len(gate_losses[-20:]))}}
     train_seconds = time.perf_counter() - began - data_seconds
     depth = {"medusa": getattr(module, "num_heads", 0), "mlp-speculator": getattr(module, "num_stages", 0)}.get(kind, 4)
     acceptance = held_out_acceptance(heads_predictor(kind, module, head, lambda t: embeddings(t).float(), depth),
@@ -242,16 +269,40 @@ def train_heads(target, tokenizer, target_name: str, kind: str, prompt_files: Se
         "steps": steps, "phase1_steps": phase1, "batch_size": batch_size, "lr": lr, "train_dtype": train_dtype,
         "text_sequences": len(texts), "answer_sequences": len(answers), "self_prompted": self_prompts,
         "document_prompted": document_prompts,
-        "final_loss": sum(tail) / max(1, len(tail)),
+        "final_loss": sum(tail) / len(tail) if tail else None,
         "held_out": {"answers": len(held_answers), "acceptance_by_position": [round(a, 4) for a in acceptance]},
         "seconds": {"target_answers_and_states": round(data_seconds, 1), "training": round(train_seconds, 1),
                     "total": round(time.perf_counter() - began, 1)},
         "prompt_files": [Path(p).name for p in prompt_files],
+        **({"initialised_from": {"folder": Path(init_from).name, **{
+            k: v for k, v in initial.items() if k not in ("format", "kind", "target", "target_fingerprint", "config",
+                                                          "head_tokens", "copy_gate")}}} if initial else {}),
+        **gate_info,
     })
     for name in ("loss.png", "losses.json"):
-        if (work / kind / name).is_file():
+        if steps and (work / kind / name).is_file():
             (out_dir / name).write_bytes((work / kind / name).read_bytes())
+        if gate_info and (work / f"{kind}-copy-gate" / name).is_file():
+            (out_dir / f"copy_gate_{name}").write_bytes((work / f"{kind}-copy-gate" / name).read_bytes())
     return out_dir
 
 
-__all__ = ["heads_loss", "padded_batch", "token_loss", "train_heads"]
+def first_features(kind: str, module, embeddings, ids: torch.Tensor, feats: torch.Tensor) -> torch.Tensor:
+    """The feature each head kind's first guess reads, teacher-forced: ``[B, W, H]`` whose entry
+    ``p-1`` guesses token ``p`` (from ``f_{p-2}`` and ``x_{p-1}``; entry 0 is zeros)."""
+    if kind == "medusa":
+        first = module.blocks[0](feats[:, :-1])
+    elif kind == "mlp-speculator":
+        first = module.stage(0, feats[:, :-1], embeddings(ids[:, 1:]))[1]
+    else:
+        first = eagle_unroll(module, embeddings, ids, feats, 1)[0]  # entry j guesses f_{j+1}, hence x_{j+2}
+    return torch.cat([torch.zeros_like(first[:, :1]), first], dim=1)
+
+
+def heads_gate_source(kind: str, module, head: SharedHead, embeddings) -> GateSource:
+    """The heads' first guesses, for :func:`~.copy_gate.fit_copy_gate`."""
+    return GateSource(features=lambda ids, valid, feats: first_features(kind, module, embeddings, ids, feats),
+                      logits=head.small, head_ids=head.head_ids, hidden_size=int(module.config["hidden_size"]))
+
+
+__all__ = ["first_features", "heads_gate_source", "heads_loss", "padded_batch", "token_loss", "train_heads"]

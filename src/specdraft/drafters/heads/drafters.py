@@ -7,7 +7,8 @@ tokens in the row), whose own next token ``x_{L-1}`` the target already chose, s
 heads guess ``x_L, x_{L+1}, ...``.
 
 Draft distributions are each head's logits through ``logits_to_probs`` (the target's
-processing), so sampling stays exact; greedy drafting takes the argmax.
+processing), so sampling stays exact; greedy drafting takes the argmax. Heads with a copy
+gate (:mod:`specdraft.drafters.copy_gate`) draw from, and report, the gated mixture instead.
 """
 
 from __future__ import annotations
@@ -22,6 +23,7 @@ from ...fastpath import few_row_linears
 from ...sampling import draw
 from ...types import Draft, DraftContext, TargetInfo
 from ..base import Drafter
+from ..copy_gate import CopyDrafting, drafted_rows
 
 
 class HeadOptions(BaseModel):
@@ -29,6 +31,9 @@ class HeadOptions(BaseModel):
     heads: str | None = Field(None, description="folder with heads in specdraft's format (from `specdraft "
                                                 "train-heads`) or a published Medusa / EAGLE layout; default: "
                                                 "the heads shipped for the target, if any")
+    copy_gate: bool = Field(True, description="use the heads' copy gate, if they have one (a learnt mixture of each "
+                                              "head's guess and the token that followed the last occurrence of the "
+                                              "trailing n-gram); false: the heads' own distributions only")
 
 
 class HeadDrafter(Drafter):
@@ -50,6 +55,8 @@ class HeadDrafter(Drafter):
             )
         self.module, self.head, self.meta = load_heads(path, target, self.kind)
         self._fast = torch.device(target.device).type == "cpu"
+        gate = getattr(self.module, "copy_gate", None) if options.copy_gate else None
+        self.copier = CopyDrafting(gate, self.head.head_ids, target.vocab_size) if gate is not None else None
         super().__init__(options, target)
 
     def reset(self) -> None:
@@ -65,6 +72,14 @@ class HeadDrafter(Drafter):
             if h.shape[0]:
                 self._last[b] = h[-1]
                 self._has[b] = True
+
+    def _draw(self, feature: torch.Tensor, ctx: DraftContext, drafted: list[torch.Tensor]):
+        """One token per row from the head's guess on ``feature # [batch, H]`` (through the copy
+        gate, if any): ``(tokens # [batch], probs # [batch, vocab] | None)``."""
+        if self.copier is None:
+            return draw(self.head(feature), ctx.sampling, ctx.generator)
+        return self.copier.draw(self.head.small(feature), feature, drafted_rows(ctx.token_ids, drafted), ctx.sampling,
+                                ctx.generator)
 
     def _draw_all(self, logits: torch.Tensor, ctx: DraftContext) -> tuple[torch.Tensor, torch.Tensor | None]:
         """``logits # [batch, m, vocab]`` -> tokens ``[batch, m]`` and probs ``[batch, m, vocab] | None``."""
@@ -84,9 +99,18 @@ class MedusaDrafter(HeadDrafter):
     def propose(self, ctx: DraftContext, k: int) -> Draft:
         m = min(k, self.module.num_heads)
         with few_row_linears(self.module, enabled=self._fast):
-            logits = self.module.logits(self.module(self._last, m), self.head)  # [batch, m, vocab]
-        tokens, probs = self._draw_all(logits, ctx)
-        return Draft(token_ids=tokens, probs=probs, lengths=self._lengths(m))
+            features = self.module(self._last, m)  # [batch, m, H]
+            if self.copier is None or self.module.own_heads is not None:
+                tokens, probs = self._draw_all(self.module.logits(features, self.head), ctx)  # all heads at once
+                return Draft(token_ids=tokens, probs=probs, lengths=self._lengths(m))
+            drafted, probs = [], []  # each candidate depends on the guesses before it
+            for i in range(m):
+                token, p = self._draw(features[:, i], ctx, drafted)
+                drafted.append(token)
+                if p is not None:
+                    probs.append(p)
+        return Draft(token_ids=torch.stack(drafted, 1), probs=torch.stack(probs, 1) if probs else None,
+                     lengths=self._lengths(m))
 
 
 class MLPSpeculatorDrafter(HeadDrafter):
@@ -101,7 +125,7 @@ class MLPSpeculatorDrafter(HeadDrafter):
         with few_row_linears(self.module, enabled=self._fast):
             for i in range(m):
                 state, feature = self.module.stage(i, state, self.target.embeddings(token))
-                token, p = draw(self.head(feature), ctx.sampling, ctx.generator)  # [batch], [batch, vocab]
+                token, p = self._draw(feature, ctx, tokens)  # [batch], [batch, vocab]
                 tokens.append(token)
                 if p is not None:
                     probs.append(p)
@@ -173,7 +197,7 @@ class EagleDrafter(HeadDrafter):
 
         drafted, probs = [], []
         for i in range(k):
-            token, p = draw(self.head(feature), ctx.sampling, ctx.generator)  # [batch], [batch, vocab]
+            token, p = self._draw(feature, ctx, drafted)  # [batch], [batch, vocab]
             drafted.append(token)
             if p is not None:
                 probs.append(p)

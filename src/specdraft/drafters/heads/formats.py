@@ -5,7 +5,9 @@ specdraft's format (a folder)::
     specdraft_heads.json   {"format": "specdraft-heads/1", "kind": ..., "target": name,
                             "target_fingerprint": ..., "config": {...}, ...training facts}
     heads.safetensors      the head module's weights (+ ``head_ids`` when the vocabulary
-                           is trimmed); never the target's embeddings or LM head
+                           is trimmed, + ``copy_gate.*`` when the heads have a copy gate,
+                           described under "copy_gate" in the JSON); never the target's
+                           embeddings or LM head
 
 Published layouts users already have:
 
@@ -29,6 +31,7 @@ import torch
 
 from ...errors import ConfigError
 from ...types import TargetInfo
+from ..copy_gate import STATE_PREFIX, CopyGate
 from .modules import KINDS, EagleDraft, MedusaHeads, SharedHead, build_heads, eagle_layer_config
 
 FORMAT_FILE = "specdraft_heads.json"
@@ -42,13 +45,18 @@ def save_heads(module: torch.nn.Module, shared: SharedHead, path: str | Path, ta
 
     path = Path(path)
     path.mkdir(parents=True, exist_ok=True)
-    state = {k: v.to(dtype) if v.is_floating_point() else v for k, v in module.state_dict().items()}
+    # a copy gate's few weights stay in float32 (its logit adds terms of very different sizes)
+    state = {k: v.to(torch.float32 if k.startswith(STATE_PREFIX) else dtype) if v.is_floating_point() else v
+             for k, v in module.state_dict().items()}
     if shared.head_ids is not None:
         state["head_ids"] = shared.head_ids
     save_file({k: v.detach().contiguous().cpu() for k, v in state.items()}, path / WEIGHTS_FILE)
     meta = {"format": FORMAT, "kind": module.kind, "target": target_name, "target_fingerprint": fingerprint,
             "config": module.config, "head_tokens": None if shared.head_ids is None else int(shared.head_ids.numel()),
             **(extra or {})}
+    gate = getattr(module, "copy_gate", None)
+    if gate is not None:
+        meta["copy_gate"] = {**gate.spec(), **meta.get("copy_gate", {})}
     (path / FORMAT_FILE).write_text(json.dumps(meta, indent=1))
     return path
 
@@ -118,6 +126,8 @@ def _load_specdraft(path: Path, target: TargetInfo):
     head_ids = state.pop("head_ids", None)
     _check_width(int(meta["config"]["hidden_size"]), target, path, f"target {meta.get('target')!r}")
     module = build_heads(meta["kind"], target.config, **meta["config"])
+    if "copy_gate" in meta:
+        module.copy_gate = CopyGate.from_spec(meta["copy_gate"], int(meta["config"]["hidden_size"]))
     _load_strict(module, state, path / WEIGHTS_FILE)
     return meta["kind"], module, head_ids, meta
 

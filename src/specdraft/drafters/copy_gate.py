@@ -1,0 +1,166 @@
+"""A learnt copy gate for learnt drafters (a pointer-generator for drafting).
+
+A small drafter cannot copy from a long prompt the way its target does: on Spec-Bench
+summarization the shipped 2-layer draft guesses 12% of the target's tokens, while the token
+that followed the last occurrence of the trailing n-gram (prompt lookup's candidate) is
+right 42% of the time. With a :class:`CopyGate` the drafter's distribution becomes a learnt
+mixture of its own guess and that candidate. The draft model (``draft-model``) and the
+heads (``eagle``, ``medusa``, ``mlp-speculator``) share this code: each gives
+:class:`CopyDrafting` the feature its output head reads and the head's logits, and gets a
+token (and, when sampling, the mixture it was drawn from) back.
+
+The mixture is what is sampled and what is reported to the verifier, so rejection sampling
+stays exact; greedy drafting takes the mixture's argmax.
+"""
+
+from __future__ import annotations
+
+from typing import Sequence
+
+import torch
+
+from ..sampling import logits_to_probs
+
+
+class CopyGate(torch.nn.Module):
+    """How much of the draft's next-token probability goes to the copy candidate.
+
+    The candidate is the token that followed the most recent earlier occurrence of the
+    sequence's trailing n-gram (``min_ngram <= n <= max_ngram``, longest first: the
+    prompt-lookup rule). The draft's distribution becomes
+
+        q = (1 - g) p_draft + g onehot(candidate),   g = sigmoid(w.h + b[n] + a log p_draft(candidate))
+
+    from the feature ``h`` the drafter's output head reads, the matched n-gram's length ``n``
+    and how likely the drafter itself finds the candidate; ``g = 0`` where nothing matched.
+    """
+
+    MIN_NGRAM, MAX_NGRAM = 1, 3  # the default n-gram range (prompt-lookup's)
+
+    def __init__(self, hidden: int, min_ngram: int = MIN_NGRAM, max_ngram: int = MAX_NGRAM) -> None:
+        super().__init__()
+        self.min_ngram, self.max_ngram = min_ngram, max_ngram
+        self.proj = torch.nn.Linear(hidden, 1)
+        self.match = torch.nn.Embedding(max_ngram + 1, 1)
+        self.agree = torch.nn.Parameter(torch.zeros(1))
+
+    def spec(self) -> dict:
+        """What a saved drafter's metadata records about its gate (see :meth:`from_spec`)."""
+        return {"hidden": self.proj.in_features, "min_ngram": self.min_ngram, "max_ngram": self.max_ngram}
+
+    @classmethod
+    def from_spec(cls, spec: dict, hidden: int) -> "CopyGate":
+        return cls(spec.get("hidden", hidden), spec["min_ngram"], spec["max_ngram"])
+
+    def forward(self, hidden: torch.Tensor, match: torch.Tensor, logp_copy: torch.Tensor) -> torch.Tensor:
+        """``hidden # [..., H]``, ``match # [...]`` (0: no candidate), ``logp_copy # [...]`` -> g ``# [...]``."""
+        dtype = self.proj.weight.dtype
+        z = (self.proj(hidden.to(dtype)).squeeze(-1) + self.match(match).squeeze(-1)
+             + self.agree * logp_copy.to(dtype).clamp(min=-30.0))
+        return torch.sigmoid(z.float()) * (match > 0)
+
+
+#: Weights of a saved gate are stored under this prefix, in float32 (its logit adds terms of very different sizes).
+STATE_PREFIX = "copy_gate."
+
+
+def copy_mixture(probs: torch.Tensor, gate: torch.Tensor, copy_ids: torch.Tensor) -> torch.Tensor:
+    """``(1 - gate) probs + gate onehot(copy_ids)``: ``probs # [B, V]``, ``gate, copy_ids # [B]``.
+
+    Rows without a candidate must have ``gate == 0`` (their ``copy_ids`` entry is ignored).
+    """
+    gate = gate.to(probs.dtype)[:, None]
+    mixed = probs * (1 - gate)
+    return mixed.scatter_add_(1, copy_ids.clamp(min=0)[:, None], gate)
+
+
+def copy_argmax(logp: torch.Tensor, gate: torch.Tensor, copy_ids: torch.Tensor, logp_copy: torch.Tensor,
+                token_ids: torch.Tensor | None = None) -> torch.Tensor:
+    """The copy mixture's most likely token per row, without building the mixture.
+
+    ``logp # [B, N]`` the draft's log-probabilities (``token_ids # [N]`` maps their columns to
+    token ids; None: columns are ids), ``gate, copy_ids, logp_copy # [B]``. The candidate
+    wins when ``g + (1 - g) p(candidate) >= (1 - g) max p``.
+    """
+    top_logp, top_i = logp.max(-1)
+    best = top_i if token_ids is None else token_ids[top_i]
+    take = (gate > 0) & (gate + (1 - gate) * logp_copy.exp() >= (1 - gate) * top_logp.exp())
+    return torch.where(take, copy_ids, best)
+
+
+def copy_candidates(rows: Sequence[Sequence[int]], gate: CopyGate, device) -> tuple[torch.Tensor, torch.Tensor]:
+    """Each row's copy candidate ``# [B]`` (-1: none) and matched n-gram length ``# [B]``."""
+    from .prompt_lookup import lookup
+
+    found = [lookup(r, 1, gate.min_ngram, gate.max_ngram) for r in rows]
+    ids = torch.tensor([c[0] if c else -1 for c, _ in found], dtype=torch.long, device=device)
+    return ids, torch.tensor([n for _, n in found], dtype=torch.long, device=device)
+
+
+class CopyDrafting:
+    """Draws tokens from the copy mixture of a drafter whose output head covers ``head_ids``.
+
+    ``head_ids # [N]`` are the token ids of the head's logits (None: the head covers the whole
+    vocabulary, column = id); ``vocab_size`` is the target's.
+    """
+
+    def __init__(self, gate: CopyGate, head_ids: torch.Tensor | None, vocab_size: int) -> None:
+        self.gate, self.head_ids, self.vocab_size = gate, head_ids, vocab_size
+        self.slot = None  # token id -> its column in the head's logits (-1: not in the head)
+        if head_ids is not None:
+            self.slot = torch.full((max(vocab_size, int(head_ids.max()) + 1),), -1, dtype=torch.long,
+                                   device=head_ids.device)
+            self.slot[head_ids] = torch.arange(head_ids.numel(), device=head_ids.device)
+
+    def gated(self, small: torch.Tensor, hidden: torch.Tensor, copy_ids: torch.Tensor, match: torch.Tensor):
+        """``(logp # [..., N], gate, logp_copy # [...])`` for head logits ``small # [..., N]`` read
+        from ``hidden # [..., H]``, with candidates ``copy_ids`` (-1: none) of n-gram length ``match``."""
+        slot = copy_ids.clamp(min=0) if self.slot is None else self.slot[copy_ids.clamp(min=0)]  # -1: not in the head
+        logp = small.float().log_softmax(-1)
+        logp_copy = torch.where(slot >= 0, logp.gather(-1, slot.clamp(min=0)[..., None])[..., 0], -torch.inf)
+        return logp, self.gate(hidden, match, logp_copy), logp_copy
+
+    def argmax(self, small: torch.Tensor, hidden: torch.Tensor, copy_ids: torch.Tensor, match: torch.Tensor):
+        """The mixture's most likely token ``# [...]`` (greedy drafting); shapes as in :meth:`gated`."""
+        logp, gate, logp_copy = self.gated(small, hidden, copy_ids, match)
+        n = logp.shape[-1]
+        flat = copy_argmax(logp.reshape(-1, n), gate.reshape(-1), copy_ids.reshape(-1), logp_copy.reshape(-1),
+                           self.head_ids)
+        return flat.view(copy_ids.shape)
+
+    def draw(self, small: torch.Tensor, hidden: torch.Tensor, rows: Sequence[Sequence[int]], sampling, generator):
+        """One token per row: ``(tokens # [B], probs # [B, vocab] | None)``, like :func:`~specdraft.sampling.draw`.
+
+        ``small # [B, N]`` the head's logits, ``hidden # [B, H]`` the feature it read, ``rows``
+        each row's tokens so far (context plus what was drafted this round).
+        """
+        copy_ids, match = copy_candidates(rows, self.gate, small.device)
+        if sampling.greedy:
+            return self.argmax(small, hidden, copy_ids, match), None
+        gate = self.gated(small, hidden, copy_ids, match)[1]
+        full = small.float()
+        if self.head_ids is not None:
+            full = torch.full((small.shape[0], self.vocab_size), torch.finfo(torch.float32).min, device=small.device)
+            full.index_copy_(1, self.head_ids, small.float())
+        mixed = copy_mixture(logits_to_probs(full[:, : self.vocab_size], sampling), gate, copy_ids)
+        return torch.multinomial(mixed, 1, generator=generator).squeeze(1), mixed
+
+
+def copy_table(ids: torch.Tensor, gate: CopyGate) -> tuple[torch.Tensor, torch.Tensor]:
+    """Teacher-forced candidates over whole sequences ``ids # [B, W]``: ``(copy_ids, match) # [B, W]``,
+    entry ``p`` the candidate for token ``p`` (from tokens ``0..p-1``), -1 / 0 where none."""
+    rows = ids.tolist()
+    copy_ids, match = torch.full_like(ids, -1), torch.zeros_like(ids)
+    for p in range(1, ids.shape[1]):
+        copy_ids[:, p], match[:, p] = copy_candidates([r[:p] for r in rows], gate, ids.device)
+    return copy_ids, match
+
+
+def drafted_rows(token_ids: Sequence[Sequence[int]], drafted: list[torch.Tensor]) -> list[list[int]]:
+    """Each row's context followed by the tokens drafted so far this round (``drafted``: ``[B]`` tensors)."""
+    if not drafted:
+        return [list(t) for t in token_ids]
+    return [list(t) + d for t, d in zip(token_ids, torch.stack(drafted, dim=1).tolist())]
+
+
+__all__ = ["CopyDrafting", "CopyGate", "copy_argmax", "copy_candidates", "copy_mixture", "copy_table", "drafted_rows"]
