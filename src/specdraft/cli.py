@@ -94,7 +94,9 @@ def build_parser() -> argparse.ArgumentParser:
                        help="Spec-Bench schema: question_id, category, turns (the first turn is used)")
     bench.add_argument("--categories", default=None, help="comma-separated categories (default: all)")
     bench.add_argument("--limit-per-category", type=int, default=5, metavar="N", help="default: 5")
-    bench.add_argument("--drafters", default="ngram,prompt-lookup", help="comma-separated (default: ngram,prompt-lookup)")
+    bench.add_argument("--drafters", default="ngram,prompt-lookup",
+                       help="comma-separated; LABEL=DRAFTER runs DRAFTER under its own label, so one drafter can run "
+                            "twice with different --drafter-option LABEL:KEY=VALUE (default: ngram,prompt-lookup)")
     bench.add_argument("--drafter-option", dest="drafter_options", action="append", type=_parse_drafter_option,
                        default=[], metavar="DRAFTER:KEY=VALUE",
                        help="an option for one of the drafters, e.g. draft-model:model=DIR (repeatable)")
@@ -223,13 +225,15 @@ def _split(text: str | None) -> list[str]:
 
 def _bench(args) -> int:
     from .bench import BenchSettings, load_questions, run_bench, write_outputs
+    from .bench.harness import split_method
     from .decoder import check_generation_args, check_spec_length
     from .plugins import get_registry
 
     options: dict[str, dict[str, str]] = {}
     for drafter, key, value in args.drafter_options:
         options.setdefault(drafter, {})[key] = value
-    unknown = sorted(set(options) - set(_split(args.drafters)))
+    methods = dict(split_method(d) for d in _split(args.drafters))  # label -> drafter
+    unknown = sorted(set(options) - set(methods))
     if unknown:
         raise ConfigError(f"--drafter-option names {', '.join(unknown)}, which --drafters does not run "
                           f"({args.drafters}); add it to --drafters or drop the option")
@@ -243,8 +247,8 @@ def _bench(args) -> int:
     check_generation_args(settings.max_new_tokens, settings.temperature, 0, 1.0, None, None)
     if args.limit_per_category is not None and args.limit_per_category < 1:
         raise ConfigError("--limit-per-category must be >= 1")
-    for d in settings.drafters:  # unknown names and bad options fail here, before the model loads
-        get_registry().validate_options(d, options.get(d))
+    for label, drafter in methods.items():  # unknown names and bad options fail here, before the model loads
+        get_registry().validate_options(drafter, options.get(label))
     load_questions(settings.questions, settings.categories, settings.limit_per_category)
     from .models import load_target
 

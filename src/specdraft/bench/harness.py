@@ -30,6 +30,18 @@ class BenchSettings:
     drafter_options: dict[str, dict[str, Any]] = field(default_factory=dict)
 
 
+def split_method(entry: str) -> tuple[str, str]:
+    """A ``--drafters`` entry -> ``(label, drafter)``: ``LABEL=DRAFTER`` runs DRAFTER under its own
+    label (so one drafter can run twice with different options), a bare name is both."""
+    label, sep, drafter = entry.partition("=")
+    label, drafter = label.strip(), drafter.strip()
+    if not sep:
+        return label, label
+    if not label or not drafter:
+        raise ConfigError(f"--drafters entry {entry!r}: expected DRAFTER or LABEL=DRAFTER")
+    return label, drafter
+
+
 def load_questions(path: str | os.PathLike, categories: Sequence[str] | None = None,
                    limit_per_category: int | None = None) -> list[dict]:
     """Spec-Bench schema (``question_id``, ``category``, ``turns``); the first turn is the prompt."""
@@ -101,9 +113,13 @@ class _Methods:
 
         self.model, self.tokenizer, self.settings = model, tokenizer, settings
         self.decoders = {PLAIN: SpeculativeDecoder(model, tokenizer, drafter="none", spec_length=settings.spec_length)}
-        for d in settings.drafters:
-            self.decoders[d] = SpeculativeDecoder(model, tokenizer, drafter=d, spec_length=settings.spec_length,
-                                                  drafter_options=settings.drafter_options.get(d))
+        for entry in settings.drafters:
+            label, drafter = split_method(entry)
+            if label in self.decoders:
+                raise ConfigError(f"--drafters runs {label!r} twice; give one of them a label (LABEL={drafter})")
+            self.decoders[label] = SpeculativeDecoder(model, tokenizer, drafter=drafter,
+                                                      spec_length=settings.spec_length,
+                                                      drafter_options=settings.drafter_options.get(label))
         self.names = list(self.decoders)
         for peer in settings.peers:
             if peer not in PEERS:
