@@ -36,9 +36,10 @@ def draft_dir(saved):
     return saved(tiny_llama(vocab_size=64, seed=7, layers=1), "draft")
 
 
-def _decoder(target, draft_dir, k=3, **kw):
-    return SpeculativeDecoder(target, None, drafter="draft-model", spec_length=k,
-                              drafter_options={"model": draft_dir, "dtype": "float64"}, **kw)
+def _decoder(target, draft_dir, k=3, min_confidence=0.0, **kw):
+    """The tiny random drafts are unsure of every guess: min_confidence 0 keeps them drafting."""
+    return SpeculativeDecoder(target, None, drafter="draft-model", spec_length=k, **kw,
+                              drafter_options={"model": draft_dir, "dtype": "float64", "min_confidence": min_confidence})
 
 
 @pytest.mark.parametrize("k", [1, 3, 5])
@@ -80,6 +81,39 @@ def test_own_draft_accepts_everything_in_a_ragged_batch(tiny_model, saved):
     for p, r in zip(prompts, dec.generate_ids(prompts, max_new_tokens=16)):
         assert r.token_ids == plain_greedy(tiny_model, p, 16)
         assert r.stats.acceptance_rate == 1.0
+
+
+@pytest.mark.parametrize("threshold", [0.05, 0.12])
+def test_greedy_drafting_stops_at_the_first_doubtful_token(tiny_model, draft_dir, threshold):
+    """With min_confidence, a greedy proposal is the confident prefix of the full one: it ends
+    just before the first token the draft gives less than the threshold; parity still holds."""
+    from specdraft.types import DraftContext
+
+    prompts = repetitive_prompts(64, seed=3)
+    full, cut = (_decoder(tiny_model, draft_dir, k=5, min_confidence=t) for t in (0.0, threshold))
+    ctx = DraftContext(token_ids=[list(p) for p in prompts], prompt_lengths=[len(p) for p in prompts],
+                       active=[True] * len(prompts), vocab_size=64, device=torch.device("cpu"), sampling=SamplingParams())
+    whole, part = full.drafter.propose(ctx, 5), cut.drafter.propose(ctx, 5)
+    assert whole.lengths.tolist() == [5] * len(prompts)
+    stopped = 0
+    for b, p in enumerate(prompts):
+        n = int(part.lengths[b])
+        assert part.token_ids[b, :n].tolist() == whole.token_ids[b, :n].tolist()
+        probs = [plain_probs(full.drafter, p + whole.token_ids[b, :i].tolist()) for i in range(min(n + 1, 5))]
+        assert all(float(q.max()) >= threshold for q in probs[:n])
+        if n < 5:
+            assert float(probs[n].max()) < threshold
+            stopped += 1
+    assert 0 < stopped
+    for p, r in zip(prompts, cut.generate_ids(prompts, max_new_tokens=20)):
+        assert r.token_ids == plain_greedy(tiny_model, p, 20)
+
+
+def plain_probs(drafter, tokens):
+    """The draft model's next-token distribution after ``tokens``, from a fresh forward."""
+    with torch.no_grad():
+        logits = drafter.model(input_ids=torch.tensor([tokens])).logits[0, -1]
+    return logits.double().softmax(-1)
 
 
 @pytest.mark.parametrize("same", [True, False])
@@ -215,7 +249,7 @@ def test_copy_gate_changes_the_drafts(tiny_model, gated_dir):
 def test_greedy_parity_with_a_copy_gate(tiny_model, gated_dir, k):
     prompts = repetitive_prompts(64, seed=11)
     dec = SpeculativeDecoder(tiny_model, None, drafter="draft-model", spec_length=k,
-                             drafter_options={"model": gated_dir, "dtype": "float64"})
+                             drafter_options={"model": gated_dir, "dtype": "float64", "min_confidence": 0.0})
     assert dec.drafter.copier is not None
     for p, r in zip(prompts, dec.generate_ids(prompts, max_new_tokens=30)):
         assert r.token_ids == plain_greedy(tiny_model, p, 30)

@@ -148,8 +148,8 @@ def test_a_few_training_steps_lower_the_loss(trained, kind):
 def test_greedy_parity_with_trained_heads(sharp_model, trained, kind, k):
     tiny_model = sharp_model
     prompts = repetitive_prompts(64, seed=5) + [s["ids"][: s["prompt_len"]] for s in _tiny_sequences(tiny_model, 4, seed=9)]
-    dec = SpeculativeDecoder(tiny_model, None, drafter=kind, spec_length=k, drafter_options={"heads": trained[kind][0]},
-                             adaptive=False)  # a fixed K, so every round drafts whatever the timings
+    dec = SpeculativeDecoder(tiny_model, None, drafter=kind, spec_length=k, adaptive=False,  # a fixed K, and
+                             drafter_options={"heads": trained[kind][0], "min_confidence": 0.0})  # no early stop
     results = dec.generate_ids(prompts, max_new_tokens=30)
     for p, r in zip(prompts, results):
         assert r.token_ids == plain_greedy(tiny_model, p, 30)

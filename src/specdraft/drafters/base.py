@@ -10,6 +10,10 @@ from pydantic import BaseModel, ConfigDict
 from ..types import Draft, DraftContext, TargetInfo
 
 
+#: Learnt drafters' default ``min_confidence`` (see :class:`DraftChain`).
+MIN_CONFIDENCE = 0.2
+
+
 class NoOptions(BaseModel):
     model_config = ConfigDict(extra="forbid")
 
@@ -69,3 +73,52 @@ class Drafter(ABC):
 
     def reset(self) -> None:  # noqa: B027
         """Forget all per-request state (called at the start of every generate call)."""
+
+
+class DraftChain:
+    """A round's chain of drafted tokens, and where greedy drafting stops for each row.
+
+    Learnt drafters know how sure they are of each guess. Greedy drafting stops a row at the
+    first token its drafter gives less than ``min_confidence`` (that token is not proposed):
+    a guess the drafter itself doubts is more often a wider verify pass for nothing. The
+    verifier's length policy then learns acceptance of the drafts that are made, so it drafts
+    more often and longer where the drafter is sure. Sampling is not stopped this way (the
+    chance that a sampled token survives is not its probability under the draft).
+
+    ``add`` returns whether any row still drafts, so the drafter can stop its loop early.
+    """
+
+    def __init__(self, batch: int, device, min_confidence: float = 0.0, greedy: bool = True) -> None:
+        import torch
+
+        self.tokens: list = []  # [batch] tensors, one per position (rows past their length included)
+        self.probs: list = []
+        self.threshold = min_confidence if greedy else 0.0
+        self.alive = torch.ones(batch, dtype=torch.bool, device=device)
+        self.lengths = torch.zeros(batch, dtype=torch.long, device=device)
+
+    def add(self, token, probs=None, confidence=None) -> bool:
+        """Append one position: ``token # [batch]``, its ``probs # [batch, vocab]`` (sampling) and
+        the drafter's probability of it ``confidence # [batch]`` (greedy)."""
+        self.tokens.append(token)
+        if probs is not None:
+            self.probs.append(probs)
+        if self.threshold > 0 and confidence is not None:
+            self.alive &= confidence.to(self.alive.device) >= self.threshold
+        self.lengths += self.alive
+        return bool(self.alive.any())
+
+    def draft(self, limit=None) -> Draft:
+        """The proposal (``limit # [batch]``: rows' own caps, e.g. 0 for a row the drafter cannot serve)."""
+        import torch
+
+        lengths = self.lengths if limit is None else torch.minimum(self.lengths, limit.to(self.lengths.device))
+        if not self.tokens:
+            return Draft.empty(len(lengths), lengths.device)
+        return Draft(token_ids=torch.stack(self.tokens, 1), probs=torch.stack(self.probs, 1) if self.probs else None,
+                     lengths=lengths)
+
+
+def greedy_confidence(logits):
+    """``logits # [batch, n]`` -> the probability of the argmax ``# [batch]`` (after softmax)."""
+    return logits.float().softmax(-1).amax(-1)

@@ -122,28 +122,36 @@ class CopyDrafting:
 
     def argmax(self, small: torch.Tensor, hidden: torch.Tensor, copy_ids: torch.Tensor, match: torch.Tensor):
         """The mixture's most likely token ``# [...]`` (greedy drafting); shapes as in :meth:`gated`."""
+        return self.choose(small, hidden, copy_ids, match)[0]
+
+    def choose(self, small: torch.Tensor, hidden: torch.Tensor, copy_ids: torch.Tensor, match: torch.Tensor):
+        """The mixture's most likely token and its probability under the mixture, both ``# [...]``."""
         logp, gate, logp_copy = self.gated(small, hidden, copy_ids, match)
         n = logp.shape[-1]
         flat = copy_argmax(logp.reshape(-1, n), gate.reshape(-1), copy_ids.reshape(-1), logp_copy.reshape(-1),
                            self.head_ids)
-        return flat.view(copy_ids.shape)
+        top = logp.amax(-1).exp()
+        confidence = torch.maximum(gate + (1 - gate) * logp_copy.exp(), (1 - gate) * top)
+        return flat.view(copy_ids.shape), confidence
 
     def draw(self, small: torch.Tensor, hidden: torch.Tensor, rows: Sequence[Sequence[int]], sampling, generator):
-        """One token per row: ``(tokens # [B], probs # [B, vocab] | None)``, like :func:`~specdraft.sampling.draw`.
+        """One token per row: ``(tokens # [B], probs # [B, vocab] | None, confidence # [B] | None)``,
+        like :func:`~specdraft.sampling.draw` plus, when greedy, the mixture's probability of the token.
 
         ``small # [B, N]`` the head's logits, ``hidden # [B, H]`` the feature it read, ``rows``
         each row's tokens so far (context plus what was drafted this round).
         """
         copy_ids, match = copy_candidates(rows, self.gate, small.device)
         if sampling.greedy:
-            return self.argmax(small, hidden, copy_ids, match), None
+            token, confidence = self.choose(small, hidden, copy_ids, match)
+            return token, None, confidence
         gate = self.gated(small, hidden, copy_ids, match)[1]
         full = small.float()
         if self.head_ids is not None:
             full = torch.full((small.shape[0], self.vocab_size), torch.finfo(torch.float32).min, device=small.device)
             full.index_copy_(1, self.head_ids, small.float())
         mixed = copy_mixture(logits_to_probs(full[:, : self.vocab_size], sampling), gate, copy_ids)
-        return torch.multinomial(mixed, 1, generator=generator).squeeze(1), mixed
+        return torch.multinomial(mixed, 1, generator=generator).squeeze(1), mixed, None
 
 
 def copy_table(ids: torch.Tensor, gate: CopyGate) -> tuple[torch.Tensor, torch.Tensor]:

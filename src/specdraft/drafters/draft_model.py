@@ -17,7 +17,7 @@ from pydantic import BaseModel, ConfigDict, Field
 
 from ..errors import ConfigError, ModelLoadError
 from ..types import Draft, DraftContext, TargetInfo
-from .base import Drafter
+from .base import MIN_CONFIDENCE, DraftChain, Drafter, greedy_confidence
 
 LLAMA_1B = "meta-llama/Llama-3.2-1B-Instruct"
 
@@ -56,6 +56,9 @@ class DraftModelDrafter(Drafter):
         copy_gate: bool = Field(True, description="use the draft's copy gate, if it has one (a learnt mixture of the "
                                              "draft's guess and the token that followed the last occurrence of "
                                              "the trailing n-gram); false: the draft's own distribution only")
+        min_confidence: float = Field(MIN_CONFIDENCE, ge=0.0, le=1.0,
+                                      description="greedy drafting stops at the first token the draft gives less than "
+                                                  "this probability (0: always draft as many as the verifier asks for)")
 
     def __init__(self, options: Options, target: TargetInfo) -> None:
         from ..cache import KVCache
@@ -162,23 +165,24 @@ class DraftModelDrafter(Drafter):
         for fed, p in zip(self._fed, pending):
             fed.extend(p)
 
-        tokens, probs = [], []
+        chain = DraftChain(ctx.batch_size, device, self.options.min_confidence, ctx.sampling.greedy)
         for i in range(k):
             if self.copier is None:
-                token, p = draw(self._to_target_vocab(step_logits), ctx.sampling, ctx.generator)  # [batch], [batch, vocab]
+                logits = self._to_target_vocab(step_logits)
+                token, p = draw(logits, ctx.sampling, ctx.generator)  # [batch], [batch, vocab]
+                drawn = (token, p, greedy_confidence(logits) if ctx.sampling.greedy else None)
             else:
-                token, p = self.copier.draw(step_logits, step_hidden, drafted_rows(ctx.token_ids, tokens),
-                                            ctx.sampling, ctx.generator)
-            if p is not None:
-                probs.append(p)
-            tokens.append(token)
+                drawn = self.copier.draw(step_logits, step_hidden, drafted_rows(ctx.token_ids, chain.tokens),
+                                         ctx.sampling, ctx.generator)
+            token = drawn[0]
+            if not chain.add(*drawn):
+                break
             if i + 1 < k:
                 out = forward_step(self.model, self.cache, token[:, None], return_hidden=self.copier is not None)
                 step_logits, step_hidden = (out[0][:, -1], out[1][:, -1]) if self.copier is not None else (out[:, -1], None)
                 for fed, t in zip(self._fed, token.tolist()):
                     fed.append(t)
-        ids = torch.stack(tokens, dim=1)  # [batch, k]
-        return Draft(token_ids=ids, probs=torch.stack(probs, dim=1) if probs else None)
+        return chain.draft()
 
     def _to_target_vocab(self, logits: Any):
         """Draft logits ``[batch, vocab_d]`` -> ``[batch, vocab_t]``: rows past the target's are padding."""

@@ -22,7 +22,7 @@ from ...errors import ConfigError
 from ...fastpath import few_row_linears
 from ...sampling import draw
 from ...types import Draft, DraftContext, TargetInfo
-from ..base import Drafter
+from ..base import MIN_CONFIDENCE, DraftChain, Drafter, greedy_confidence
 from ..copy_gate import CopyDrafting, drafted_rows
 
 
@@ -34,6 +34,9 @@ class HeadOptions(BaseModel):
     copy_gate: bool = Field(True, description="use the heads' copy gate, if they have one (a learnt mixture of each "
                                               "head's guess and the token that followed the last occurrence of the "
                                               "trailing n-gram); false: the heads' own distributions only")
+    min_confidence: float = Field(MIN_CONFIDENCE, ge=0.0, le=1.0,
+                                  description="greedy drafting stops at the first token the heads give less than this "
+                                              "probability (0: always draft as many as the verifier asks for)")
 
 
 class HeadDrafter(Drafter):
@@ -73,19 +76,19 @@ class HeadDrafter(Drafter):
                 self._last[b] = h[-1]
                 self._has[b] = True
 
+    def _chain(self, ctx: DraftContext) -> DraftChain:
+        return DraftChain(ctx.batch_size, self._last.device if self._last is not None else ctx.device,
+                          self.options.min_confidence, ctx.sampling.greedy)
+
     def _draw(self, feature: torch.Tensor, ctx: DraftContext, drafted: list[torch.Tensor]):
         """One token per row from the head's guess on ``feature # [batch, H]`` (through the copy
-        gate, if any): ``(tokens # [batch], probs # [batch, vocab] | None)``."""
+        gate, if any): ``(tokens # [batch], probs # [batch, vocab] | None, confidence # [batch] | None)``."""
         if self.copier is None:
-            return draw(self.head(feature), ctx.sampling, ctx.generator)
+            logits = self.head(feature)
+            token, probs = draw(logits, ctx.sampling, ctx.generator)
+            return token, probs, greedy_confidence(logits) if ctx.sampling.greedy else None
         return self.copier.draw(self.head.small(feature), feature, drafted_rows(ctx.token_ids, drafted), ctx.sampling,
                                 ctx.generator)
-
-    def _draw_all(self, logits: torch.Tensor, ctx: DraftContext) -> tuple[torch.Tensor, torch.Tensor | None]:
-        """``logits # [batch, m, vocab]`` -> tokens ``[batch, m]`` and probs ``[batch, m, vocab] | None``."""
-        batch, m, vocab = logits.shape
-        tokens, probs = draw(logits.reshape(batch * m, vocab), ctx.sampling, ctx.generator)
-        return tokens.view(batch, m), None if probs is None else probs.view(batch, m, vocab)
 
     def _lengths(self, width: int) -> torch.Tensor:
         return torch.tensor([width if h else 0 for h in self._has], dtype=torch.long)
@@ -98,19 +101,23 @@ class MedusaDrafter(HeadDrafter):
 
     def propose(self, ctx: DraftContext, k: int) -> Draft:
         m = min(k, self.module.num_heads)
+        chain = self._chain(ctx)
         with few_row_linears(self.module, enabled=self._fast):
             features = self.module(self._last, m)  # [batch, m, H]
-            if self.copier is None or self.module.own_heads is not None:
-                tokens, probs = self._draw_all(self.module.logits(features, self.head), ctx)  # all heads at once
-                return Draft(token_ids=tokens, probs=probs, lengths=self._lengths(m))
-            drafted, probs = [], []  # each candidate depends on the guesses before it
-            for i in range(m):
-                token, p = self._draw(features[:, i], ctx, drafted)
-                drafted.append(token)
-                if p is not None:
-                    probs.append(p)
-        return Draft(token_ids=torch.stack(drafted, 1), probs=torch.stack(probs, 1) if probs else None,
-                     lengths=self._lengths(m))
+            if self.copier is None or self.module.own_heads is not None:  # all heads at once
+                logits = self.module.logits(features, self.head)  # [batch, m, vocab]
+                batch, _, vocab = logits.shape
+                tokens, probs = draw(logits.reshape(batch * m, vocab), ctx.sampling, ctx.generator)
+                tokens, probs = tokens.view(batch, m), None if probs is None else probs.view(batch, m, vocab)
+                confidence = greedy_confidence(logits) if ctx.sampling.greedy else None  # [batch, m]
+                for i in range(m):
+                    chain.add(tokens[:, i], None if probs is None else probs[:, i],
+                              None if confidence is None else confidence[:, i])
+            else:
+                for i in range(m):  # each candidate depends on the guesses before it
+                    if not chain.add(*self._draw(features[:, i], ctx, chain.tokens)):
+                        break
+        return chain.draft(self._lengths(m))
 
 
 class MLPSpeculatorDrafter(HeadDrafter):
@@ -121,16 +128,15 @@ class MLPSpeculatorDrafter(HeadDrafter):
     def propose(self, ctx: DraftContext, k: int) -> Draft:
         m = min(k, self.module.num_stages)
         token = torch.tensor([row[-1] for row in ctx.token_ids], device=self._last.device)  # x_{L-1}
-        state, tokens, probs = self._last, [], []
+        state, chain = self._last, self._chain(ctx)
         with few_row_linears(self.module, enabled=self._fast):
             for i in range(m):
                 state, feature = self.module.stage(i, state, self.target.embeddings(token))
-                token, p = self._draw(feature, ctx, tokens)  # [batch], [batch, vocab]
-                tokens.append(token)
-                if p is not None:
-                    probs.append(p)
-        return Draft(token_ids=torch.stack(tokens, 1), probs=torch.stack(probs, 1) if probs else None,
-                     lengths=self._lengths(m))
+                drawn = self._draw(feature, ctx, chain.tokens)  # [batch], [batch, vocab], [batch]
+                token = drawn[0]
+                if not chain.add(*drawn):
+                    break
+        return chain.draft(self._lengths(m))
 
 
 class EagleDrafter(HeadDrafter):
@@ -195,13 +201,11 @@ class EagleDrafter(HeadDrafter):
         self.cache.rollback(self._pairs)  # padding entries of shorter rows
         feature = out[torch.arange(batch, device=device), torch.tensor([max(n - 1, 0) for n in counts], device=device)]
 
-        drafted, probs = [], []
+        chain = self._chain(ctx)
         for i in range(k):
-            token, p = self._draw(feature, ctx, drafted)  # [batch], [batch, vocab]
-            drafted.append(token)
-            if p is not None:
-                probs.append(p)
+            drawn = self._draw(feature, ctx, chain.tokens)  # [batch], [batch, vocab], [batch]
+            if not chain.add(*drawn):
+                break
             if i + 1 < k:
-                feature = self._step(feature[:, None], token[:, None])[:, 0]
-        return Draft(token_ids=torch.stack(drafted, 1), probs=torch.stack(probs, 1) if probs else None,
-                     lengths=self._lengths(k))
+                feature = self._step(feature[:, None], drawn[0][:, None])[:, 0]
+        return chain.draft(self._lengths(k))
