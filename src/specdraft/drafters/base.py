@@ -5,7 +5,7 @@ from __future__ import annotations
 from abc import ABC, abstractmethod
 from typing import ClassVar
 
-from pydantic import BaseModel, ConfigDict
+from pydantic import BaseModel, ConfigDict, Field
 
 from ..types import Draft, DraftContext, TargetInfo
 
@@ -16,6 +16,18 @@ MIN_CONFIDENCE = 0.2
 
 class NoOptions(BaseModel):
     model_config = ConfigDict(extra="forbid")
+
+
+class LearntDrafterOptions(BaseModel):
+    """The options every learnt drafter (draft model, heads) shares."""
+
+    model_config = ConfigDict(extra="forbid")
+    copy_gate: bool = Field(True, description="use the drafter's copy gate, if it has one (a learnt mixture of its "
+                                              "guess and the token that followed the last occurrence of the "
+                                              "trailing n-gram); false: its own distribution only")
+    min_confidence: float = Field(MIN_CONFIDENCE, ge=0.0, le=1.0,
+                                  description="greedy drafting stops at the first token the drafter gives less than "
+                                              "this probability (0: always draft as many as the verifier asks for)")
 
 
 class Drafter(ABC):

@@ -13,11 +13,11 @@ from __future__ import annotations
 from contextlib import nullcontext
 from typing import Any
 
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import Field
 
 from ..errors import ConfigError, ModelLoadError
 from ..types import Draft, DraftContext, TargetInfo
-from .base import MIN_CONFIDENCE, DraftChain, Drafter, greedy_confidence
+from .base import DraftChain, Drafter, LearntDrafterOptions, greedy_confidence
 
 LLAMA_1B = "meta-llama/Llama-3.2-1B-Instruct"
 
@@ -47,18 +47,11 @@ def check_tokenizers(target_tok, draft_tok, target_name: str, draft_name: str, s
 class DraftModelDrafter(Drafter):
     """Autoregressive drafting with a smaller model that shares the target's tokenizer."""
 
-    class Options(BaseModel):
-        model_config = ConfigDict(extra="forbid")
+    class Options(LearntDrafterOptions):
         model: str | None = Field(None, description="hub id, local folder or .gguf file of the draft model "
                                                     "(default: the draft shipped for the target, if any)")
         dtype: str | None = Field(None, description="default: the target's dtype")
         device: str | None = Field(None, description="default: the target's device")
-        copy_gate: bool = Field(True, description="use the draft's copy gate, if it has one (a learnt mixture of the "
-                                             "draft's guess and the token that followed the last occurrence of "
-                                             "the trailing n-gram); false: the draft's own distribution only")
-        min_confidence: float = Field(MIN_CONFIDENCE, ge=0.0, le=1.0,
-                                      description="greedy drafting stops at the first token the draft gives less than "
-                                                  "this probability (0: always draft as many as the verifier asks for)")
 
     def __init__(self, options: Options, target: TargetInfo) -> None:
         from ..cache import KVCache

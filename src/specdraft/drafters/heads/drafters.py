@@ -16,27 +16,20 @@ from __future__ import annotations
 from typing import ClassVar
 
 import torch
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import Field
 
 from ...errors import ConfigError
 from ...fastpath import few_row_linears
 from ...sampling import draw
 from ...types import Draft, DraftContext, TargetInfo
-from ..base import MIN_CONFIDENCE, DraftChain, Drafter, greedy_confidence
+from ..base import DraftChain, Drafter, LearntDrafterOptions, greedy_confidence
 from ..copy_gate import CopyDrafting, drafted_rows
 
 
-class HeadOptions(BaseModel):
-    model_config = ConfigDict(extra="forbid")
+class HeadOptions(LearntDrafterOptions):
     heads: str | None = Field(None, description="folder with heads in specdraft's format (from `specdraft "
                                                 "train-heads`) or a published Medusa / EAGLE layout; default: "
                                                 "the heads shipped for the target, if any")
-    copy_gate: bool = Field(True, description="use the heads' copy gate, if they have one (a learnt mixture of each "
-                                              "head's guess and the token that followed the last occurrence of the "
-                                              "trailing n-gram); false: the heads' own distributions only")
-    min_confidence: float = Field(MIN_CONFIDENCE, ge=0.0, le=1.0,
-                                  description="greedy drafting stops at the first token the heads give less than this "
-                                              "probability (0: always draft as many as the verifier asks for)")
 
 
 class HeadDrafter(Drafter):
