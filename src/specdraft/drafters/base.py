@@ -106,6 +106,8 @@ class DraftChain:
         self.tokens: list = []  # [batch] tensors, one per position (rows past their length included)
         self.probs: list = []
         self.threshold = min_confidence if greedy else 0.0
+        #: whether ``add`` reads a confidence (drafters skip computing one otherwise)
+        self.scored = self.threshold > 0
         self.alive = torch.ones(batch, dtype=torch.bool, device=device)
         self.lengths = torch.zeros(batch, dtype=torch.long, device=device)
 
@@ -115,7 +117,7 @@ class DraftChain:
         self.tokens.append(token)
         if probs is not None:
             self.probs.append(probs)
-        if self.threshold > 0 and confidence is not None:
+        if self.scored and confidence is not None:
             self.alive &= confidence.to(self.alive.device) >= self.threshold
         self.lengths += self.alive
         return bool(self.alive.any())
@@ -131,6 +133,12 @@ class DraftChain:
                      lengths=lengths)
 
 
-def greedy_confidence(logits):
-    """``logits # [batch, n]`` -> the probability of the argmax ``# [batch]`` (after softmax)."""
-    return logits.float().softmax(-1).amax(-1)
+def draw_scored(logits, sampling, generator=None, scored: bool = False):
+    """:func:`~specdraft.sampling.draw` on ``logits # [batch, vocab]`` plus, when greedy and
+    ``scored`` (see :attr:`DraftChain.scored`), the probability of the drawn token ``# [batch]``:
+    ``(tokens, probs | None, confidence | None)``."""
+    from ..sampling import draw
+
+    token, probs = draw(logits, sampling, generator)
+    confidence = logits.float().softmax(-1).amax(-1) if scored and sampling.greedy else None
+    return token, probs, confidence

@@ -97,6 +97,13 @@ def copy_candidates(rows: Sequence[Sequence[int]], gate: CopyGate, device) -> tu
     return ids, torch.tensor([n for _, n in found], dtype=torch.long, device=device)
 
 
+def column_table(head_ids: torch.Tensor, size: int, missing: int = -1) -> torch.Tensor:
+    """``[size]``: each token id's column in logits over ``head_ids`` (``missing`` where it has none)."""
+    table = torch.full((max(size, int(head_ids.max()) + 1),), missing, dtype=torch.long, device=head_ids.device)
+    table[head_ids] = torch.arange(head_ids.numel(), device=head_ids.device)
+    return table
+
+
 class CopyDrafting:
     """Draws tokens from the copy mixture of a drafter whose output head covers ``head_ids``.
 
@@ -106,11 +113,8 @@ class CopyDrafting:
 
     def __init__(self, gate: CopyGate, head_ids: torch.Tensor | None, vocab_size: int) -> None:
         self.gate, self.head_ids, self.vocab_size = gate, head_ids, vocab_size
-        self.slot = None  # token id -> its column in the head's logits (-1: not in the head)
-        if head_ids is not None:
-            self.slot = torch.full((max(vocab_size, int(head_ids.max()) + 1),), -1, dtype=torch.long,
-                                   device=head_ids.device)
-            self.slot[head_ids] = torch.arange(head_ids.numel(), device=head_ids.device)
+        # token id -> its column in the head's logits (-1: not in the head)
+        self.slot = None if head_ids is None else column_table(head_ids, vocab_size)
 
     def gated(self, small: torch.Tensor, hidden: torch.Tensor, copy_ids: torch.Tensor, match: torch.Tensor):
         """``(logp # [..., N], gate, logp_copy # [...])`` for head logits ``small # [..., N]`` read
@@ -164,11 +168,11 @@ def copy_table(ids: torch.Tensor, gate: CopyGate) -> tuple[torch.Tensor, torch.T
     return copy_ids, match
 
 
-def drafted_rows(token_ids: Sequence[Sequence[int]], drafted: list[torch.Tensor]) -> list[list[int]]:
+def drafted_rows(token_ids: Sequence[Sequence[int]], drafted: list[torch.Tensor]) -> Sequence[Sequence[int]]:
     """Each row's context followed by the tokens drafted so far this round (``drafted``: ``[B]`` tensors)."""
     if not drafted:
-        return [list(t) for t in token_ids]
+        return token_ids  # read only: no copy of each context
     return [list(t) + d for t, d in zip(token_ids, torch.stack(drafted, dim=1).tolist())]
 
 
-__all__ = ["CopyDrafting", "CopyGate", "copy_argmax", "copy_candidates", "copy_mixture", "copy_table", "drafted_rows"]
+__all__ = ["CopyDrafting", "CopyGate", "column_table", "copy_argmax", "copy_candidates", "copy_mixture", "copy_table", "drafted_rows"]

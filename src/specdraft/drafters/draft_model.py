@@ -17,7 +17,7 @@ from pydantic import Field
 
 from ..errors import ConfigError, ModelLoadError
 from ..types import Draft, DraftContext, TargetInfo
-from .base import DraftChain, Drafter, LearntDrafterOptions, greedy_confidence
+from .base import DraftChain, Drafter, LearntDrafterOptions, draw_scored
 
 LLAMA_1B = "meta-llama/Llama-3.2-1B-Instruct"
 
@@ -144,7 +144,6 @@ class DraftModelDrafter(Drafter):
         import torch
 
         from ..cache import forward_step
-        from ..sampling import draw
         from .copy_gate import drafted_rows
 
         device = feed.device
@@ -160,10 +159,8 @@ class DraftModelDrafter(Drafter):
 
         chain = DraftChain(ctx.batch_size, device, self.options.min_confidence, ctx.sampling.greedy)
         for i in range(k):
-            if self.copier is None:
-                logits = self._to_target_vocab(step_logits)
-                token, p = draw(logits, ctx.sampling, ctx.generator)  # [batch], [batch, vocab]
-                drawn = (token, p, greedy_confidence(logits) if ctx.sampling.greedy else None)
+            if self.copier is None:  # [batch], [batch, vocab] | None, [batch] | None
+                drawn = draw_scored(self._to_target_vocab(step_logits), ctx.sampling, ctx.generator, chain.scored)
             else:
                 drawn = self.copier.draw(step_logits, step_hidden, drafted_rows(ctx.token_ids, chain.tokens),
                                          ctx.sampling, ctx.generator)

@@ -16,7 +16,7 @@ from typing import Callable, Sequence
 
 import torch
 
-from ..drafters.copy_gate import CopyGate
+from ..drafters.copy_gate import CopyGate, column_table
 from .loop import train
 
 
@@ -47,11 +47,8 @@ def gate_examples(source: GateSource, sequences: Sequence[dict], states: Sequenc
     from .heads import padded_batch
 
     head_ids = source.head_ids
-    slot = None
-    if head_ids is not None:  # token id -> column of the head's logits (-1: not in the head)
-        size = max(int(head_ids.max()), max(max(s["ids"]) for s in sequences)) + 1
-        slot = torch.full((size,), -1, dtype=torch.long, device=head_ids.device)
-        slot[head_ids] = torch.arange(head_ids.numel(), device=head_ids.device)
+    # token id -> column of the head's logits (-1: not in the head)
+    slot = None if head_ids is None else column_table(head_ids, max(max(s["ids"]) for s in sequences) + 1)
 
     def column(tokens: torch.Tensor) -> torch.Tensor:
         return tokens if slot is None else slot[tokens]

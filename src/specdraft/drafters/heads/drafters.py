@@ -20,9 +20,8 @@ from pydantic import Field
 
 from ...errors import ConfigError
 from ...fastpath import few_row_linears
-from ...sampling import draw
 from ...types import Draft, DraftContext, TargetInfo
-from ..base import DraftChain, Drafter, LearntDrafterOptions, greedy_confidence
+from ..base import DraftChain, Drafter, LearntDrafterOptions, draw_scored
 from ..copy_gate import CopyDrafting, drafted_rows
 
 
@@ -73,15 +72,14 @@ class HeadDrafter(Drafter):
         return DraftChain(ctx.batch_size, self._last.device if self._last is not None else ctx.device,
                           self.options.min_confidence, ctx.sampling.greedy)
 
-    def _draw(self, feature: torch.Tensor, ctx: DraftContext, drafted: list[torch.Tensor]):
-        """One token per row from the head's guess on ``feature # [batch, H]`` (through the copy
-        gate, if any): ``(tokens # [batch], probs # [batch, vocab] | None, confidence # [batch] | None)``."""
+    def _draw(self, feature: torch.Tensor, ctx: DraftContext, chain: DraftChain):
+        """One token per row from the head's guess on ``feature # [batch, H]`` after ``chain``'s
+        tokens (through the copy gate, if any): ``(tokens # [batch], probs # [batch, vocab] | None,
+        confidence # [batch] | None)``."""
         if self.copier is None:
-            logits = self.head(feature)
-            token, probs = draw(logits, ctx.sampling, ctx.generator)
-            return token, probs, greedy_confidence(logits) if ctx.sampling.greedy else None
-        return self.copier.draw(self.head.small(feature), feature, drafted_rows(ctx.token_ids, drafted), ctx.sampling,
-                                ctx.generator)
+            return draw_scored(self.head(feature), ctx.sampling, ctx.generator, chain.scored)
+        return self.copier.draw(self.head.small(feature), feature, drafted_rows(ctx.token_ids, chain.tokens),
+                                ctx.sampling, ctx.generator)
 
     def _lengths(self, width: int) -> torch.Tensor:
         return torch.tensor([width if h else 0 for h in self._has], dtype=torch.long)
@@ -100,15 +98,13 @@ class MedusaDrafter(HeadDrafter):
             if self.copier is None or self.module.own_heads is not None:  # all heads at once
                 logits = self.module.logits(features, self.head)  # [batch, m, vocab]
                 batch, _, vocab = logits.shape
-                tokens, probs = draw(logits.reshape(batch * m, vocab), ctx.sampling, ctx.generator)
-                tokens, probs = tokens.view(batch, m), None if probs is None else probs.view(batch, m, vocab)
-                confidence = greedy_confidence(logits) if ctx.sampling.greedy else None  # [batch, m]
+                drawn = draw_scored(logits.reshape(batch * m, vocab), ctx.sampling, ctx.generator, chain.scored)
+                tokens, probs, confidence = (None if x is None else x.view(batch, m, *x.shape[1:]) for x in drawn)
                 for i in range(m):
-                    chain.add(tokens[:, i], None if probs is None else probs[:, i],
-                              None if confidence is None else confidence[:, i])
+                    chain.add(*(None if x is None else x[:, i] for x in (tokens, probs, confidence)))
             else:
                 for i in range(m):  # each candidate depends on the guesses before it
-                    if not chain.add(*self._draw(features[:, i], ctx, chain.tokens)):
+                    if not chain.add(*self._draw(features[:, i], ctx, chain)):
                         break
         return chain.draft(self._lengths(m))
 
@@ -125,7 +121,7 @@ class MLPSpeculatorDrafter(HeadDrafter):
         with few_row_linears(self.module, enabled=self._fast):
             for i in range(m):
                 state, feature = self.module.stage(i, state, self.target.embeddings(token))
-                drawn = self._draw(feature, ctx, chain.tokens)  # [batch], [batch, vocab], [batch]
+                drawn = self._draw(feature, ctx, chain)  # [batch], [batch, vocab], [batch]
                 token = drawn[0]
                 if not chain.add(*drawn):
                     break
@@ -196,7 +192,7 @@ class EagleDrafter(HeadDrafter):
 
         chain = self._chain(ctx)
         for i in range(k):
-            drawn = self._draw(feature, ctx, chain.tokens)  # [batch], [batch, vocab], [batch]
+            drawn = self._draw(feature, ctx, chain)  # [batch], [batch, vocab], [batch]
             if not chain.add(*drawn):
                 break
             if i + 1 < k:

@@ -67,9 +67,9 @@ class SharedHead(nn.Module):
         """Token ids -> indices into ``head_ids`` (-100, ignored by cross-entropy, outside it)."""
         if self.head_ids is None:
             return token_ids
-        table = torch.full((self.vocab_size,), -100, dtype=torch.long, device=token_ids.device)
-        table[self.head_ids] = torch.arange(self.head_ids.numel(), device=token_ids.device)
-        return table[token_ids]
+        from ..copy_gate import column_table
+
+        return column_table(self.head_ids, self.vocab_size, missing=-100).to(token_ids.device)[token_ids]
 
 
 class ResBlock(nn.Module):
