@@ -438,3 +438,57 @@ def test_eagle_training_steps_see_what_drafting_sees(tiny_model):
                     pos, mask = cache.prepare(1, "cpu", torch.float64)
                     guess = module(guess, embed(ids[:, t + step + 1 : t + step + 2]), pos, mask, cache)
                     cache.advance(1)
+
+
+@pytest.mark.parametrize("batch", [1, 3])
+def test_eagle_token_step_computes_the_layer_forward(tiny_model, batch):
+    """The fused one-token draft step equals EagleDraft.forward through the same cache: the
+    guessed features and every key and value it stores, step after step."""
+    from specdraft.cache import KVCache
+    from specdraft.drafters.heads.modules import EagleTokenStep
+
+    torch.manual_seed(7)
+    module = build_heads("eagle", tiny_model.config).double()
+    for p in module.parameters():
+        torch.nn.init.normal_(p, std=0.2)
+    assert EagleTokenStep.supports(module)
+    step = EagleTokenStep(module)
+    embed = tiny_model.get_input_embeddings()
+    feats, ids = torch.randn(batch, 5, 32, dtype=torch.float64), torch.randint(1, 64, (batch, 9))
+    caches = [KVCache(1, slots=300) for _ in range(2)]
+    with torch.no_grad():
+        guesses = []
+        for cache in caches:
+            cache.reset(batch)
+            pos, mask = cache.prepare(5, "cpu", torch.float64)  # true pairs first, as in a catch-up
+            guesses.append(module(feats, embed(ids[:, 1:6]), pos, mask, cache)[:, -1])
+            cache.advance(5)
+        reference, fused = guesses
+        for t in range(6, 9):
+            assert EagleTokenStep.usable(caches[1], batch)
+            pos, mask = caches[0].prepare(1, "cpu", torch.float64)
+            reference = module(reference[:, None], embed(ids[:, t : t + 1]), pos, mask, caches[0])[:, 0]
+            caches[0].advance(1)
+            fused = step(fused, embed(ids[:, t]), caches[1])
+            torch.testing.assert_close(fused, reference, rtol=1e-10, atol=1e-10)
+        assert caches[0].lengths == caches[1].lengths == [8] * batch
+        for name in ("keys", "values"):
+            torch.testing.assert_close(getattr(caches[1].layers[0], name)[:, :, :8],
+                                       getattr(caches[0].layers[0], name)[:, :, :8], rtol=1e-10, atol=1e-10)
+        caches[1].rollback([8] * (batch - 1) + [7])
+        assert not EagleTokenStep.usable(caches[1], batch) or batch == 1
+
+
+def test_eagle_drafts_through_the_token_step(tiny_model, tmp_path, monkeypatch):
+    """Draft steps after the first take the fused path (a silent fallback would only cost speed)."""
+    from specdraft.drafters.heads.modules import EagleTokenStep
+
+    calls = []
+    original = EagleTokenStep.__call__
+    monkeypatch.setattr(EagleTokenStep, "__call__", lambda self, *a: calls.append(1) or original(self, *a))
+    heads = random_heads("eagle", tiny_model, tmp_path / "eagle", seed=1)
+    dec = SpeculativeDecoder(tiny_model, None, drafter="eagle", spec_length=4, adaptive=False,
+                             drafter_options={"heads": str(heads), "min_confidence": 0})
+    out = dec.generate_ids([[1, 2, 3, 4, 5]], max_new_tokens=12)[0]
+    assert out.token_ids == plain_greedy(tiny_model, [1, 2, 3, 4, 5], 12)
+    assert calls

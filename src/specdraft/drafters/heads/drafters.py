@@ -23,6 +23,7 @@ from ...fastpath import few_row_linears
 from ...types import Draft, DraftContext, TargetInfo
 from ..base import DraftChain, Drafter, LearntDrafterOptions, draw_scored
 from ..copy_gate import CopyDrafting, drafted_rows
+from .modules import EagleTokenStep
 
 
 class HeadOptions(LearntDrafterOptions):
@@ -144,6 +145,7 @@ class EagleDrafter(HeadDrafter):
 
         self.cache = KVCache(1, slots=0)
         super().__init__(options, target)
+        self.token_step = EagleTokenStep(self.module) if EagleTokenStep.supports(self.module) else None
 
     def reset(self) -> None:
         super().reset()
@@ -169,32 +171,51 @@ class EagleDrafter(HeadDrafter):
         self.cache.advance(n)
         return out
 
+    def _step_one(self, feature: torch.Tensor, token: torch.Tensor) -> torch.Tensor:
+        """One draft step: ``feature # [B, H]`` and the token drawn from it ``# [B]`` -> the next feature ``[B, H]``."""
+        if self.token_step is not None and EagleTokenStep.usable(self.cache, feature.shape[0]):
+            with few_row_linears(self.module, enabled=self._fast):  # the norm and activation inside
+                return self.token_step(feature, self.target.embeddings(token), self.cache)
+        return self._step(feature[:, None], token[:, None])[:, 0]
+
+    def _catch_up(self, ctx: DraftContext, counts: list[int]) -> torch.Tensor:
+        """Feed every row's pending true states; returns each row's newest guessed feature ``[batch, H]``."""
+        batch, width, device = ctx.batch_size, max(counts), self._last.device
+        starts = [p + 1 for p in self._pairs]  # pair j is (f_j, x_{j+1})
+        if all(n == width for n in counts):  # the common case (one row, or rows in step): no padding
+            features = torch.stack([torch.cat(p) for p in self._pending])
+            tokens = torch.tensor([row[s : s + width] for row, s in zip(ctx.token_ids, starts)], device=device)
+        else:
+            features = torch.zeros((batch, width, self.target.hidden_size), dtype=self._last.dtype, device=device)
+            tokens = torch.zeros((batch, width), dtype=torch.long)
+            for b, (pending, n) in enumerate(zip(self._pending, counts)):
+                if n:
+                    features[b, :n] = torch.cat(pending)
+                    tokens[b, :n] = torch.tensor(ctx.token_ids[b][starts[b] : starts[b] + n])
+            tokens = tokens.to(device)
+        for pending in self._pending:
+            pending.clear()
+        self._pairs = [p + n for p, n in zip(self._pairs, counts)]
+        if width == 1 and all(n == 1 for n in counts):  # one new state per row: a plain draft step
+            return self._step_one(features[:, 0], tokens[:, 0])
+        out = self._step(features, tokens)  # [batch, width, H]
+        self.cache.rollback(self._pairs)  # padding entries of shorter rows
+        if all(n == width for n in counts):
+            return out[:, -1]
+        return out[torch.arange(batch, device=device), torch.tensor([max(n - 1, 0) for n in counts], device=device)]
+
     def propose(self, ctx: DraftContext, k: int) -> Draft:
-        batch, device = ctx.batch_size, self._last.device
         self.cache.rollback(self._pairs)  # forget last round's guessed features
         self.cache.reserve(max(len(t) for t in ctx.token_ids) + k + 1)
         counts = [sum(h.shape[0] for h in p) for p in self._pending]
-        width = max(counts)
-        if width == 0:
-            return Draft.empty(batch, device)
-        features = torch.zeros((batch, width, self.target.hidden_size), dtype=self._last.dtype, device=device)
-        tokens = torch.zeros((batch, width), dtype=torch.long)
-        for b, (pending, n) in enumerate(zip(self._pending, counts)):
-            if n:
-                features[b, :n] = torch.cat(pending)
-                start = self._pairs[b] + 1  # pair j is (f_j, x_{j+1})
-                tokens[b, :n] = torch.tensor(ctx.token_ids[b][start : start + n])
-            pending.clear()
-        out = self._step(features, tokens.to(device))  # [batch, width, H]
-        self._pairs = [p + n for p, n in zip(self._pairs, counts)]
-        self.cache.rollback(self._pairs)  # padding entries of shorter rows
-        feature = out[torch.arange(batch, device=device), torch.tensor([max(n - 1, 0) for n in counts], device=device)]
-
+        if max(counts) == 0:
+            return Draft.empty(ctx.batch_size, self._last.device)
+        feature = self._catch_up(ctx, counts)
         chain = self._chain(ctx)
         for i in range(k):
             drawn = self._draw(feature, ctx, chain)  # [batch], [batch, vocab], [batch]
             if not chain.add(*drawn):
                 break
             if i + 1 < k:
-                feature = self._step(feature[:, None], drawn[0][:, None])[:, 0]
+                feature = self._step_one(feature, drawn[0])
         return chain.draft(self._lengths(k))
