@@ -117,7 +117,10 @@ class DraftChain:
         self.tokens.append(token)
         if probs is not None:
             self.probs.append(probs)
-        if self.scored and confidence is not None:
+        if not self.scored:  # no row stops: skip the device sync of reading ``alive``
+            self.lengths += 1
+            return True
+        if confidence is not None:
             self.alive &= confidence.to(self.alive.device) >= self.threshold
         self.lengths += self.alive
         return bool(self.alive.any())

@@ -1,0 +1,37 @@
+"""The copy gate's greedy choice against its mixture, built out in full."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from specdraft.drafters.copy_gate import CopyDrafting, CopyGate, copy_mixture
+
+
+@pytest.mark.parametrize("trimmed", [False, True])
+def test_choose_is_the_argmax_of_the_mixture_and_its_probability(trimmed):
+    """``choose`` (greedy drafting's few-operation path) picks the copy mixture's most likely
+    token and reports that token's probability under the mixture, for rows whose candidate
+    is in the head, outside a trimmed head, or missing."""
+    torch.manual_seed(3)
+    vocab, hidden, rows = 40, 8, 64
+    head_ids = torch.randperm(vocab)[:25].sort().values if trimmed else None
+    gate = CopyGate(hidden).double()
+    for p in gate.parameters():
+        torch.nn.init.normal_(p, std=1.0)
+    drafting = CopyDrafting(gate, head_ids, vocab)
+    small = torch.randn(rows, vocab if head_ids is None else len(head_ids), dtype=torch.float64) * 3
+    features = torch.randn(rows, hidden, dtype=torch.float64)
+    copy_ids = torch.randint(-1, vocab, (rows,))
+    match = torch.where(copy_ids >= 0, torch.randint(1, 4, (rows,)), 0)
+
+    token, confidence = drafting.choose(small, features, copy_ids, match)
+
+    logp, g, _ = drafting.gated(small, features, copy_ids, match)
+    probs = torch.zeros(rows, vocab, dtype=torch.float64)
+    columns = torch.arange(vocab) if head_ids is None else head_ids
+    probs[:, columns] = logp.exp().double()
+    mixture = copy_mixture(probs, g, copy_ids)
+    assert torch.equal(token, mixture.argmax(-1))
+    torch.testing.assert_close(confidence.double(), mixture.max(-1).values, rtol=1e-6, atol=1e-6)
+    assert (g > 0).any() and (g == 0).any() and (token == copy_ids).any() and (token != copy_ids).any()
