@@ -74,20 +74,6 @@ def copy_mixture(probs: torch.Tensor, gate: torch.Tensor, copy_ids: torch.Tensor
     return mixed.scatter_add_(1, copy_ids.clamp(min=0)[:, None], gate)
 
 
-def copy_argmax(logp: torch.Tensor, gate: torch.Tensor, copy_ids: torch.Tensor, logp_copy: torch.Tensor,
-                token_ids: torch.Tensor | None = None) -> torch.Tensor:
-    """The copy mixture's most likely token per row, without building the mixture.
-
-    ``logp # [B, N]`` the draft's log-probabilities (``token_ids # [N]`` maps their columns to
-    token ids; None: columns are ids), ``gate, copy_ids, logp_copy # [B]``. The candidate
-    wins when ``g + (1 - g) p(candidate) >= (1 - g) max p``.
-    """
-    top_logp, top_i = logp.max(-1)
-    best = top_i if token_ids is None else token_ids[top_i]
-    take = (gate > 0) & (gate + (1 - gate) * logp_copy.exp() >= (1 - gate) * top_logp.exp())
-    return torch.where(take, copy_ids, best)
-
-
 def copy_candidates(rows: Sequence[Sequence[int]], gate: CopyGate, device) -> tuple[torch.Tensor, torch.Tensor]:
     """Each row's copy candidate ``# [B]`` (-1: none) and matched n-gram length ``# [B]``."""
     from .prompt_lookup import lookup
@@ -132,9 +118,9 @@ class CopyDrafting:
     def choose(self, small: torch.Tensor, hidden: torch.Tensor, copy_ids: torch.Tensor, match: torch.Tensor):
         """The mixture's most likely token and its probability under the mixture, both ``# [...]``.
 
-        The same rule as :func:`copy_argmax` on :meth:`gated`'s output, in fewer operations:
-        greedy drafting runs this once per drafted token, where each operation launched costs
-        more than its arithmetic.
+        The candidate wins when ``g + (1 - g) p(candidate) >= (1 - g) max p``. Computed from one
+        softmax, without building the mixture: greedy drafting runs this once per drafted
+        token, where each operation launched costs more than its arithmetic.
         """
         slot = copy_ids.clamp(min=0) if self.slot is None else self.slot[copy_ids.clamp(min=0)]  # -1: not in the head
         probs = small.float().softmax(-1)
@@ -183,4 +169,4 @@ def drafted_rows(token_ids: Sequence[Sequence[int]], drafted: list[torch.Tensor]
     return [list(t) + d for t, d in zip(token_ids, torch.stack(drafted, dim=1).tolist())]
 
 
-__all__ = ["CopyDrafting", "CopyGate", "column_table", "copy_argmax", "copy_candidates", "copy_mixture", "copy_table", "drafted_rows"]
+__all__ = ["CopyDrafting", "CopyGate", "column_table", "copy_candidates", "copy_mixture", "copy_table", "drafted_rows"]

@@ -174,8 +174,7 @@ class EagleDrafter(HeadDrafter):
     def _step_one(self, feature: torch.Tensor, token: torch.Tensor) -> torch.Tensor:
         """One draft step: ``feature # [B, H]`` and the token drawn from it ``# [B]`` -> the next feature ``[B, H]``."""
         if self.token_step is not None and EagleTokenStep.usable(self.cache, feature.shape[0]):
-            with few_row_linears(self.module, enabled=self._fast):  # the norm and activation inside
-                return self.token_step(feature, self.target.embeddings(token), self.cache)
+            return self.token_step(feature, self.target.embeddings(token), self.cache)  # its own few-row products
         return self._step(feature[:, None], token[:, None])[:, 0]
 
     def _catch_up(self, ctx: DraftContext, counts: list[int]) -> torch.Tensor:
