@@ -44,6 +44,9 @@ def _training_args(p: argparse.ArgumentParser, steps: int, steps_help: str, lr: 
                    help="also N prompts asking the target to summarize, extract from or rewrite documents made "
                         "of its own answers: long inputs, as in summarization and RAG (default: 0)")
     p.add_argument("--max-new-tokens", type=int, default=128, help="answer length (default: 128)")
+    p.add_argument("--generate-batch-size", type=int, default=16, metavar="N",
+                   help="prompts the target answers at once while building the data; raise it on a GPU "
+                        "(default: 16)")
     p.add_argument("--steps", type=int, default=steps, help=f"{steps_help} (default: {steps})")
     p.add_argument("--batch-size", type=int, default=8, help="sequences per step (default: 8)")
     p.add_argument("--lr", type=float, default=lr, help=f"peak learning rate (default: {lr:g})")
@@ -272,7 +275,8 @@ def _distill(args) -> int:
     from .training.data import load_prompts
     from .training.distill import distill
 
-    _check_positive(args, "num_prompts", "max_new_tokens", "layers", "head_tokens", "steps", "batch_size")
+    _check_positive(args, "num_prompts", "max_new_tokens", "layers", "head_tokens", "steps", "batch_size",
+                    "generate_batch_size")
     for name in ("self_prompts", "document_prompts", "gate_steps"):
         if getattr(args, name) < 0:
             raise ConfigError(f"--{name.replace('_', '-')} must be >= 0")
@@ -283,7 +287,7 @@ def _distill(args) -> int:
                   steps=args.steps, batch_size=args.batch_size, lr=args.lr, objective=args.objective,
                   self_prompts=args.self_prompts, document_prompts=args.document_prompts,
                   work_dir=args.work, train_dtype=args.train_dtype, copy_gate=args.gate_steps > 0,
-                  gate_steps=args.gate_steps)
+                  gate_steps=args.gate_steps, gen_batch_size=args.generate_batch_size)
     from .drafters.compact_draft import FORMAT_FILE
 
     _print_held_out(out / FORMAT_FILE)
@@ -298,6 +302,7 @@ def _train_heads(args) -> int:
     from .training.heads import train_heads
 
     _check_positive(args, "num_texts", "num_prompts", "max_new_tokens", "batch_size", "num_heads",
+                    "generate_batch_size",
                     *(("steps",) if args.init is None else ()))
     if args.head_tokens < 0:
         raise ConfigError("--head-tokens must be >= 0 (0 = the whole vocabulary)")
@@ -315,7 +320,8 @@ def _train_heads(args) -> int:
                       document_prompts=args.document_prompts, max_new_tokens=args.max_new_tokens, steps=args.steps,
                       batch_size=args.batch_size, lr=args.lr, head_tokens=args.head_tokens or None,
                       work_dir=args.work, train_dtype=args.train_dtype, copy_gate=args.gate_steps > 0,
-                      gate_steps=args.gate_steps, init_from=args.init, **config)
+                      gate_steps=args.gate_steps, init_from=args.init, gen_batch_size=args.generate_batch_size,
+                      **config)
     from .drafters.heads.formats import FORMAT_FILE
 
     _print_held_out(out / FORMAT_FILE)

@@ -58,6 +58,8 @@ def test_generate_reads_stdin_and_honours_raw():
      "prompt file './missing.jsonl' does not exist"),
     (["train-heads", "--kind", "eagle", "--output", "x", "--prompts", "./missing.jsonl", "--steps", "0"],
      "--steps must be >= 1"),
+    (["distill", "--output", "x", "--prompts", "./missing.jsonl", "--generate-batch-size", "0"],
+     "--generate-batch-size must be >= 1"),
 ])
 def test_bad_input_is_one_readable_line(args, message):
     out = run(*args)

@@ -177,7 +177,8 @@ def train_heads(target, tokenizer, target_name: str, kind: str, prompt_files: Se
                 num_texts: int = 600, num_prompts: int = 600, self_prompts: int = 0,
                 document_prompts: int = 0, max_new_tokens: int = 128,
                 steps: int = 700,
-                batch_size: int = 8, lr: float = 1e-3, head_tokens: int | None = 8192, seed: int = 0,
+                batch_size: int = 8, lr: float = 1e-3, head_tokens: int | None = 8192, gen_batch_size: int = 16,
+                seed: int = 0,
                 work_dir: str | Path | None = None, progress: bool = True, train_dtype: str = "auto",
                 copy_gate: bool = True, gate_steps: int = 300, init_from: str | Path | None = None,
                 **head_config) -> Path:
@@ -201,7 +202,8 @@ def train_heads(target, tokenizer, target_name: str, kind: str, prompt_files: Se
 
     texts = chat_sequences(tokenizer, load_examples(prompt_files, limit=num_texts, seed=seed)) if steps else []
     answers, answer_states = target_answers(target, tokenizer, prompt_files, work, num_prompts, self_prompts,
-                                            max_new_tokens=max_new_tokens, seed=seed, progress=progress,
+                                            max_new_tokens=max_new_tokens, batch_size=gen_batch_size, seed=seed,
+                                            progress=progress,
                                             document_prompts_count=document_prompts)
     text_states = target_features(target, texts, work / "text_states.safetensors", progress=progress,
                                   desc="target states (text)") if texts else []
