@@ -29,17 +29,17 @@ def test_plain_engine_equals_transformers_generate(default_f64, plain_outputs, p
         assert plain_outputs[cat].token_ids == out[0, len(ids):].tolist(), cat
 
 
+@pytest.mark.parametrize("adaptive", [False, True], ids=["fixed-k", "adaptive"])
 @pytest.mark.parametrize("drafter", ["ngram", "prompt-lookup"])
-def test_greedy_parity_on_real_prompts(default_f64, plain_outputs, prompts, drafter):
+def test_greedy_parity_on_real_prompts(default_f64, plain_outputs, prompts, drafter, adaptive):
     model, tok = default_f64
-    dec = SpeculativeDecoder(model, tok, drafter=drafter, spec_length=4)
+    dec = SpeculativeDecoder(model, tok, drafter=drafter, spec_length=4, adaptive=adaptive)
     results = dec.generate(list(prompts.values()), max_new_tokens=NEW)  # batched, different lengths
-    drafted = 0
     for (cat, _), r in zip(prompts.items(), results):
         assert r.token_ids == plain_outputs[cat].token_ids, cat
         assert r.text == plain_outputs[cat].text
-        drafted += r.stats.drafted_tokens
-    assert drafted > 0 and sum(r.stats.accepted_tokens for r in results) > 0
+    if not adaptive:  # the adaptive length follows measured timings and may stop drafting; a fixed K always drafts
+        assert sum(r.stats.accepted_tokens for r in results) > 0
 
 
 def test_stop_string_cuts_text_like_plain(default_f32, prompts):
