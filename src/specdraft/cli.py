@@ -64,6 +64,19 @@ def _check_positive(args, *names: str) -> None:
             raise ConfigError(f"--{name.replace('_', '-')} must be >= 1")
 
 
+def _check_training_args(args, *positive: str, non_negative: Sequence[str] = ()) -> None:
+    """Check what ``distill`` and ``train-heads`` share (:func:`_training_args`, ``--gate-steps``),
+    then the command's own ``positive`` (>= 1) and ``non_negative`` (>= 0) options, then that
+    the prompt files hold prompts: all before the model loads."""
+    from .training.data import load_prompts
+
+    _check_positive(args, "num_prompts", "max_new_tokens", "batch_size", "generate_batch_size", *positive)
+    for name in ("self_prompts", "document_prompts", "gate_steps", *non_negative):
+        if getattr(args, name) < 0:
+            raise ConfigError(f"--{name.replace('_', '-')} must be >= 0")
+    load_prompts(args.prompts, limit=1)  # a missing or empty file
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="specdraft", description="Exact speculative decoding with pluggable drafters.")
     sub = parser.add_subparsers(dest="command", required=True)
@@ -272,15 +285,9 @@ def _print_held_out(meta_file) -> None:
 
 def _distill(args) -> int:
     from .models import load_target
-    from .training.data import load_prompts
     from .training.distill import distill
 
-    _check_positive(args, "num_prompts", "max_new_tokens", "layers", "head_tokens", "steps", "batch_size",
-                    "generate_batch_size")
-    for name in ("self_prompts", "document_prompts", "gate_steps"):
-        if getattr(args, name) < 0:
-            raise ConfigError(f"--{name.replace('_', '-')} must be >= 0")
-    load_prompts(args.prompts, limit=1)  # a missing or empty file fails before the model loads
+    _check_training_args(args, "layers", "head_tokens", "steps")
     model, tokenizer, name = load_target(args.target, dtype=args.dtype, device=args.device)
     out = distill(model, tokenizer, name, args.prompts, args.output, num_prompts=args.num_prompts,
                   max_new_tokens=args.max_new_tokens, layers=args.layers, head_tokens=args.head_tokens,
@@ -298,20 +305,14 @@ def _distill(args) -> int:
 
 def _train_heads(args) -> int:
     from .models import load_target
-    from .training.data import load_prompts
     from .training.heads import train_heads
 
-    _check_positive(args, "num_texts", "num_prompts", "max_new_tokens", "batch_size", "num_heads",
-                    "generate_batch_size",
-                    *(("steps",) if args.init is None else ()))
     if args.head_tokens < 0:
         raise ConfigError("--head-tokens must be >= 0 (0 = the whole vocabulary)")
     if args.init is not None and not Path(args.init).is_dir():
         raise ConfigError(f"--init {args.init!r} is not a folder; pass heads made by `specdraft train-heads`")
-    for name in ("self_prompts", "document_prompts", "gate_steps", "steps"):
-        if getattr(args, name) < 0:
-            raise ConfigError(f"--{name.replace('_', '-')} must be >= 0")
-    load_prompts(args.prompts, limit=1)  # a missing or empty file fails before the model loads
+    _check_training_args(args, "num_texts", "num_heads", *(("steps",) if args.init is None else ()),
+                         non_negative=("steps",))
     model, tokenizer, name = load_target(args.target, dtype=args.dtype, device=args.device)
     config = {"num_heads": args.num_heads} if args.kind == "medusa" else (
         {"num_stages": args.num_heads} if args.kind == "mlp-speculator" else {})
