@@ -1,5 +1,7 @@
 """specdraft: exact speculative decoding with pluggable drafters."""
 
+import importlib.metadata as _metadata
+
 from .decoder import SpeculativeDecoder
 from .drafters.base import Drafter
 from .errors import (
@@ -14,7 +16,10 @@ from .hookspecs import hookimpl
 from .sampling import SamplingParams, logits_to_probs
 from .types import Draft, DraftContext, GenerationResult, GenerationStats, TargetInfo
 
-__version__ = "0.1.0"
+try:
+    __version__ = _metadata.version("specdraft")
+except _metadata.PackageNotFoundError:  # running from a source tree that is not installed
+    __version__ = "0+unknown"
 
 __all__ = [
     "ConfigError", "Draft", "DraftContext", "Drafter", "DrafterError", "GenerationResult",

@@ -12,6 +12,7 @@ import sys
 from pathlib import Path
 from typing import Sequence
 
+from . import __version__
 from .errors import ConfigError, SpecdraftError
 from .models import TRAIN_DTYPES
 
@@ -79,6 +80,7 @@ def _check_training_args(args, *positive: str, non_negative: Sequence[str] = ())
 
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="specdraft", description="Exact speculative decoding with pluggable drafters.")
+    parser.add_argument("--version", action="version", version=f"specdraft {__version__}")
     sub = parser.add_subparsers(dest="command", required=True)
 
     gen = sub.add_parser("generate", help="generate text from a prompt",
@@ -212,7 +214,7 @@ def _drafters(args) -> int:
             "name": spec.name,
             "aliases": list(spec.aliases),
             "plugin": spec.plugin,
-            "options": list(getattr(spec.cls, "Options").model_fields),
+            "options": list(spec.options.model_fields),
             "defaults": dict(spec.defaults),
         }
         for spec in registry.specs()

@@ -6,7 +6,12 @@ group; ``SPECDRAFT_LOAD_PLUGINS`` (comma-separated distribution or entry-point n
 limits which of them load, and an empty value loads none.
 
 A plugin that fails to import, fails validation, or raises inside its hook is recorded
-in :data:`load_errors` / ``Registry.errors`` by name; the other plugins still work.
+in :data:`load_errors` / ``Registry.errors`` by name; the other plugins still work, and
+asking for a drafter that is missing names those plugins.
+
+A drafter may be registered by import path (``"package.module:Class"``) with its
+``options`` class: listing drafters and checking options then import nothing heavy, and
+the module loads when the drafter is created (the built-in heads wait for torch this way).
 """
 
 from __future__ import annotations
@@ -39,6 +44,9 @@ pm.add_hookspecs(hookspecs)
 
 #: ``(plugin name, message)`` for every plugin that could not be loaded.
 load_errors: list[tuple[str, str]] = []
+
+#: plugin name -> its entry points' names, which often are the names of the drafters it provides
+entry_point_names: dict[str, set[str]] = {}
 
 
 def _normalize(name: str) -> str:
@@ -74,6 +82,7 @@ def load_plugins() -> None:
             continue
         if pm.get_plugin(dist) is not None or any(p == dist for p, _ in load_errors):
             continue
+        entry_point_names.setdefault(dist, set()).add(_normalize(ep.name))
         try:
             plugin = ep.load()
         except Exception as exc:  # noqa: BLE001 - any import failure is the plugin's
@@ -82,7 +91,7 @@ def load_plugins() -> None:
         try:
             _register_checked(plugin, dist)
         except Exception as exc:  # noqa: BLE001
-            load_errors.append((dist, f"invalid plugin: {exc}"))
+            load_errors.append((dist, f"failed validation: {exc}"))
 
 
 @dataclass(frozen=True)
@@ -90,10 +99,27 @@ class DrafterSpec:
     """One registered drafter name."""
 
     name: str
-    cls: type
+    drafter: type | str  # the Drafter subclass, or its "module:attribute", imported by ``cls``
+    options: type  # the drafter's ``Options`` (pydantic model)
     plugin: str
     aliases: tuple[str, ...] = ()
     defaults: Mapping[str, Any] = field(default_factory=dict)
+
+    @property
+    def cls(self) -> type:
+        """The drafter class (importing its module, for one registered by import path)."""
+        if not isinstance(self.drafter, str):
+            return self.drafter
+        module, _, attr = self.drafter.partition(":")
+        try:
+            cls = getattr(importlib.import_module(module), attr)
+        except Exception as exc:  # noqa: BLE001 - any import failure is the plugin's
+            raise PluginError(f"drafter {self.name!r} (plugin {self.plugin!r}) failed to import {self.drafter!r}: "
+                              f"{type(exc).__name__}: {exc}") from exc
+        if getattr(cls, "Options", None) is not self.options:
+            raise PluginError(f"drafter {self.name!r} (plugin {self.plugin!r}): {self.drafter} has other Options "
+                              "than the ones registered with it")
+        return cls
 
 
 @dataclass
@@ -117,8 +143,7 @@ class Registry:
     def get(self, name: str) -> DrafterSpec:
         key = _normalize(name)
         if key not in self.drafters:
-            known = ", ".join(self.names()) or "(none)"
-            raise UnknownDrafterError(f"unknown drafter {name!r}; known drafters: {known}")
+            raise UnknownDrafterError(self._unknown(name))
         owners = self.claims[key]
         if len(owners) > 1:
             raise PluginError(
@@ -128,12 +153,25 @@ class Registry:
             )
         return self.drafters[key]
 
+    def _unknown(self, name: str) -> str:
+        """Why ``name`` is not registered: a broken plugin that would provide it, or the known names."""
+        key = _normalize(name)
+        for plugin, error in self.errors:
+            names = {_normalize(plugin), _normalize(plugin).removeprefix("specdraft-"),
+                     *entry_point_names.get(plugin, ())}
+            if key in names:
+                return (f"unknown drafter {name!r}: plugin {plugin!r}, which would provide it, {error}; "
+                        "fix or uninstall that plugin")
+        known = ", ".join(self.names()) or "(none)"
+        notes = "".join(f"; note plugin {plugin!r} {error}" for plugin, error in self.errors)
+        return f"unknown drafter {name!r}; known drafters: {known}{notes}"
+
     def validate_options(self, name: str, options: Mapping[str, Any] | None):
         """The drafter's ``Options`` instance for ``options`` (over its registered defaults)."""
         from pydantic import ValidationError
 
         spec = self.get(name)
-        options_cls = getattr(spec.cls, "Options")
+        options_cls = spec.options
         try:
             return options_cls.model_validate({**spec.defaults, **(options or {})})
         except ValidationError as exc:
@@ -160,6 +198,8 @@ class Registry:
 
 def get_registry() -> Registry:
     """Call every ``register_drafters`` hook (each in isolation) and collect the drafters."""
+    from pydantic import BaseModel
+
     from .drafters.base import Drafter
 
     load_plugins()
@@ -168,11 +208,18 @@ def get_registry() -> Registry:
         plugin_name = pm.get_name(impl.plugin) or impl.plugin_name
         pending: list[DrafterSpec] = []
 
-        def register(name, drafter_cls, aliases=(), defaults=None, _plugin=plugin_name, _pending=pending):
-            if not (isinstance(drafter_cls, type) and issubclass(drafter_cls, Drafter)):
+        def register(name, drafter_cls, aliases=(), defaults=None, options=None, _plugin=plugin_name,
+                     _pending=pending):
+            if isinstance(drafter_cls, str):  # "module:Class", imported when the drafter is created
+                if ":" not in drafter_cls or not (isinstance(options, type) and issubclass(options, BaseModel)):
+                    raise TypeError(f"a drafter registered by import path ({drafter_cls!r}) needs the form "
+                                    "'module:Class' and options=its Options class")
+            elif not (isinstance(drafter_cls, type) and issubclass(drafter_cls, Drafter)):
                 raise TypeError(f"{drafter_cls!r} is not a subclass of specdraft.Drafter")
+            elif options not in (None, drafter_cls.Options):
+                raise TypeError(f"options= differs from {drafter_cls.__name__}.Options; leave it out")
             _pending.append(DrafterSpec(
-                name=_normalize(name), cls=drafter_cls, plugin=_plugin,
+                name=_normalize(name), drafter=drafter_cls, options=options or drafter_cls.Options, plugin=_plugin,
                 aliases=tuple(_normalize(a) for a in aliases), defaults=dict(defaults or {}),
             ))
 

@@ -129,3 +129,95 @@ def test_allow_list_env_var(broken_distribution):
     names = {d["name"] for d in json.loads(out.stdout)["drafters"]}
     assert {"ngram", "prompt-lookup", "none"} <= names  # built-ins always load
     assert "adaptive-lookup" not in names
+
+
+def test_listing_and_checking_drafters_imports_no_torch():
+    """`specdraft drafters` and option checks must not pay for torch (4 s): the heads are registered
+    by import path, with their options."""
+    code = textwrap.dedent("""
+        import sys
+        import specdraft.cli
+        from specdraft.plugins import get_registry
+
+        specdraft.cli.main(['drafters'])
+        get_registry().validate_options('eagle', {'heads': 'x'})
+        heavy = sorted(m for m in ('torch', 'transformers') if m in sys.modules)
+        assert not heavy, heavy
+    """)
+    import os
+
+    env = {**os.environ, plugins.LOAD_PLUGINS_ENV: ""}  # built-ins only: a third-party plugin may import torch
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env)
+    assert out.returncode == 0, out.stderr
+    assert "eagle" in out.stdout and "heads" in out.stdout
+
+
+def test_drafters_registered_by_import_path_load_when_used():
+    from specdraft.drafters.heads import EagleDrafter
+
+    spec = get_registry().get("eagle")
+    assert spec.drafter == "specdraft.drafters.heads:EagleDrafter"
+    assert spec.cls is EagleDrafter and spec.options is EagleDrafter.Options
+
+
+def test_import_path_that_fails_is_named_when_the_drafter_is_used(register_plugin, tiny_model):
+    register_plugin(_plugin(lambda register: register(
+        "lazy", "no_such_module_here:Drafter", options=specdraft.drafters.NoOptions)), "lazy-plugin")
+    registry = get_registry()
+    assert "lazy" in registry.names()  # listing does not import it
+    with pytest.raises(PluginError, match="drafter 'lazy' .plugin 'lazy-plugin'. failed to import "
+                                          "'no_such_module_here:Drafter': ModuleNotFoundError"):
+        specdraft.SpeculativeDecoder(tiny_model, None, drafter="lazy")
+
+
+def test_import_path_whose_class_has_other_options(register_plugin):
+    register_plugin(_plugin(lambda register: register(
+        "mismatch", "specdraft.drafters.ngram:NGramDrafter", options=specdraft.drafters.NoOptions)), "mm-plugin")
+    with pytest.raises(PluginError, match="other Options than the ones registered"):
+        get_registry().get("mismatch").cls
+
+
+@pytest.mark.parametrize("args, kwargs, message", [
+    (("no-colon-here",), {"options": specdraft.drafters.NoOptions}, "needs the form 'module:Class'"),
+    (("mod:Cls",), {}, "options=its Options class"),
+    ((_Dummy,), {"options": specdraft.drafters.NoOptions.__base__}, "differs from _Dummy.Options"),
+])
+def test_bad_lazy_registrations_are_reported(register_plugin, args, kwargs, message):
+    register_plugin(_plugin(lambda register: register("odd", *args, **kwargs)), "odd-plugin")
+    registry = get_registry()
+    assert message in dict(registry.errors)["odd-plugin"]
+    assert "odd" not in registry.names()
+
+
+def test_unknown_drafter_names_the_plugin_that_failed_to_import(broken_distribution, monkeypatch, tiny_model):
+    monkeypatch.syspath_prepend(str(broken_distribution))
+    monkeypatch.setattr(plugins, "load_errors", [])
+    monkeypatch.setattr(plugins, "entry_point_names", {})
+    import_error = ("failed to import 'specdraft_broken_mod': ImportError: needs a package that is not installed")
+    # its entry point is named "broken": most likely the drafter the user wants
+    with pytest.raises(UnknownDrafterError) as info:
+        specdraft.SpeculativeDecoder(tiny_model, None, drafter="broken")
+    assert str(info.value) == (f"unknown drafter 'broken': plugin 'specdraft-broken', which would provide it, "
+                               f"{import_error}; fix or uninstall that plugin")
+    # a name nothing points at: the known names, and a note on each plugin that failed
+    with pytest.raises(UnknownDrafterError, match="unknown drafter 'nope'; known drafters: .*ngram") as info:
+        get_registry().get("nope")
+    assert str(info.value).endswith(f"; note plugin 'specdraft-broken' {import_error}")
+
+
+def test_unknown_drafter_without_broken_plugins_has_no_note(monkeypatch):
+    monkeypatch.setattr(plugins, "load_errors", [])
+    monkeypatch.setenv(plugins.LOAD_PLUGINS_ENV, "")
+    assert "note" not in str(pytest.raises(UnknownDrafterError, get_registry().get, "nope").value)
+
+
+def test_version_comes_from_the_installed_metadata(capsys):
+    import importlib.metadata
+
+    from specdraft.cli import main
+
+    with pytest.raises(SystemExit) as info:
+        main(["--version"])
+    assert info.value.code == 0
+    assert capsys.readouterr().out == f"specdraft {importlib.metadata.version('specdraft')}\n"
+    assert specdraft.__version__ == importlib.metadata.version("specdraft")

@@ -30,6 +30,15 @@ class LearntDrafterOptions(BaseModel):
                                               "this probability (0: always draft as many as the verifier asks for)")
 
 
+class HeadOptions(LearntDrafterOptions):
+    """The options of the head drafters (``medusa``, ``eagle``, ``mlp-speculator``); here, away from
+    their torch-importing module, so the registry lists and checks them without importing torch."""
+
+    heads: str | None = Field(None, description="folder with heads in specdraft's format (from `specdraft "
+                                                "train-heads`) or a published Medusa / EAGLE layout; default: "
+                                                "the heads shipped for the target, if any")
+
+
 class Drafter(ABC):
     """Base class of every drafter, built-in or third-party.
 

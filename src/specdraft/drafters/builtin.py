@@ -1,4 +1,9 @@
-"""The built-in drafters, registered through the same hook as any third-party plugin."""
+"""The built-in drafters, registered through the same hook as any third-party plugin.
+
+The head drafters import torch (and transformers) at module level, so they are registered
+by import path with their options: listing drafters and checking options stays fast, and
+their module loads when one is created.
+"""
 
 from __future__ import annotations
 
@@ -7,8 +12,8 @@ from ..hookspecs import hookimpl
 
 @hookimpl
 def register_drafters(register):
+    from .base import HeadOptions
     from .draft_model import LLAMA_1B, DraftModelDrafter
-    from .heads import EagleDrafter, MedusaDrafter, MLPSpeculatorDrafter
     from .ngram import NGramDrafter
     from .none import NoDrafter
     from .prompt_lookup import PromptLookupDrafter
@@ -18,6 +23,6 @@ def register_drafters(register):
     register("none", NoDrafter, aliases=("plain",))
     register("draft-model", DraftModelDrafter)
     register("llama-1b", DraftModelDrafter, defaults={"model": LLAMA_1B})
-    register("medusa", MedusaDrafter)
-    register("eagle", EagleDrafter)
-    register("mlp-speculator", MLPSpeculatorDrafter)
+    register("medusa", "specdraft.drafters.heads:MedusaDrafter", options=HeadOptions)
+    register("eagle", "specdraft.drafters.heads:EagleDrafter", options=HeadOptions)
+    register("mlp-speculator", "specdraft.drafters.heads:MLPSpeculatorDrafter", options=HeadOptions)

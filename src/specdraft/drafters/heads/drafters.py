@@ -16,20 +16,13 @@ from __future__ import annotations
 from typing import ClassVar
 
 import torch
-from pydantic import Field
 
 from ...errors import ConfigError
 from ...fastpath import few_row_linears
 from ...types import Draft, DraftContext, TargetInfo
-from ..base import DraftChain, Drafter, LearntDrafterOptions, draw_scored
+from ..base import DraftChain, Drafter, HeadOptions, draw_scored
 from ..copy_gate import CopyDrafting, drafted_rows
 from .modules import EagleTokenStep
-
-
-class HeadOptions(LearntDrafterOptions):
-    heads: str | None = Field(None, description="folder with heads in specdraft's format (from `specdraft "
-                                                "train-heads`) or a published Medusa / EAGLE layout; default: "
-                                                "the heads shipped for the target, if any")
 
 
 class HeadDrafter(Drafter):
