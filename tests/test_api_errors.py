@@ -19,7 +19,7 @@ def dec(tiny_model):
     ({"top_k": -1}, "top_k: Input should be greater than or equal to 0"),
     ({"max_new_tokens": 0}, "max_new_tokens must be an integer >= 1"),
     ({"max_new_tokens": 2.5}, "max_new_tokens must be an integer >= 1"),
-    ({"seed": -3}, "seed must be a non-negative integer"),
+    ({"seed": -3}, r"seed must be an integer from 0 to 2\*\*64 - 1"),
     ({"stop": [""]}, "stop strings must be non-empty"),
 ])
 def test_bad_generation_settings(dec, kwargs, message):

@@ -17,6 +17,11 @@ from .errors import ConfigError, SpecdraftError
 from .models import TRAIN_DTYPES
 
 
+#: ``generate``'s flags that are :class:`~specdraft.SamplingParams` fields (same names)
+SAMPLING_FLAGS = ("temperature", "top_k", "top_p", "min_p", "repetition_penalty", "presence_penalty",
+                  "frequency_penalty")
+
+
 def _parse_option(text: str) -> tuple[str, str]:
     key, sep, value = text.partition("=")
     if not sep or not key.strip():
@@ -98,6 +103,17 @@ def build_parser() -> argparse.ArgumentParser:
     gen.add_argument("--temperature", type=float, default=0.0, help="0 = greedy (default)")
     gen.add_argument("--top-k", type=int, default=0, help="0 = off (default)")
     gen.add_argument("--top-p", type=float, default=1.0, help="1.0 = off (default)")
+    gen.add_argument("--min-p", type=float, default=0.0,
+                     help="keep tokens at least MIN_P times as likely as the most likely one; 0 = off (default)")
+    gen.add_argument("--repetition-penalty", type=float, default=1.0,
+                     help="> 1 discourages tokens already in the prompt or output (transformers' semantics); "
+                          "1 = off (default)")
+    gen.add_argument("--presence-penalty", type=float, default=0.0,
+                     help="-2 to 2, subtracted from the logit of tokens the output already has (OpenAI's); "
+                          "0 = off (default)")
+    gen.add_argument("--frequency-penalty", type=float, default=0.0,
+                     help="-2 to 2, times a token's count in the output, subtracted from its logit (OpenAI's); "
+                          "0 = off (default)")
     gen.add_argument("--seed", type=int, default=None, help="seed for reproducible sampling")
     gen.add_argument("--stop", action="append", default=[], metavar="STR", help="stop string (repeatable)")
     gen.add_argument("--raw", action="store_true", help="do not apply the chat template")
@@ -179,8 +195,20 @@ def format_stats(stats, drafter: str, spec_length: int) -> str:
     ])
 
 
+def _read_prompt(arg: str) -> str:
+    """The prompt argument, or standard input for '-', as text; ConfigError unless valid UTF-8."""
+    import os
+
+    data = sys.stdin.buffer.read() if arg == "-" else os.fsencode(arg)  # argv as the shell passed it
+    try:
+        return data.decode("utf-8")
+    except UnicodeDecodeError as exc:
+        raise ConfigError(f"the prompt is not valid UTF-8 (byte {data[exc.start]:#04x} at offset {exc.start}); "
+                          "convert it first, for example with `iconv -f latin1 -t utf-8`") from None
+
+
 def _generate(args) -> int:
-    prompt = sys.stdin.read() if args.prompt == "-" else args.prompt
+    prompt = _read_prompt(args.prompt)
     if not prompt.strip():
         raise ConfigError("the prompt is empty; give some text to continue")
     from .decoder import SpeculativeDecoder, check_generation_args, check_spec_length
@@ -188,17 +216,23 @@ def _generate(args) -> int:
 
     # Cheap checks first, so a typo fails in a blink rather than after loading a model.
     check_spec_length(args.spec_length)
-    check_generation_args(args.max_new_tokens, args.temperature, args.top_k, args.top_p, args.seed, args.stop)
+    sampling = {name: getattr(args, name) for name in SAMPLING_FLAGS}
+    check_generation_args(args.max_new_tokens, sampling, args.seed, args.stop)
     get_registry().validate_options(args.drafter, dict(args.drafter_options))
     decoder = SpeculativeDecoder.from_pretrained(
         target=args.target, drafter=args.drafter, spec_length=args.spec_length,
         drafter_options=dict(args.drafter_options), dtype=args.dtype, device=args.device,
         adaptive=not args.fixed_spec_length,
     )
-    result = decoder.generate(
-        prompt, max_new_tokens=args.max_new_tokens, temperature=args.temperature, top_k=args.top_k,
-        top_p=args.top_p, seed=args.seed, stop=args.stop, raw=args.raw,
-    )[0]
+    from .verifier import GenerationInterrupted
+
+    try:
+        result = decoder.generate(prompt, max_new_tokens=args.max_new_tokens, seed=args.seed, stop=args.stop,
+                                  raw=args.raw, **sampling)[0]
+    except GenerationInterrupted as stopped:  # Ctrl-C: keep what was generated
+        print(stopped.results[0].text, flush=True)
+        print("specdraft: interrupted", file=sys.stderr)
+        return 130
     print(result.text)
     if args.stats:
         print(format_stats(result.stats, decoder.drafter.name or args.drafter, args.spec_length), file=sys.stderr)
@@ -262,7 +296,7 @@ def _bench(args) -> int:
         drafter_options=options,
     )
     check_spec_length(settings.spec_length)
-    check_generation_args(settings.max_new_tokens, settings.temperature, 0, 1.0, None, None)
+    check_generation_args(settings.max_new_tokens, {"temperature": settings.temperature}, None, None)
     if args.limit_per_category is not None and args.limit_per_category < 1:
         raise ConfigError("--limit-per-category must be >= 1")
     for label, drafter in methods.items():  # unknown names and bad options fail here, before the model loads

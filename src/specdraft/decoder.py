@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import operator
+import threading
 from typing import Any, Mapping, Sequence
 
 from pydantic import ValidationError
@@ -26,25 +28,67 @@ def _is_int(value) -> bool:
     return isinstance(value, int) and not isinstance(value, bool)
 
 
+#: The most tokens one round may draft: acceptance of the 16th drafted token is negligible
+#: for any drafter measured, and a verify pass that wide costs several plain steps.
+MAX_SPEC_LENGTH = 16
+#: Seeds are 64-bit (torch.Generator.manual_seed).
+MAX_SEED = 2**64 - 1
+
+
 def check_spec_length(spec_length) -> None:
-    if not _is_int(spec_length) or spec_length < 1:
-        raise ConfigError(f"spec_length must be an integer >= 1 (got {spec_length!r})")
+    if not _is_int(spec_length) or not 1 <= spec_length <= MAX_SPEC_LENGTH:
+        raise ConfigError(f"spec_length must be an integer from 1 to {MAX_SPEC_LENGTH} (got {spec_length!r}); "
+                          "4-6 suits most drafters")
 
 
-def check_generation_args(max_new_tokens, temperature, top_k, top_p, seed, stop) -> tuple[SamplingParams, list[str]]:
-    """Validate per-call settings; returns ``(sampling params, stop strings)`` or raises ConfigError."""
+def check_generation_args(max_new_tokens, sampling: Mapping[str, Any], seed, stop) -> tuple[SamplingParams, list[str]]:
+    """Validate per-call settings: ``sampling`` holds :class:`SamplingParams` fields by name.
+
+    Returns ``(sampling params, stop strings)`` or raises ConfigError.
+    """
     try:
-        sampling = SamplingParams(temperature=temperature, top_k=top_k, top_p=top_p)
+        params = SamplingParams(**sampling)
     except ValidationError as exc:
         raise ConfigError(f"invalid sampling settings: {describe_validation_error(exc)}") from None
     if not _is_int(max_new_tokens) or max_new_tokens < 1:
         raise ConfigError(f"max_new_tokens must be an integer >= 1 (got {max_new_tokens!r})")
-    if seed is not None and (not _is_int(seed) or seed < 0):
-        raise ConfigError(f"seed must be a non-negative integer or None (got {seed!r})")
+    if seed is not None and (not _is_int(seed) or not 0 <= seed <= MAX_SEED):
+        raise ConfigError(f"seed must be an integer from 0 to 2**64 - 1, or None (got {seed!r})")
     stops = [stop] if isinstance(stop, str) else list(stop or ())
     if any(not isinstance(s, str) or not s for s in stops):
         raise ConfigError("stop strings must be non-empty strings")
-    return sampling, stops
+    return params, stops
+
+
+def _token_id(value) -> int | None:
+    """``value`` as a token id if it is an integer (Python, numpy or a one-element torch tensor), else None."""
+    if isinstance(value, bool):
+        return None
+    try:
+        return operator.index(value)
+    except TypeError:
+        return None
+
+
+def check_prompts(prompts) -> list[str]:
+    """Text prompts as a list of non-empty, encodable strings, or ConfigError."""
+    if prompts is None or isinstance(prompts, (bytes, bytearray)):
+        raise ConfigError(f"prompts must be a string or a list of strings, got {type(prompts).__name__}"
+                          + ("; decode bytes first (prompt.decode('utf-8'))" if prompts is not None else ""))
+    texts = [prompts] if isinstance(prompts, str) else list(prompts)
+    if not texts:
+        raise ConfigError("no prompts given")
+    for i, text in enumerate(texts):
+        if not isinstance(text, str):
+            raise ConfigError(f"prompt {i} must be a string, got {type(text).__name__}")
+        if not text.strip():
+            raise ConfigError(f"prompt {i} is empty; give some text to continue")
+        try:
+            text.encode("utf-8")
+        except UnicodeEncodeError as exc:
+            raise ConfigError(f"prompt {i} is not valid text: {exc.reason} at character {exc.start} "
+                              f"({text[exc.start:exc.end]!r}); pass valid Unicode (UTF-8) text") from None
+    return texts
 
 
 def encode_prompt(tokenizer, prompt: str, raw: bool = False) -> list[int]:
@@ -81,6 +125,9 @@ class SpeculativeDecoder:
     Output is token-identical to plain greedy decoding at temperature 0 and distributed
     exactly as plain sampling from the target otherwise.
 
+    Thread-safe: calls from several threads take turns on the one model (each gets its own
+    output); batch prompts into one call to run them together.
+
     >>> dec = SpeculativeDecoder.from_pretrained(drafter="ngram")      # doctest: +SKIP
     >>> dec.generate("Name three colours.", max_new_tokens=32)[0].text  # doctest: +SKIP
     """
@@ -112,6 +159,7 @@ class SpeculativeDecoder:
             self.drafter = get_registry().create(str(drafter), drafter_options, self.target)
         self.spec_length = spec_length
         self._verifier = Verifier(model, self.drafter, spec_length, self.target, adaptive=adaptive)
+        self._lock = threading.Lock()
 
     @classmethod
     def from_pretrained(
@@ -148,22 +196,25 @@ class SpeculativeDecoder:
         seed: int | None = None,
         stop: str | Sequence[str] | None = None,
         raw: bool = False,
+        *,
+        min_p: float = 0.0,
+        repetition_penalty: float = 1.0,
+        presence_penalty: float = 0.0,
+        frequency_penalty: float = 0.0,
     ) -> list[GenerationResult]:
         """Generate for one prompt or a list of prompts; one result per prompt.
 
         Instruct models get their chat template (the prompt is the user's message) unless
-        ``raw`` is True, in which case the prompt is tokenized as is.
+        ``raw`` is True, in which case the prompt is tokenized as is. The sampling settings
+        are :class:`~specdraft.SamplingParams`' fields (see there and docs/algorithm.md).
         """
         if self.tokenizer is None:
             raise ConfigError("this decoder has no tokenizer; use generate_ids() with token ids")
-        texts = [prompts] if isinstance(prompts, str) else list(prompts)
-        if not texts:
-            raise ConfigError("no prompts given")
-        for i, text in enumerate(texts):
-            if not isinstance(text, str) or not text.strip():
-                raise ConfigError(f"prompt {i} is empty; give some text to continue")
+        texts = check_prompts(prompts)
         return self.generate_ids([self.encode(t, raw=raw) for t in texts], max_new_tokens=max_new_tokens,
-                                 temperature=temperature, top_k=top_k, top_p=top_p, seed=seed, stop=stop)
+                                 temperature=temperature, top_k=top_k, top_p=top_p, seed=seed, stop=stop,
+                                 min_p=min_p, repetition_penalty=repetition_penalty,
+                                 presence_penalty=presence_penalty, frequency_penalty=frequency_penalty)
 
     def encode(self, prompt: str, raw: bool = False) -> list[int]:
         """Token ids for ``prompt``: through the chat template unless ``raw`` or there is none."""
@@ -178,11 +229,20 @@ class SpeculativeDecoder:
         top_p: float = 1.0,
         seed: int | None = None,
         stop: str | Sequence[str] | None = None,
+        *,
+        min_p: float = 0.0,
+        repetition_penalty: float = 1.0,
+        presence_penalty: float = 0.0,
+        frequency_penalty: float = 0.0,
     ) -> list[GenerationResult]:
         """Generate from token ids (one list per sequence); no chat template is applied."""
-        sampling, stops = check_generation_args(max_new_tokens, temperature, top_k, top_p, seed, stop)
+        sampling, stops = check_generation_args(
+            max_new_tokens, dict(temperature=temperature, top_k=top_k, top_p=top_p, min_p=min_p,
+                                 repetition_penalty=repetition_penalty, presence_penalty=presence_penalty,
+                                 frequency_penalty=frequency_penalty), seed, stop)
         prompts = self._check_prompt_ids(prompt_ids)
-        return self._verifier.generate(prompts, max_new_tokens, sampling, seed=seed, stop=stops)
+        with self._lock:  # one verifier, one cache: calls from several threads take turns
+            return self._verifier.generate(prompts, max_new_tokens, sampling, seed=seed, stop=stops)
 
     def _check_prompt_ids(self, prompt_ids) -> list[list[int]]:
         if isinstance(prompt_ids, (str, bytes)) or not prompt_ids:
@@ -192,7 +252,13 @@ class SpeculativeDecoder:
         vocab, context = self.target.vocab_size, self.target.max_context
         prompts = []
         for i, ids in enumerate(prompt_ids):
-            ids = [int(t) for t in ids]
+            if isinstance(ids, (str, bytes)) or not hasattr(ids, "__iter__"):
+                raise ConfigError(f"prompt {i} must be a list of token ids (ints), got {type(ids).__name__}")
+            converted = [_token_id(t) for t in ids]
+            if None in converted:
+                bad = ids[converted.index(None)]
+                raise ConfigError(f"prompt {i} holds {bad!r} ({type(bad).__name__}); token ids must be integers")
+            ids = converted
             if not ids:
                 raise ConfigError(f"prompt {i} is empty; give at least one token")
             if min(ids) < 0 or max(ids) >= vocab:

@@ -1,50 +1,169 @@
-"""Sampling settings and the logits -> probabilities processing shared by target and drafters.
+"""Sampling settings and the logits -> probabilities pipeline shared by target and drafters.
 
-Exactness needs the *same* processing on both sides: the verifier runs the target's
-logits through :func:`logits_to_probs`, and a drafter that samples (a draft model, heads)
-must draw its tokens from ``logits_to_probs(its_logits, ctx.sampling)`` and report those
-rows as ``Draft.probs``.
+Exactness needs the *same* processing on both sides: the verifier runs the target's logits
+through :func:`logits_to_probs`, and a drafter that samples (a draft model, heads) draws its
+tokens from ``logits_to_probs(its_logits, ctx.sampling, ctx.counts_after(drafted))`` and
+reports those rows as ``Draft.probs``.
+
+The pipeline, in order (transformers' order; the penalties read each position's own context):
+
+1. ``repetition_penalty`` (transformers' semantics): for every token already in the context
+   (prompt, output so far, drafts before this position), a positive logit is divided by the
+   penalty and a negative one multiplied by it;
+2. ``presence_penalty`` and ``frequency_penalty`` (OpenAI's semantics, over *generated* tokens
+   only): ``logit -= presence * (count > 0) + frequency * count``;
+3. ``temperature``; 4. ``top_k``; 5. ``top_p``; 6. ``min_p``; then softmax.
+
+Probabilities always come out in float32 (float64 for float64 logits), whatever the model's
+dtype: the acceptance test compares them with a uniform draw, and bfloat16's 8-bit mantissa
+would bias it (a probability of 0.998 rounds to 1.0).
 """
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
+import math
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Sequence
 
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import BaseModel, ConfigDict, Field, field_validator
 
 if TYPE_CHECKING:  # pragma: no cover
     import torch
 
+#: The smallest non-zero temperature: below it logits / temperature leaves float32's range
+#: for ordinary logits, and the distribution is a one-hot anyway (use 0 for greedy).
+MIN_TEMPERATURE = 1e-4
+#: The largest temperature: above it every distribution is uniform to float32's precision.
+MAX_TEMPERATURE = 100.0
+
 
 class SamplingParams(BaseModel):
-    """Temperature 0 means greedy (argmax); top_k 0 and top_p 1.0 disable those filters."""
+    """Temperature 0 means greedy (argmax of the penalized logits); the filters' neutral
+    values (top_k 0, top_p 1.0, min_p 0.0) and the penalties' (1.0, 0.0, 0.0) turn them off."""
 
-    model_config = ConfigDict(frozen=True, extra="forbid")
+    model_config = ConfigDict(frozen=True, extra="forbid", allow_inf_nan=False)
 
-    temperature: float = Field(0.0, ge=0.0, description="0 = greedy")
+    temperature: float = Field(0.0, ge=0.0, le=MAX_TEMPERATURE,
+                               description=f"0 = greedy, else {MIN_TEMPERATURE:g} to {MAX_TEMPERATURE:g}")
     top_k: int = Field(0, ge=0, description="keep the k most likely tokens; 0 = off")
     top_p: float = Field(1.0, gt=0.0, le=1.0, description="nucleus mass to keep; 1.0 = off")
+    min_p: float = Field(0.0, ge=0.0, le=1.0,
+                         description="keep tokens at least min_p times as likely as the most likely one; 0 = off")
+    repetition_penalty: float = Field(1.0, gt=0.0, le=100.0,
+                                      description="> 1 discourages tokens already in the prompt or output; 1 = off")
+    presence_penalty: float = Field(0.0, ge=-2.0, le=2.0,
+                                    description="subtracted from the logit of every token the output already has")
+    frequency_penalty: float = Field(0.0, ge=-2.0, le=2.0,
+                                     description="times its count in the output, subtracted from a token's logit")
+
+    @field_validator("temperature")
+    @classmethod
+    def _computable(cls, value: float) -> float:
+        if 0.0 < value < MIN_TEMPERATURE:
+            raise ValueError(f"must be 0 (greedy) or from {MIN_TEMPERATURE:g} to {MAX_TEMPERATURE:g}; "
+                             "smaller temperatures are greedy to float precision: use 0")
+        return value
 
     @property
     def greedy(self) -> bool:
         return self.temperature == 0.0
 
+    @property
+    def penalized(self) -> bool:
+        """Whether the logits depend on the context (some penalty is on)."""
+        return self.repetition_penalty != 1.0 or self.presence_penalty != 0.0 or self.frequency_penalty != 0.0
 
-def logits_to_probs(logits: "torch.Tensor", params: SamplingParams) -> "torch.Tensor":
-    """Apply temperature, then top-k, then top-p, and softmax.
 
-    logits  # [..., vocab]
-    returns # [..., vocab], rows sum to 1; filtered tokens have probability exactly 0.
+@dataclass(frozen=True)
+class TokenCounts:
+    """What the penalties read of each row's context, at one position or at several.
 
-    Top-k keeps every token whose logit is >= the k-th largest (ties are kept). Top-p keeps
-    the smallest prefix of tokens, in descending order, whose mass reaches ``top_p`` (the
-    most likely token is always kept). Greedy settings give a one-hot at the argmax.
+    ``in_context  # [batch, (positions,) vocab]`` bool: the token occurs in the prompt, the
+    output or the drafts before the position (repetition penalty);
+    ``in_output   # [batch, (positions,) vocab]`` float32: how often it occurs in the generated
+    part, drafts before the position included (presence and frequency penalties).
+    """
+
+    in_context: "torch.Tensor"
+    in_output: "torch.Tensor"
+
+    @classmethod
+    def of(cls, token_ids: Sequence[Sequence[int]], prompt_lengths: Sequence[int], vocab: int,
+           device=None) -> "TokenCounts":
+        """Counts of every row's tokens ``token_ids[b]`` whose first ``prompt_lengths[b]`` are its prompt."""
+        import torch
+
+        batch = len(token_ids)
+        rows = torch.tensor([b for b, t in enumerate(token_ids) for _ in t], dtype=torch.long)
+        ids = torch.tensor([i for t in token_ids for i in t], dtype=torch.long)
+        generated = torch.tensor([j >= n for t, n in zip(token_ids, prompt_lengths) for j in range(len(t))])
+        in_context = torch.zeros((batch, vocab), dtype=torch.bool)
+        in_context[rows, ids] = True
+        in_output = torch.zeros((batch, vocab), dtype=torch.float32)
+        in_output.index_put_((rows[generated], ids[generated]), torch.ones(int(generated.sum())), accumulate=True)
+        return cls(in_context.to(device), in_output.to(device))
+
+    def plus(self, tokens: "torch.Tensor") -> "TokenCounts":
+        """The counts after every row generated ``tokens # [batch, n]`` more (drafts so far)."""
+        if tokens.shape[-1] == 0:
+            return self
+        added = self._one_hot(tokens).sum(1)  # [batch, vocab]
+        return TokenCounts(self.in_context | (added > 0), self.in_output + added)
+
+    def along(self, tokens: "torch.Tensor") -> "TokenCounts":
+        """Counts at each of ``n + 1`` positions ``# [batch, n + 1, vocab]``: position ``j`` after
+        ``tokens[:, :j]`` (``tokens # [batch, n]``, a draft being verified)."""
+        import torch
+
+        added = torch.cat([torch.zeros_like(self.in_output[:, None]), self._one_hot(tokens).cumsum(1)], 1)
+        return TokenCounts(self.in_context[:, None] | (added > 0), self.in_output[:, None] + added)
+
+    def _one_hot(self, tokens: "torch.Tensor") -> "torch.Tensor":
+        import torch
+
+        vocab = self.in_output.shape[-1]
+        return torch.nn.functional.one_hot(tokens.to(self.in_output.device).long(), vocab).to(self.in_output.dtype)
+
+
+def compute_dtype(dtype: "torch.dtype") -> "torch.dtype":
+    """The dtype acceptance arithmetic runs in for inputs of ``dtype``: float32 or wider."""
+    import torch
+
+    return torch.promote_types(dtype, torch.float32)
+
+
+def penalize(logits: "torch.Tensor", params: SamplingParams, counts: TokenCounts | None) -> "torch.Tensor":
+    """Steps 1-2 of the pipeline; ``logits # [..., vocab]`` (the same leading shape as ``counts``),
+    returned in :func:`compute_dtype`. Unchanged (but upcast) when no penalty is on."""
+    import torch
+
+    logits = logits.to(compute_dtype(logits.dtype))
+    if not params.penalized:
+        return logits
+    if counts is None:
+        raise ValueError("penalties need the context's token counts (a TokenCounts)")
+    if params.repetition_penalty != 1.0:
+        penalty = params.repetition_penalty
+        scaled = torch.where(logits > 0, logits / penalty, logits * penalty)
+        logits = torch.where(counts.in_context, scaled, logits)
+    if params.presence_penalty or params.frequency_penalty:
+        output = counts.in_output.to(logits.dtype)
+        logits = logits - params.presence_penalty * (output > 0).to(logits.dtype) - params.frequency_penalty * output
+    return logits
+
+
+def process_logits(logits: "torch.Tensor", params: SamplingParams, counts: TokenCounts | None = None) -> "torch.Tensor":
+    """The whole pipeline but the softmax, for sampling settings (temperature > 0).
+
+    ``logits # [..., vocab]`` -> ``# [..., vocab]`` in float32 or wider; filtered tokens are -inf.
+    Top-k keeps every token whose logit is >= the k-th largest (ties are kept). Top-p keeps the
+    smallest prefix of tokens, in descending order, whose mass reaches ``top_p`` (the most
+    likely token is always kept). Min-p keeps tokens whose probability is at least ``min_p``
+    times the most likely one's.
     """
     import torch
 
-    if params.greedy:
-        return torch.nn.functional.one_hot(logits.argmax(-1), logits.shape[-1]).to(logits.dtype)
-    logits = logits / params.temperature
+    logits = penalize(logits, params, counts) / params.temperature
     vocab = logits.shape[-1]
     if 0 < params.top_k < vocab:
         kth = torch.topk(logits, params.top_k, dim=-1).values[..., -1:]
@@ -57,19 +176,61 @@ def logits_to_probs(logits: "torch.Tensor", params: SamplingParams) -> "torch.Te
         drop_sorted[..., 0] = False
         drop = drop_sorted.scatter(-1, order, drop_sorted)
         logits = logits.masked_fill(drop, float("-inf"))
-    return logits.softmax(-1)
+    if params.min_p > 0.0:
+        # p_i >= min_p * p_max  <=>  logit_i >= logit_max + log(min_p)
+        floor = logits.amax(-1, keepdim=True) + math.log(params.min_p)
+        logits = logits.masked_fill(logits < floor, float("-inf"))
+    return logits
 
 
-def draw(logits: "torch.Tensor", params: SamplingParams, generator: "torch.Generator | None" = None):
-    """One draft token per row from ``logits # [batch, vocab]``, the way drafters must draw it.
+def greedy_tokens(logits: "torch.Tensor", params: SamplingParams, counts: TokenCounts | None = None) -> "torch.Tensor":
+    """Greedy decoding's choice ``# [...]``: the argmax of the penalized logits ``# [..., vocab]``
+    (of the logits as they are when no penalty is on, so ties break as plain decoding's do)."""
+    if not params.penalized:
+        return logits.argmax(-1)
+    return penalize(logits, params, counts).argmax(-1)
 
-    Returns ``(tokens # [batch], probs # [batch, vocab] | None)``: the argmax and None when
-    greedy, else a sample from ``logits_to_probs(logits, params)`` and those probabilities
-    (what the drafter reports as ``Draft.probs``).
+
+def logits_to_probs(logits: "torch.Tensor", params: SamplingParams, counts: TokenCounts | None = None) -> "torch.Tensor":
+    """The sampling distribution: ``logits # [..., vocab]`` -> ``# [..., vocab]``, rows summing to 1,
+    filtered tokens exactly 0, in float32 or wider whatever the logits' dtype.
+
+    ``counts`` (see :class:`TokenCounts`) is each position's context; it is needed only when a
+    penalty is on. Greedy settings give a one-hot at :func:`greedy_tokens`.
     """
     import torch
 
     if params.greedy:
-        return logits.argmax(-1), None
-    probs = logits_to_probs(logits.float(), params)
+        return torch.nn.functional.one_hot(greedy_tokens(logits, params, counts),
+                                           logits.shape[-1]).to(compute_dtype(logits.dtype))
+    return process_logits(logits, params, counts).softmax(-1)
+
+
+def restrict(probs: "torch.Tensor", params: SamplingParams) -> "torch.Tensor":
+    """The pipeline's filters (top-k, top-p, min-p) applied to a distribution ``probs # [..., vocab]``
+    that is already a mixture (a copy gate's), renormalized; greedy settings return it as it is.
+
+    A drafter that mixes its processed distribution with something else restricts the mixture
+    this way, so it never drafts a token the filters would give probability 0.
+    """
+    if params.greedy:
+        return probs
+    plain = params.model_copy(update={"temperature": 1.0, "repetition_penalty": 1.0, "presence_penalty": 0.0,
+                                      "frequency_penalty": 0.0})
+    return process_logits(probs.log(), plain).softmax(-1)
+
+
+def draw(logits: "torch.Tensor", params: SamplingParams, generator: "torch.Generator | None" = None,
+         counts: TokenCounts | None = None):
+    """One draft token per row from ``logits # [batch, vocab]``, the way drafters must draw it.
+
+    Returns ``(tokens # [batch], probs # [batch, vocab] | None)``: the greedy choice and None
+    when greedy, else a sample from ``logits_to_probs(logits, params, counts)`` and those
+    probabilities (what the drafter reports as ``Draft.probs``).
+    """
+    import torch
+
+    if params.greedy:
+        return greedy_tokens(logits, params, counts), None
+    probs = logits_to_probs(logits, params, counts)
     return torch.multinomial(probs, 1, generator=generator).squeeze(1), probs

@@ -10,6 +10,7 @@ acceptance, and greedy parity with plain decoding::
 
 from __future__ import annotations
 
+from contextlib import contextmanager
 from typing import Any, Mapping, Sequence
 
 #: Significance level of specdraft's statistical tests. Their seeds are fixed, so a run is
@@ -29,6 +30,21 @@ def tiny_llama(vocab_size: int = 64, seed: int = 0, layers: int = 2, max_positio
         bos_token_id=None, eos_token_id=None, pad_token_id=0, tie_word_embeddings=False,
     )
     return LlamaForCausalLM(config).to(dtype or torch.float64).eval()
+
+
+def tiny_tokenizer(vocab_size: int = 64):
+    """A word-level tokenizer over ``vocab_size`` ids for :func:`tiny_llama` models: ids 0-3 are
+    ``<pad> <s> </s> <unk>``, id ``i >= 4`` is the word ``t{i}`` (text is space-separated words)."""
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers
+    from transformers import PreTrainedTokenizerFast
+
+    special = ["<pad>", "<s>", "</s>", "<unk>"]
+    vocab = {w: i for i, w in enumerate(special)} | {f"t{i}": i for i in range(len(special), vocab_size)}
+    tok = Tokenizer(models.WordLevel(vocab, unk_token="<unk>"))
+    tok.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
+    tok.decoder = decoders.WordPiece(prefix="##", cleanup=False)  # joins words with spaces
+    return PreTrainedTokenizerFast(tokenizer_object=tok, pad_token="<pad>", bos_token="<s>", eos_token="</s>",
+                                   unk_token="<unk>")
 
 
 def trusting_copy_gate(hidden: int, match_bias: float = 2.0, dtype=None):
@@ -84,6 +100,28 @@ def plain_greedy(model, prompt: Sequence[int], max_new_tokens: int) -> list[int]
     return out[0, len(prompt):].tolist()
 
 
+def naive_penalized_greedy(model, prompt: Sequence[int], max_new_tokens: int, params) -> list[int]:
+    """Reference for greedy decoding with penalties, written out token by token with no
+    specdraft code: a full forward per step, then transformers' repetition penalty and
+    OpenAI's presence and frequency penalties on that step's logits, then the argmax."""
+    from collections import Counter
+
+    import torch
+
+    tokens, out = list(prompt), []
+    with torch.no_grad():
+        for _ in range(max_new_tokens):
+            logits = model(torch.tensor([tokens], device=model.device)).logits[0, -1].double().tolist()
+            for t in set(tokens):
+                logits[t] = logits[t] / params.repetition_penalty if logits[t] > 0 else logits[t] * params.repetition_penalty
+            for t, c in Counter(out).items():
+                logits[t] -= params.presence_penalty + params.frequency_penalty * c
+            best = max(range(len(logits)), key=lambda i: (logits[i], -i))
+            tokens.append(best)
+            out.append(best)
+    return out
+
+
 def repetitive_prompts(vocab_size: int, seed: int = 0) -> list[list[int]]:
     """Prompts with repeats (so copy-style drafters get accepted) and of different lengths."""
     import random
@@ -98,71 +136,150 @@ def repetitive_prompts(vocab_size: int, seed: int = 0) -> list[list[int]]:
     ]
 
 
+#: The sampling settings the conformance suite checks drafters under: every stage of the pipeline.
+PIPELINE = dict(temperature=0.9, top_k=12, top_p=0.95, min_p=0.05, repetition_penalty=1.3, presence_penalty=0.4,
+                frequency_penalty=0.3)
+
+
+@contextmanager
+def recorded_proposals(decoder):
+    """Within the block, every ``propose`` of ``decoder``'s drafter is recorded as ``(draft, ctx, k)``."""
+    inner, proposals = decoder.drafter.propose, []
+
+    def spy(ctx, k):
+        draft = inner(ctx, k)
+        proposals.append((draft, ctx, k))
+        return draft
+
+    decoder.drafter.propose = spy
+    try:
+        yield proposals
+    finally:
+        del decoder.drafter.propose
+
+
 def check_drafter(
     drafter: str | Any,
     model,
     drafter_options: Mapping[str, Any] | None = None,
     spec_lengths: Sequence[int] = (1, 3, 5),
     max_new_tokens: int = 24,
+    samples: int = 8_000,
 ) -> None:
     """Conformance suite; raises ``AssertionError`` describing the first violation.
 
     * every proposal is a valid Draft (shape, dtype, token range, probability rows);
     * batched greedy speculative decoding equals transformers' plain greedy decoding for
-      every K in ``spec_lengths`` -- which also covers rollback after partial acceptance;
-    * a second call on the same decoder gives the same output (``reset`` works).
+      every K in ``spec_lengths`` -- which also covers rollback after partial acceptance --
+      and equals a naive reference with the penalties on (:func:`naive_penalized_greedy`);
+    * a second call on the same decoder gives the same output (``reset`` works);
+    * sampling with every pipeline stage on (:data:`PIPELINE`: temperature, top-k, top-p,
+      min-p, repetition, presence and frequency penalties; a prompt with repeats): the first
+      two tokens of ``samples`` runs follow the target's exact joint distribution (chi-square
+      at :data:`SIGNIFICANCE`), and every distribution the drafter reports passes the
+      pipeline's filters (at most top-k tokens, none below min-p times the most likely).
+      Whether a drafter conditions its own guesses on the penalties' context changes how
+      often they are accepted, never the output, so no black-box test can tell.
     """
     from .decoder import SpeculativeDecoder
+    from .sampling import SamplingParams
     from .verifier import check_draft
 
     vocab = model.get_output_embeddings().weight.shape[0]
     prompts = repetitive_prompts(vocab)
     expected = [plain_greedy(model, p, max_new_tokens) for p in prompts]
+    pipeline = SamplingParams(**PIPELINE)
+    penalized = pipeline.model_copy(update={"temperature": 0.0})
     for k in spec_lengths:
         dec = SpeculativeDecoder(model, None, drafter=drafter, spec_length=k, drafter_options=drafter_options)
-        inner, proposals = dec.drafter.propose, []
-
-        def spy(ctx, kk, _inner=inner, _proposals=proposals):
-            draft = _inner(ctx, kk)
-            _proposals.append((draft, ctx.batch_size, kk))
-            return draft
-
-        dec.drafter.propose = spy
-        try:
+        with recorded_proposals(dec) as proposals:
             got = [r.token_ids for r in dec.generate_ids(prompts, max_new_tokens=max_new_tokens)]
-        finally:
-            del dec.drafter.propose
-        for draft, batch, kk in proposals:
-            check_draft(draft, batch, kk, vocab, repr(dec.drafter.name), model.device)
+        for draft, ctx, kk in proposals:
+            check_draft(draft, ctx.batch_size, kk, vocab, repr(dec.drafter.name), model.device)
         for i, (g, e) in enumerate(zip(got, expected)):
             assert g == e, f"K={k}, prompt {i}: speculative output differs from plain greedy\n  got      {g}\n  expected {e}"
         again = [r.token_ids for r in dec.generate_ids(prompts, max_new_tokens=max_new_tokens)]
         assert again == got, f"K={k}: a second generate call on the same decoder gave different output"
 
+    k = max(spec_lengths)
+    dec = SpeculativeDecoder(model, None, drafter=drafter, spec_length=k, drafter_options=drafter_options,
+                             adaptive=False)
+    n = max_new_tokens // 2
+    got = [r.token_ids for r in dec.generate_ids(prompts, max_new_tokens=n, **penalized.model_dump())]
+    for i, p in enumerate(prompts):
+        e = naive_penalized_greedy(model, p, n, penalized)
+        assert got[i] == e, f"K={k}, prompt {i}, penalties on: speculative greedy output differs from the naive " \
+                            f"reference\n  got      {got[i]}\n  expected {e}"
+    if samples:
+        with recorded_proposals(dec) as proposals:
+            pvalue, _ = sampled_joint_pvalue(dec, prompts[0], pipeline, n=samples, seed=0)
+        for draft, ctx, kk in proposals:
+            _, lengths, probs = check_draft(draft, ctx.batch_size, kk, vocab, repr(dec.drafter.name), model.device)
+            if probs is None:
+                continue
+            valid = _arange_like(lengths, probs.shape[1]) < lengths[:, None]  # [batch, k']
+            rows = probs[valid].double()  # [n_valid, vocab]
+            kept = rows > 0
+            assert int(kept.sum(-1).max()) <= pipeline.top_k, \
+                f"drafter {dec.drafter.name!r} reported a distribution with more than top_k={pipeline.top_k} tokens"
+            floor = pipeline.min_p * rows.amax(-1, keepdim=True) * (1 - 1e-6)
+            assert not bool((kept & (rows < floor)).any()), \
+                f"drafter {dec.drafter.name!r} reported a distribution with tokens below min_p={pipeline.min_p}"
+        assert pvalue > SIGNIFICANCE, f"drafter {dec.drafter.name!r}: sampled output does not follow the target's " \
+                                      f"distribution (chi-square p = {pvalue:.3g} under {PIPELINE})"
+
+
+def _arange_like(t, n: int):
+    import torch
+
+    return torch.arange(n, device=t.device)
+
 
 def exact_joint_distribution(model, prompt: Sequence[int], params, steps: int = 2):
     """P(first ``steps`` tokens) under plain sampling from ``model``, by enumeration.
 
+    The model computes its logits in its own dtype (bfloat16 stays bfloat16); the sampling
+    pipeline and the products run in float64, penalties reading each step's own context.
     Returns a ``[vocab] * steps`` tensor; practical for vocabularies of a few dozen tokens.
     """
     import itertools
 
     import torch
 
-    from .sampling import logits_to_probs
+    from .sampling import TokenCounts, logits_to_probs
 
     vocab = model.config.vocab_size
     joint = torch.zeros([vocab] * steps, dtype=torch.float64)
+    start = TokenCounts.of([list(prompt)], [len(prompt)], vocab)
     with torch.no_grad():
         for seq in itertools.product(range(vocab), repeat=steps - 1):
-            ids = torch.tensor([list(prompt) + list(seq)])
-            logits = model(ids).logits[0, len(prompt) - 1 :]  # [steps, vocab]
-            probs = logits_to_probs(logits, params)
+            ids = torch.tensor([list(prompt) + list(seq)], device=model.device)
+            logits = model(ids).logits[0, len(prompt) - 1 :].cpu().double()  # [steps, vocab]
+            counts = start.along(torch.tensor([list(seq)], dtype=torch.long))
+            probs = logits_to_probs(logits[None], params, counts)[0]  # [steps, vocab]
             prefix = 1.0
             for i, t in enumerate(seq):
                 prefix *= float(probs[i, t])
             joint[seq] = prefix * probs[steps - 1]
     return joint
+
+
+def sampled_joint_pvalue(decoder, prompt: Sequence[int], params, n: int = 12_000, seed: int = 0,
+                         exact=None, steps: int = 2):
+    """Chi-square p-value of the first ``steps`` tokens of ``n`` speculative samples from ``decoder``
+    (one batched call, ``prompt`` repeated) against the target's exact joint distribution.
+
+    Returns ``(p_value, results)``; compare the p-value with :data:`SIGNIFICANCE`. ``exact`` may
+    pass a joint computed once by :func:`exact_joint_distribution`.
+    """
+    import torch
+
+    exact = exact_joint_distribution(decoder.model, prompt, params, steps) if exact is None else exact
+    results = decoder.generate_ids([list(prompt)] * n, max_new_tokens=steps, seed=seed, **params.model_dump())
+    counts = torch.zeros_like(exact)
+    for r in results:
+        counts[tuple(r.token_ids[:steps])] += 1
+    return chi_square_pvalue(counts, exact), results
 
 
 def chi_square_pvalue(observed, expected_probs, min_expected: float = 5.0) -> float:

@@ -11,7 +11,7 @@ from typing import TYPE_CHECKING, Any, Sequence
 if TYPE_CHECKING:  # pragma: no cover
     import torch
 
-    from .sampling import SamplingParams
+    from .sampling import SamplingParams, TokenCounts
 
 
 @dataclass(frozen=True)
@@ -57,10 +57,25 @@ class DraftContext:
     #: set before ``on_verified``: how many of each row's proposed tokens were verified (the
     #: verifier may trim a draft to its adaptive length or to what is left of the budget)
     num_verified: list[int] = field(default_factory=list)
+    #: what the sampling penalties read of ``token_ids`` (set before ``propose`` when a penalty
+    #: is on, else None); use :meth:`counts_after` at each drafted position
+    counts: "TokenCounts | None" = None
 
     @property
     def batch_size(self) -> int:
         return len(self.token_ids)
+
+    def counts_after(self, drafted: "Sequence[torch.Tensor] | torch.Tensor" = ()) -> "TokenCounts | None":
+        """The penalties' context at the next drafted position, after the tokens ``drafted`` this
+        round (a list of ``[batch]`` tensors, or ``[batch, n]``); pass it to
+        :func:`~specdraft.sampling.logits_to_probs`. None when no penalty is on."""
+        if self.counts is None:
+            return None
+        import torch
+
+        if isinstance(drafted, torch.Tensor):
+            return self.counts.plus(drafted)
+        return self.counts.plus(torch.stack(list(drafted), 1)) if len(drafted) else self.counts
 
 
 @dataclass
@@ -69,9 +84,11 @@ class Draft:
 
     ``token_ids``  LongTensor  # [batch, k']   0 <= k' <= k
     ``probs``      FloatTensor # [batch, k', vocab] the distribution each token was drawn
-                               # from, after the same temperature/top-k/top-p processing as
-                               # the target (see ``specdraft.sampling.logits_to_probs``), or
-                               # None for a deterministic draft (treated as one-hot).
+                               # from, after the same sampling pipeline as the target, with
+                               # that position's context (``specdraft.logits_to_probs(logits,
+                               # ctx.sampling, ctx.counts_after(drafted))``), or None for a
+                               # deterministic draft (treated as one-hot). Any dtype: the
+                               # verifier compares them in float32 or wider.
     ``lengths``    LongTensor  # [batch] how many of the k' columns are real for each row;
                                # None means all k'. Columns past a row's length are ignored.
     """
@@ -159,5 +176,5 @@ class GenerationResult:
 
     token_ids: list[int]
     text: str | None
-    finish_reason: str  # "eos" | "length" (max_new_tokens or the model's context) | "stop"
+    finish_reason: str  # "eos" | "length" (max_new_tokens or the model's context) | "stop" | "interrupted" (Ctrl-C)
     stats: GenerationStats

@@ -145,12 +145,13 @@ class DraftChain:
                      lengths=lengths)
 
 
-def draw_scored(logits, sampling, generator=None, scored: bool = False):
-    """:func:`~specdraft.sampling.draw` on ``logits # [batch, vocab]`` plus, when greedy and
-    ``scored`` (see :attr:`DraftChain.scored`), the probability of the drawn token ``# [batch]``:
+def draw_scored(logits, sampling, generator=None, scored: bool = False, counts=None):
+    """:func:`~specdraft.sampling.draw` on ``logits # [batch, vocab]`` with the penalties' context
+    ``counts`` (see :meth:`DraftContext.counts_after`) plus, when greedy and ``scored`` (see
+    :attr:`DraftChain.scored`), the probability of the drawn token ``# [batch]``:
     ``(tokens, probs | None, confidence | None)``."""
-    from ..sampling import draw
+    from ..sampling import draw, penalize
 
-    token, probs = draw(logits, sampling, generator)
-    confidence = logits.float().softmax(-1).amax(-1) if scored and sampling.greedy else None
+    token, probs = draw(logits, sampling, generator, counts)
+    confidence = penalize(logits, sampling, counts).softmax(-1).amax(-1) if scored and sampling.greedy else None
     return token, probs, confidence

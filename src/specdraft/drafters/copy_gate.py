@@ -10,7 +10,9 @@ heads (``eagle``, ``medusa``, ``mlp-speculator``) share this code: each gives
 token (and, when sampling, the mixture it was drawn from) back.
 
 The mixture is what is sampled and what is reported to the verifier, so rejection sampling
-stays exact; greedy drafting takes the mixture's argmax.
+stays exact; greedy drafting takes the mixture's argmax. When sampling, the drafter's own
+logits go through the whole pipeline (penalties, temperature, filters) before mixing, and the
+mixture through the filters again (:func:`~specdraft.sampling.restrict`).
 """
 
 from __future__ import annotations
@@ -19,7 +21,7 @@ from typing import Sequence
 
 import torch
 
-from ..sampling import logits_to_probs
+from ..sampling import TokenCounts, logits_to_probs, penalize, restrict
 
 
 class CopyGate(torch.nn.Module):
@@ -132,15 +134,17 @@ class CopyDrafting:
         token = torch.where((gate > 0) & (copy_weight >= top_weight), copy_ids, best)
         return token, torch.maximum(copy_weight, top_weight)
 
-    def draw(self, small: torch.Tensor, hidden: torch.Tensor, rows: Sequence[Sequence[int]], sampling, generator):
+    def draw(self, small: torch.Tensor, hidden: torch.Tensor, rows: Sequence[Sequence[int]], sampling, generator,
+             counts: TokenCounts | None = None):
         """One token per row: ``(tokens # [B], probs # [B, vocab] | None, confidence # [B] | None)``,
         like :func:`~specdraft.sampling.draw` plus, when greedy, the mixture's probability of the token.
 
         ``small # [B, N]`` the head's logits, ``hidden # [B, H]`` the feature it read, ``rows``
-        each row's tokens so far (context plus what was drafted this round).
+        each row's tokens so far (context plus what was drafted this round), ``counts`` the
+        penalties' context at this position (the head's distribution is penalized before mixing).
         """
         copy_ids, match = copy_candidates(rows, self.gate, small.device)
-        if sampling.greedy:
+        if sampling.greedy and not sampling.penalized:
             token, confidence = self.choose(small, hidden, copy_ids, match)
             return token, None, confidence
         gate = self.gated(small, hidden, copy_ids, match)[1]
@@ -148,7 +152,12 @@ class CopyDrafting:
         if self.head_ids is not None:
             full = torch.full((small.shape[0], self.vocab_size), torch.finfo(torch.float32).min, device=small.device)
             full.index_copy_(1, self.head_ids, small.float())
-        mixed = copy_mixture(logits_to_probs(full[:, : self.vocab_size], sampling), gate, copy_ids)
+        full = full[:, : self.vocab_size]
+        if sampling.greedy:  # with penalties: the mixture of the penalized distribution, its argmax
+            mixed = copy_mixture(penalize(full, sampling, counts).softmax(-1), gate, copy_ids)
+            confidence, token = mixed.max(-1)
+            return token, None, confidence
+        mixed = restrict(copy_mixture(logits_to_probs(full, sampling, counts), gate, copy_ids), sampling)
         return torch.multinomial(mixed, 1, generator=generator).squeeze(1), mixed, None
 
 

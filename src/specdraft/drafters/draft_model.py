@@ -15,7 +15,7 @@ from typing import Any
 
 from pydantic import Field
 
-from ..errors import ConfigError, ModelLoadError
+from ..errors import ConfigError, DrafterError, ModelLoadError
 from ..types import Draft, DraftContext, TargetInfo
 from .base import DraftChain, Drafter, LearntDrafterOptions, draw_scored
 
@@ -42,6 +42,23 @@ def check_tokenizers(target_tok, draft_tok, target_name: str, draft_name: str, s
     for i, a, b in zip(ids, ta, da):
         if a != b:
             fail(f"id {i} is {a!r} vs {b!r}")
+
+
+def check_vocabulary(model, target: TargetInfo, draft_name: str) -> int:
+    """Refuse a draft whose embedding or output head cannot cover every token id the target's
+    tokenizer has (its rows past the tokenizer, padding, are allowed); returns the embedding's rows."""
+    needed = len(target.tokenizer) if target.tokenizer is not None else target.vocab_size
+    rows = model.get_input_embeddings().weight.shape[0]
+    head = model.get_output_embeddings()
+    width = getattr(head, "vocab_size", None) or head.weight.shape[0]  # a compact draft's head scatters
+    for what, size in (("input embedding", rows), ("output head", width)):
+        if size < needed:
+            raise ConfigError(
+                f"draft model {draft_name!r} cannot draft for target {target.name or 'target'!r}: its {what} has "
+                f"{size} rows but the target uses token ids 0..{needed - 1} ({needed} tokens). Use a draft with "
+                "the target's vocabulary (a model of the same family)"
+            )
+    return rows
 
 
 class DraftModelDrafter(Drafter):
@@ -76,22 +93,14 @@ class DraftModelDrafter(Drafter):
             tokenizer, name = None, meta.get("name", source)
         else:
             try:
-                model, tokenizer, name = load_target(source, dtype=dtype, device=device, require_tokenizer=False)
-            except ModelLoadError:
-                raise ModelLoadError(
-                    f"draft model {source!r} is not available: it is not a local folder, not in the Hugging Face "
-                    f"cache, and the hub could not provide it. Download it once (for example "
-                    f"`huggingface-cli download {source}`) or point at a local copy with "
-                    "--drafter-option model=/path/to/model"
-                ) from None
+                model, tokenizer, name = load_target(source, dtype=dtype, device=device, require_tokenizer=False,
+                                                     option="--drafter-option model")
+            except ModelLoadError as exc:  # it says what is wrong with the path or id; say which model it is
+                raise ModelLoadError(f"draft model: {exc}") from None
         self.model, self.draft_name = model, name
-        self.vocab = model.config.get_text_config().vocab_size
         if tokenizer is not None and target.tokenizer is not None:
             check_tokenizers(target.tokenizer, tokenizer, target.name or "target", name)
-        elif self.vocab < target.vocab_size:
-            raise ConfigError(
-                f"draft model {name!r} has a vocabulary of {self.vocab} but target {target.name!r} has {target.vocab_size}"
-            )
+        self.embedding_rows = check_vocabulary(model, target, name)
         self.cache = KVCache(model.config.get_text_config().num_hidden_layers, slots=0)
         gate = getattr(model, "copy_gate", None) if options.copy_gate else None
         self.copier = None
@@ -126,6 +135,13 @@ class DraftModelDrafter(Drafter):
 
         device = self.model.device
         pending = self._sync(ctx)
+        highest = max((max(p) for p in pending if p), default=0)
+        if highest >= self.embedding_rows:
+            raise DrafterError(
+                f"drafter {self.name or 'draft-model'!r} (draft model {self.draft_name!r}) was handed token id "
+                f"{highest}, which its embedding of {self.embedding_rows} rows cannot embed; the target produced "
+                "a token outside the draft's vocabulary: use a draft with the target's full vocabulary"
+            )
         self.cache.reserve(max(len(t) for t in ctx.token_ids) + k + 1)
         width = max(len(p) for p in pending)
         feed = torch.zeros((ctx.batch_size, width), dtype=torch.long)
@@ -160,10 +176,11 @@ class DraftModelDrafter(Drafter):
         chain = DraftChain(ctx.batch_size, device, self.options.min_confidence, ctx.sampling.greedy)
         for i in range(k):
             if self.copier is None:  # [batch], [batch, vocab] | None, [batch] | None
-                drawn = draw_scored(self._to_target_vocab(step_logits), ctx.sampling, ctx.generator, chain.scored)
+                drawn = draw_scored(self._to_target_vocab(step_logits), ctx.sampling, ctx.generator, chain.scored,
+                                    ctx.counts_after(chain.tokens))
             else:
                 drawn = self.copier.draw(step_logits, step_hidden, drafted_rows(ctx.token_ids, chain.tokens),
-                                         ctx.sampling, ctx.generator)
+                                         ctx.sampling, ctx.generator, ctx.counts_after(chain.tokens))
             token = drawn[0]
             if not chain.add(*drawn):
                 break

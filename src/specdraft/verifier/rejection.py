@@ -13,11 +13,17 @@ Every round therefore emits ``num_accepted + 1`` tokens. ``draft_probs=None`` me
 deterministic draft (n-gram, prompt lookup): it is the one-hot distribution at the
 drafted token, so the test accepts with probability ``target_probs[d]`` and the residual
 is the target distribution with ``d`` removed.
+
+All arithmetic (the ratio test, the uniforms, the residual) runs in float32, or float64 when
+the probabilities come in float64, whatever dtype they arrive in: in bfloat16 a uniform has
+128 values in [0.5, 1) and a probability of 0.998 rounds to 1.0, which biases acceptance.
 """
 
 from __future__ import annotations
 
 import torch
+
+from ..sampling import compute_dtype
 
 
 def _valid_mask(num_draft_tokens: torch.Tensor, k: int) -> torch.Tensor:
@@ -57,6 +63,10 @@ def rejection_sample(
 
     Returns ``(num_accepted # [batch], next_token # [batch])``.
     """
+    dtype = compute_dtype(target_probs.dtype if draft_probs is None
+                          else torch.promote_types(target_probs.dtype, draft_probs.dtype))
+    target_probs = target_probs.to(dtype)
+    draft_probs = draft_probs.to(device=target_probs.device, dtype=dtype) if draft_probs is not None else None
     batch, k = draft_token_ids.shape
     rows = torch.arange(batch, device=target_probs.device)
     if k:
@@ -81,7 +91,7 @@ def rejection_sample(
             residual = final_probs.clone()
             residual[rows, draft_token_ids[rows, at]] = 0.0
         else:
-            residual = (final_probs - draft_probs[rows, at].to(final_probs.dtype)).clamp_min(0.0)
+            residual = (final_probs - draft_probs[rows, at]).clamp_min(0.0)
         mass = residual.sum(dim=1, keepdim=True)
         # mass is 0 only if the target equals the draft, where rejection has probability 0
         residual = torch.where(mass > 0, residual / mass.clamp_min(torch.finfo(mass.dtype).tiny), final_probs)

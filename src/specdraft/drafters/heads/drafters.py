@@ -70,10 +70,11 @@ class HeadDrafter(Drafter):
         """One token per row from the head's guess on ``feature # [batch, H]`` after ``chain``'s
         tokens (through the copy gate, if any): ``(tokens # [batch], probs # [batch, vocab] | None,
         confidence # [batch] | None)``."""
+        counts = ctx.counts_after(chain.tokens)
         if self.copier is None:
-            return draw_scored(self.head(feature), ctx.sampling, ctx.generator, chain.scored)
+            return draw_scored(self.head(feature), ctx.sampling, ctx.generator, chain.scored, counts)
         return self.copier.draw(self.head.small(feature), feature, drafted_rows(ctx.token_ids, chain.tokens),
-                                ctx.sampling, ctx.generator)
+                                ctx.sampling, ctx.generator, counts)
 
     def _lengths(self, width: int) -> torch.Tensor:
         return torch.tensor([width if h else 0 for h in self._has], dtype=torch.long)
@@ -89,7 +90,9 @@ class MedusaDrafter(HeadDrafter):
         chain = self._chain(ctx)
         with few_row_linears(self.module, enabled=self._fast):
             features = self.module(self._last, m)  # [batch, m, H]
-            if self.copier is None or self.module.own_heads is not None:  # all heads at once
+            # all heads at once, unless a guess depends on the ones before it (the copy gate's
+            # candidate, the penalties' context)
+            if (self.copier is None or self.module.own_heads is not None) and not ctx.sampling.penalized:
                 logits = self.module.logits(features, self.head)  # [batch, m, vocab]
                 batch, _, vocab = logits.shape
                 drawn = draw_scored(logits.reshape(batch * m, vocab), ctx.sampling, ctx.generator, chain.scored)

@@ -201,6 +201,9 @@ def load_heads(path: str | Path, target: TargetInfo, kind: str, dtype: Any = Non
         raise ConfigError(f"{path} holds {found} heads, not {kind}; use --drafter {found}")
     if target.lm_head is None:
         raise ConfigError("heads share the target's LM head; load them through a SpeculativeDecoder")
+    if head_ids is not None and head_ids.numel() and not 0 <= int(head_ids.min()) <= int(head_ids.max()) < target.vocab_size:
+        raise ConfigError(f"the {kind} heads in {path} predict token ids up to {int(head_ids.max())} but target "
+                          f"{target.name or 'target'!r} has {target.vocab_size}: they were trained for another model")
     dtype = dtype or target.dtype
     device = device or target.device
     module = module.to(dtype=dtype, device=device).eval()
