@@ -3,16 +3,28 @@
 GGUF files are dequantised by transformers, which takes ~20 s for the default model; the
 first load therefore saves the result as safetensors under the cache directory
 (``$SPECDRAFT_CACHE_DIR``, else ``$XDG_CACHE_HOME/specdraft``, else ``~/.cache/specdraft``)
-and later loads read that in well under a second.
+and later loads read that in well under a second. The result is keyed by the file's
+content, so every copy of the same file (another clone, another virtual environment)
+shares one conversion.
+
+Errors name what is wrong with what the user passed: a broken local file or folder says
+so; a hub id that cannot be had without network fails at once (one short probe of the
+hub, no retries) and says how to use a local copy instead.
 """
 
 from __future__ import annotations
 
+import functools
 import hashlib
 import importlib.util
+import json
 import os
+import re
 import shutil
+import socket
 import tempfile
+import time
+from contextlib import contextmanager, nullcontext
 from pathlib import Path
 from typing import Any
 
@@ -24,6 +36,12 @@ DEFAULT_GGUF_FILE = "SmolLM2-135M-Instruct.Q4_1.gguf"
 DTYPES = ("float32", "float64", "bfloat16", "float16")
 #: precisions of training steps (``specdraft distill`` / ``train-heads --train-dtype``)
 TRAIN_DTYPES = ("auto", "float32", "bfloat16")
+#: files of which a model folder needs one to have a tokenizer
+TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "tokenizer.model", "vocab.json")
+ADD_TOKENIZER = ("add the tokenizer of the model it comes from (tokenizer.json and tokenizer_config.json; "
+                 "`tokenizer.save_pretrained(folder)` writes them)")
+#: a ``.tmp-*`` conversion folder this old (seconds since it last changed) belongs to a dead process
+STALE_TMP_S = 3600
 
 
 def cache_dir() -> Path:
@@ -72,27 +90,107 @@ def resolve_device(device: Any):
     return resolved
 
 
+def _one_line(exc: BaseException) -> str:
+    return f"{type(exc).__name__}: {' '.join(str(exc).split())}"
+
+
+def _file_sha256(path: Path) -> str:
+    digest = hashlib.sha256()
+    with open(path, "rb") as f:
+        for block in iter(lambda: f.read(1 << 20), b""):
+            digest.update(block)
+    return digest.hexdigest()
+
+
+def _content_hash(path: Path, index: Path) -> str:
+    """sha256 of ``path``'s bytes, remembered in ``index`` (JSON) by path, size and mtime: hashing the
+    default model's 98 MB takes ~0.25 s, more than the rest of a cached load."""
+    stat = path.stat()
+    stamp = f"{path.resolve()}|{stat.st_size}|{stat.st_mtime_ns}"
+    try:
+        known = json.loads(index.read_text())
+    except (OSError, ValueError):
+        known = {}
+    if not isinstance(known, dict):
+        known = {}
+    if stamp not in known:
+        known = {k: v for k, v in known.items() if Path(k.rsplit("|", 2)[0]).exists()}  # drop deleted files
+        known[stamp] = _file_sha256(path)
+        try:
+            index.parent.mkdir(parents=True, exist_ok=True)
+            tmp = index.with_name(f"{index.name}.{os.getpid()}.tmp")
+            tmp.write_text(json.dumps(known, indent=0))
+            os.replace(tmp, index)
+        except OSError:  # a read-only cache: hash again next time
+            pass
+    return known[stamp]
+
+
+def _conversion_tmp_dir(parent: Path) -> Path:
+    """A fresh folder to convert into; its name records the owner, for :func:`_remove_stale_tmp`."""
+    return Path(tempfile.mkdtemp(dir=parent, prefix=f".tmp-{os.getpid()}@{socket.gethostname()}-"))
+
+
+def _pid_alive(pid: int) -> bool:
+    if os.name == "nt":  # os.kill would terminate it; rely on the age
+        return True
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:  # another user's live process
+        return True
+    return True
+
+
+def _remove_stale_tmp(parent: Path) -> None:
+    """Delete conversions that died (killed, power cut): ``.tmp-*`` folders whose process on this
+    host is gone, or that have not changed for :data:`STALE_TMP_S` seconds."""
+    host = socket.gethostname()
+    for tmp in parent.glob(".tmp-*"):
+        match = re.fullmatch(r"\.tmp-(\d+)@(.*)-\w+", tmp.name)
+        try:
+            age = time.time() - tmp.stat().st_mtime
+        except OSError:  # removed meanwhile
+            continue
+        dead = match is not None and match[2] == host and not _pid_alive(int(match[1]))
+        if dead or age > STALE_TMP_S:
+            shutil.rmtree(tmp, ignore_errors=True)
+
+
 def _converted_gguf_dir(gguf: Path) -> Path:
     """Dequantise ``gguf`` once into safetensors under the cache directory; return that folder."""
-    stat = gguf.stat()
-    key = hashlib.sha256(f"{gguf.resolve()}|{stat.st_size}|{stat.st_mtime_ns}".encode()).hexdigest()[:16]
-    out = cache_dir() / "gguf" / f"{gguf.stem}-{key}"
+    with open(gguf, "rb") as f:
+        if f.read(4) != b"GGUF":
+            raise ModelLoadError(f"{str(gguf)!r} is not a GGUF file (it does not start with the GGUF magic bytes); "
+                                 "pass a .gguf file or a model folder")
+    root = cache_dir() / "gguf"
+    out = root / f"{gguf.stem}-{_content_hash(gguf, root / 'hashes.json')[:16]}"
+    if root.is_dir():
+        _remove_stale_tmp(root)
     if (out / "config.json").is_file():
         return out
+    from gguf import GGUFReader
+
+    try:
+        GGUFReader(gguf)  # parses the header and maps every tensor: a cut-off file fails here
+    except Exception as exc:  # noqa: BLE001
+        raise ModelLoadError(f"GGUF file {str(gguf)!r} is truncated or corrupt ({_one_line(exc)}); "
+                             "download it again") from None
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     try:
         tokenizer = AutoTokenizer.from_pretrained(gguf.parent, gguf_file=gguf.name)
         model = AutoModelForCausalLM.from_pretrained(gguf.parent, gguf_file=gguf.name)
     except Exception as exc:  # noqa: BLE001
-        raise ModelLoadError(f"could not read GGUF file {gguf}: {type(exc).__name__}: {exc}") from exc
+        raise ModelLoadError(f"could not load GGUF file {str(gguf)!r}: {_one_line(exc)}") from exc
     # The tensors are plain dequantised floats now; drop the GGUF marker that blocks saving.
     model.hf_quantizer = None
     model.is_quantized = False
     if hasattr(model.config, "quantization_config"):
         del model.config.quantization_config
-    out.parent.mkdir(parents=True, exist_ok=True)
-    tmp = Path(tempfile.mkdtemp(dir=out.parent, prefix=".tmp-"))
+    root.mkdir(parents=True, exist_ok=True)
+    tmp = _conversion_tmp_dir(root)
     try:
         model.save_pretrained(tmp)
         tokenizer.save_pretrained(tmp)
@@ -105,52 +203,126 @@ def _converted_gguf_dir(gguf: Path) -> Path:
     return out
 
 
+def _check_model_folder(path: Path, target: str) -> None:
+    config = path / "config.json"
+    if not config.is_file():
+        contents = "it is empty" if not any(path.iterdir()) else "it has no config.json"
+        raise ModelLoadError(f"{target!r} is not a model folder: {contents}. Pass a folder saved with "
+                             "save_pretrained (config.json, *.safetensors weights, tokenizer files) or a .gguf file")
+    try:
+        json.loads(config.read_text())
+    except ValueError as exc:
+        raise ModelLoadError(f"{str(config)!r} is not valid JSON ({exc}); fix or replace that file") from None
+
+
 def resolve_target(target: str | os.PathLike | None) -> tuple[str, str]:
-    """Return ``(display name, path or hub id to load)`` for what the user asked for."""
+    """Return ``(display name, folder or hub id to load)`` for what the user asked for."""
     if target is None:
         return DEFAULT_TARGET, str(_converted_gguf_dir(default_gguf_path()))
     target = str(target)
     path = Path(target).expanduser()
-    if target.endswith(".gguf"):
-        if not path.is_file():
-            raise ModelLoadError(f"GGUF file {target!r} does not exist")
+    if path.is_file():
         return target, str(_converted_gguf_dir(path))
+    if target.endswith(".gguf"):
+        raise ModelLoadError(f"GGUF file {target!r} does not exist")
     if path.is_dir():
-        if not (path / "config.json").is_file():
-            raise ModelLoadError(f"{target!r} is a directory without config.json; point at a transformers model folder")
+        _check_model_folder(path, target)
         return target, str(path)
     if target.startswith(("/", "./", "../", "~")) or target.count("/") > 1 or "\\" in target:
         raise ModelLoadError(f"no such model directory: {target!r}")
     return target, target  # a hub id
 
 
-def load_target(target=None, dtype=None, device=None, require_tokenizer: bool = True):
+@functools.lru_cache(maxsize=1)
+def _hub_reachable(timeout: float = 3.0) -> bool:
+    """Whether the Hugging Face hub answers at all: one request, no retries (checked once a process)."""
+    import urllib.error
+    import urllib.request
+
+    from huggingface_hub import constants
+
+    try:
+        with urllib.request.urlopen(urllib.request.Request(constants.ENDPOINT, method="HEAD"), timeout=timeout):
+            return True
+    except urllib.error.HTTPError:  # it answered
+        return True
+    except (OSError, ValueError):  # no route, no DNS, refused, timed out
+        return False
+
+
+def _hub_offline() -> str | None:
+    """Why hub ids must come from the local cache (None: the hub may be asked)."""
+    from huggingface_hub import constants
+
+    if constants.HF_HUB_OFFLINE:
+        return "HF_HUB_OFFLINE is set"
+    if not _hub_reachable():
+        return f"the hub ({constants.ENDPOINT}) cannot be reached"
+    return None
+
+
+@contextmanager
+def _working_offline():
+    """Within the block huggingface_hub and transformers act as under HF_HUB_OFFLINE=1: the local
+    cache only, not one request (huggingface_hub would otherwise still fetch its own metadata)."""
+    from huggingface_hub import constants
+
+    saved, constants.HF_HUB_OFFLINE = constants.HF_HUB_OFFLINE, True
+    try:
+        yield
+    finally:
+        constants.HF_HUB_OFFLINE = saved
+
+
+def _from_pretrained(source: str, folder: Path | None, name: str, dtype, require_tokenizer: bool):
+    """``(model, tokenizer)`` from a checked folder or a hub id; transformers' errors pass through."""
+    from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
+
+    if folder is None:
+        AutoConfig.from_pretrained(source)  # fails fast (and once) when a hub id is unavailable
+    tokenizer = None
+    if folder is None or any((folder / f).is_file() for f in TOKENIZER_FILES):
+        try:
+            tokenizer = AutoTokenizer.from_pretrained(source)
+        except (OSError, ValueError, TypeError) as exc:
+            if require_tokenizer:
+                raise ModelLoadError(f"could not load the tokenizer of {name!r} ({_one_line(exc)})"
+                                     + (f"; {ADD_TOKENIZER}" if folder is not None else "")) from None
+    elif require_tokenizer:
+        raise ModelLoadError(f"model folder {name!r} has no tokenizer files: {ADD_TOKENIZER}")
+    return AutoModelForCausalLM.from_pretrained(source, dtype=dtype), tokenizer
+
+
+def load_target(target=None, dtype=None, device=None, require_tokenizer: bool = True, option: str = "--target"):
     """Load ``(model, tokenizer, name)`` for ``target`` (None = the offline default model).
 
     With ``require_tokenizer=False`` a folder without tokenizer files loads with ``tokenizer=None``.
+    ``option`` is how the user passed ``target`` (``"--target"``), for the errors' advice.
     """
-    from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
     from transformers.utils import logging as hf_logging
 
     device = resolve_device(device)
     dtype = resolve_dtype(dtype, device)
     name, source = resolve_target(target)
+    folder = Path(source) if Path(source).is_dir() else None
+    offline = None if folder is not None else _hub_offline()
     quiet = not hf_logging.is_progress_bar_enabled()
     hf_logging.disable_progress_bar()  # a sub-second load needs no progress bar
     try:
-        AutoConfig.from_pretrained(source)  # fails fast (and once) when a hub id is unavailable
-        try:
-            tokenizer = AutoTokenizer.from_pretrained(source)
-        except (OSError, ValueError, TypeError):
-            if require_tokenizer:
-                raise
-            tokenizer = None
-        model = AutoModelForCausalLM.from_pretrained(source, dtype=dtype)
-    except OSError as exc:
+        with _working_offline() if offline else nullcontext():
+            model, tokenizer = _from_pretrained(source, folder, name, dtype, require_tokenizer)
+    except (OSError, ValueError) as exc:
+        if folder is not None:
+            raise ModelLoadError(f"could not load model folder {name!r}: {_one_line(exc)}") from None
+        if offline:
+            raise ModelLoadError(
+                f"model {name!r} is not (fully) in the Hugging Face cache and {offline}. Point {option} at a "
+                f"local copy ({option}=/path/to/folder or a .gguf file), or download it where there is network "
+                f"(`hf download {name}`) and set HF_HUB_OFFLINE=1 to use the cached copy"
+            ) from None
         raise ModelLoadError(
-            f"could not load model {name!r}: it is neither a local folder nor in the Hugging Face cache, "
-            f"and the hub could not provide it ({str(exc).splitlines()[0]}). Pass a local directory or a "
-            ".gguf file to --target"
+            f"could not get model {name!r} from the Hugging Face hub ({_one_line(exc)}); check the id, or point "
+            f"{option} at a local copy ({option}=/path/to/folder or a .gguf file)"
         ) from None
     finally:
         if not quiet:

@@ -189,8 +189,8 @@ def test_missing_draft_weights_say_which_and_how(tiny_model, monkeypatch):
     import huggingface_hub.constants
 
     monkeypatch.setattr(huggingface_hub.constants, "HF_HUB_OFFLINE", True)
-    with pytest.raises(ModelLoadError, match=r"draft model 'meta-llama/Llama-3.2-1B-Instruct' is not available.*"
-                                             r"--drafter-option model=/path/to/model"):
+    with pytest.raises(ModelLoadError, match=r"draft model: model 'meta-llama/Llama-3.2-1B-Instruct' is not .*in "
+                                             r"the Hugging Face cache.*--drafter-option model=/path/to/folder"):
         SpeculativeDecoder(tiny_model, None, drafter="llama-1b")
 
 

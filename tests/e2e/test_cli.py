@@ -78,3 +78,83 @@ def test_prompt_longer_than_the_context_is_one_line():
 def test_argparse_usage_errors_exit_2():
     out = run("generate", "--top-k", "many", "hi")
     assert out.returncode == 2 and "invalid int value" in out.stderr and "Traceback" not in out.stderr
+
+
+def _one_line_error(out) -> str:
+    assert out.returncode == 2 and "Traceback" not in out.stderr, out.stderr
+    lines = [line for line in out.stderr.splitlines() if line.strip()]
+    assert len(lines) == 1 and lines[0].startswith("specdraft: error: "), out.stderr
+    return lines[0]
+
+
+def _closed_port() -> int:
+    import socket
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+@pytest.mark.parametrize("case, message", [
+    ("truncated-gguf", "GGUF file '{d}/half.gguf' is truncated or corrupt ("),
+    ("draft-empty-folder", "draft model: '{d}/empty' is not a model folder: it is empty"),
+    ("bad-config", "'{d}/bad/config.json' is not valid JSON (Expecting property name enclosed in double quotes: "
+                   "line 1 column 9 (char 8))"),
+    ("no-tokenizer", "model folder '{d}/notok' has no tokenizer files: add the tokenizer of the model it comes from "
+                     "(tokenizer.json and tokenizer_config.json"),
+    ("hub-offline", "model 'someorg/some-model' is not (fully) in the Hugging Face cache and the hub "
+                    "(http://127.0.0.1:{port}) cannot be reached. Point --target at a local copy"),
+    ("plugin-import", "unknown drafter 'bad-import': plugin 'specdraft-bad-import', which would provide it, failed to "
+                      "import 'specdraft_bad_import_mod': ModuleNotFoundError: No module named 'not_installed_pkg'"),
+])
+def test_broken_models_and_plugins_say_what_is_wrong(tmp_path, case, message):
+    """Local paths that exist but are broken, a hub id without network (no HF_HUB_OFFLINE: one probe,
+    no retries), a plugin that failed to import: one line each, saying what is wrong."""
+    import os
+
+    env = dict(os.environ)
+    args = ["generate", "--max-new-tokens", "2", "hi"]
+    port = _closed_port()
+    if case == "truncated-gguf":
+        from specdraft.models import default_gguf_path
+
+        with open(default_gguf_path(), "rb") as f:  # a download cut short
+            (tmp_path / "half.gguf").write_bytes(f.read(2_000_000))
+        args += ["--target", str(tmp_path / "half.gguf")]
+    elif case == "draft-empty-folder":
+        (tmp_path / "empty").mkdir()
+        args += ["--drafter", "draft-model", "--drafter-option", f"model={tmp_path / 'empty'}"]
+    elif case == "bad-config":
+        (tmp_path / "bad").mkdir()
+        (tmp_path / "bad" / "config.json").write_text('{"a": 1,, }')
+        args += ["--target", str(tmp_path / "bad")]
+    elif case == "no-tokenizer":
+        from specdraft.testing import tiny_llama
+
+        tiny_llama(vocab_size=64, seed=0, layers=1).save_pretrained(tmp_path / "notok")
+        args += ["--target", str(tmp_path / "notok")]
+    elif case == "hub-offline":
+        env.pop("HF_HUB_OFFLINE", None)
+        env.pop("TRANSFORMERS_OFFLINE", None)
+        env["HF_ENDPOINT"] = f"http://127.0.0.1:{port}"  # a hub that cannot be reached, as without network
+        args += ["--target", "someorg/some-model"]
+    else:
+        dist = tmp_path / "specdraft_bad_import-0.1.dist-info"
+        dist.mkdir()
+        (dist / "METADATA").write_text("Metadata-Version: 2.1\nName: specdraft-bad-import\nVersion: 0.1\n")
+        (dist / "entry_points.txt").write_text("[specdraft]\nbad_import = specdraft_bad_import_mod\n")
+        (tmp_path / "specdraft_bad_import_mod.py").write_text("import not_installed_pkg\n")
+        env["PYTHONPATH"] = str(tmp_path)
+        args += ["--drafter", "bad-import"]
+    out = subprocess.run([sys.executable, "-m", "specdraft.cli", *args], capture_output=True, text=True, env=env,
+                         timeout=300)
+    line = _one_line_error(out)
+    assert message.format(d=tmp_path, port=port) in line, line
+    assert "Retrying" not in out.stderr and "huggingface-cli download" not in line
+
+
+def test_version():
+    import importlib.metadata
+
+    out = run("--version")
+    assert out.returncode == 0 and out.stdout == f"specdraft {importlib.metadata.version('specdraft')}\n"
