@@ -245,9 +245,9 @@ class SpeculativeDecoder:
             return self._verifier.generate(prompts, max_new_tokens, sampling, seed=seed, stop=stops)
 
     def _check_prompt_ids(self, prompt_ids) -> list[list[int]]:
-        if isinstance(prompt_ids, (str, bytes)) or not prompt_ids:
+        if isinstance(prompt_ids, (str, bytes)) or not hasattr(prompt_ids, "__len__") or len(prompt_ids) == 0:
             raise ConfigError("prompt_ids must be a non-empty list of token-id lists")
-        if all(isinstance(t, int) for t in prompt_ids):
+        if all(_token_id(t) is not None for t in prompt_ids):
             raise ConfigError("prompt_ids must be a list of lists (one per sequence); wrap a single prompt: [ids]")
         vocab, context = self.target.vocab_size, self.target.max_context
         prompts = []

@@ -134,14 +134,14 @@ def compute_dtype(dtype: "torch.dtype") -> "torch.dtype":
 
 def penalize(logits: "torch.Tensor", params: SamplingParams, counts: TokenCounts | None) -> "torch.Tensor":
     """Steps 1-2 of the pipeline; ``logits # [..., vocab]`` (the same leading shape as ``counts``),
-    returned in :func:`compute_dtype`. Unchanged (but upcast) when no penalty is on."""
+    returned in :func:`compute_dtype`. Unchanged (but upcast) when no penalty is on, or when
+    ``counts`` is None: a drafter that does not pass its context drafts from unpenalized
+    distributions, which stays exact (only the target's must be right) but is accepted less."""
     import torch
 
     logits = logits.to(compute_dtype(logits.dtype))
-    if not params.penalized:
+    if not params.penalized or counts is None:
         return logits
-    if counts is None:
-        raise ValueError("penalties need the context's token counts (a TokenCounts)")
     if params.repetition_penalty != 1.0:
         penalty = params.repetition_penalty
         scaled = torch.where(logits > 0, logits / penalty, logits * penalty)

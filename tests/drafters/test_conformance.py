@@ -18,3 +18,54 @@ def test_registered_drafter_conforms(tiny_model, name):
         pytest.skip(f"{name} cannot start on the tiny model without options ({exc}); "
                     "its own test module runs the suite with them")
     check_drafter(name, tiny_model)
+
+
+def _self_drafter(model, report, honest: bool):
+    """Drafts one token per round from the target's own logits at the row's context: it reports
+    ``report(logits, ctx)`` and draws from it when ``honest``, else takes its most likely token."""
+    import torch
+
+    from specdraft import Draft, Drafter
+
+    class SelfDrafter(Drafter):
+        def propose(self, ctx, k):
+            known = {}  # context -> the target's logits there (the sampled check repeats one prompt)
+            with torch.no_grad():
+                for ids in map(tuple, ctx.token_ids):
+                    if ids not in known:
+                        known[ids] = model(torch.tensor([ids])).logits[0, -1]
+            logits = torch.stack([known[tuple(ids)] for ids in ctx.token_ids])
+            if ctx.sampling.greedy:
+                return Draft(token_ids=logits.argmax(-1)[:, None])
+            probs = report(logits, ctx)  # [batch, vocab]
+            tokens = (torch.multinomial(probs, 1, generator=ctx.generator) if honest
+                      else probs.argmax(-1, keepdim=True))
+            return Draft(token_ids=tokens, probs=probs[:, None])
+
+    return SelfDrafter(None, None)
+
+
+def test_the_suite_catches_a_drafter_that_skips_the_filters(tiny_model):
+    """Reporting (and drawing from) its raw softmax, not the pipeline's output: still exact, but
+    it drafts tokens the filters remove (the suite's top-k check)."""
+    drafter = _self_drafter(tiny_model, lambda logits, ctx: logits.softmax(-1), honest=True)
+    with pytest.raises(AssertionError, match="more than top_k"):
+        check_drafter(drafter, tiny_model, spec_lengths=(3,))
+
+
+def test_the_suite_passes_the_same_drafter_when_it_reports_the_pipeline(tiny_model):
+    from specdraft import logits_to_probs
+
+    drafter = _self_drafter(tiny_model, lambda logits, ctx: logits_to_probs(logits, ctx.sampling, ctx.counts_after()),
+                            honest=True)
+    check_drafter(drafter, tiny_model, spec_lengths=(3,))
+
+
+def test_the_suite_catches_a_drafter_that_misreports_its_distribution(tiny_model):
+    """Drafting the most likely token but reporting the distribution (a classic bug): not exact."""
+    from specdraft import logits_to_probs
+
+    drafter = _self_drafter(tiny_model, lambda logits, ctx: logits_to_probs(logits, ctx.sampling, ctx.counts_after()),
+                            honest=False)
+    with pytest.raises(AssertionError, match="does not follow the target's distribution"):
+        check_drafter(drafter, tiny_model, spec_lengths=(3,))

@@ -39,7 +39,7 @@ def test_generate_reads_stdin_and_honours_raw():
 
 @pytest.mark.parametrize("args, message", [
     (["generate", ""], "the prompt is empty"),
-    (["generate", "--spec-length", "0", "hi"], "spec_length must be an integer >= 1"),
+    (["generate", "--spec-length", "0", "hi"], "spec_length must be an integer from 1 to 16"),
     (["generate", "--temperature", "-1", "hi"], "temperature: Input should be greater than or equal to 0"),
     (["generate", "--top-p", "0", "hi"], "top_p: Input should be greater than 0"),
     (["generate", "--top-p", "2", "hi"], "top_p: Input should be less than or equal to 1"),

@@ -31,6 +31,10 @@ def _valid_mask(num_draft_tokens: torch.Tensor, k: int) -> torch.Tensor:
     return torch.arange(k, device=num_draft_tokens.device) < num_draft_tokens[:, None]
 
 
+def _normalized(probs: torch.Tensor) -> torch.Tensor:
+    return probs / probs.sum(dim=-1, keepdim=True).clamp_min(torch.finfo(probs.dtype).tiny)  # padding rows may be 0
+
+
 def greedy_accept(
     draft_token_ids: torch.Tensor,  # [batch, k]
     num_draft_tokens: torch.Tensor,  # [batch]
@@ -65,8 +69,10 @@ def rejection_sample(
     """
     dtype = compute_dtype(target_probs.dtype if draft_probs is None
                           else torch.promote_types(target_probs.dtype, draft_probs.dtype))
-    target_probs = target_probs.to(dtype)
-    draft_probs = draft_probs.to(device=target_probs.device, dtype=dtype) if draft_probs is not None else None
+    # renormalized in that dtype: rows that arrive rounded (bfloat16) sum to 1 only roughly, and
+    # the test is exact for the distributions the rows describe (what multinomial samples from)
+    target_probs = _normalized(target_probs.to(dtype))
+    draft_probs = _normalized(draft_probs.to(device=target_probs.device, dtype=dtype)) if draft_probs is not None else None
     batch, k = draft_token_ids.shape
     rows = torch.arange(batch, device=target_probs.device)
     if k:
