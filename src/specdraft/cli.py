@@ -96,11 +96,12 @@ def build_parser() -> argparse.ArgumentParser:
     gen.add_argument("--drafter-option", dest="drafter_options", action="append", type=_parse_option, default=[],
                      metavar="KEY=VALUE", help="an option for the drafter (repeatable)")
     gen.add_argument("--spec-length", type=int, default=4, metavar="K",
-                     help="most tokens drafted per round (default: 4)")
+                     help="most tokens drafted per round, 1 to 16 (default: 4)")
     gen.add_argument("--fixed-spec-length", action="store_true",
                      help="always draft K tokens instead of adapting to acceptance and verify cost")
     gen.add_argument("--max-new-tokens", type=int, default=128, metavar="N", help="default: 128")
-    gen.add_argument("--temperature", type=float, default=0.0, help="0 = greedy (default)")
+    gen.add_argument("--temperature", type=float, default=0.0,
+                     help="0 = greedy (default); else from 0.0001 to 100")
     gen.add_argument("--top-k", type=int, default=0, help="0 = off (default)")
     gen.add_argument("--top-p", type=float, default=1.0, help="1.0 = off (default)")
     gen.add_argument("--min-p", type=float, default=0.0,
@@ -114,7 +115,7 @@ def build_parser() -> argparse.ArgumentParser:
     gen.add_argument("--frequency-penalty", type=float, default=0.0,
                      help="-2 to 2, times a token's count in the output, subtracted from its logit (OpenAI's); "
                           "0 = off (default)")
-    gen.add_argument("--seed", type=int, default=None, help="seed for reproducible sampling")
+    gen.add_argument("--seed", type=int, default=None, help="seed for reproducible sampling, 0 to 2**64 - 1")
     gen.add_argument("--stop", action="append", default=[], metavar="STR", help="stop string (repeatable)")
     gen.add_argument("--raw", action="store_true", help="do not apply the chat template")
     gen.add_argument("--stats", action="store_true", help="print speculation metrics to stderr")
