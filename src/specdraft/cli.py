@@ -306,7 +306,19 @@ def _bench(args) -> int:
     from .models import load_target
 
     model, tokenizer, name = load_target(args.target, dtype=args.dtype, device=args.device)
-    records, summary, env = run_bench(model, tokenizer, settings, name=name)
+    from .bench.harness import BenchInterrupted
+
+    try:
+        records, summary, env = run_bench(model, tokenizer, settings, name=name)
+    except BenchInterrupted as stopped:  # Ctrl-C: keep the prompts that finished for every method
+        note = f"specdraft: bench interrupted after {stopped.finished} of {stopped.total} prompts"
+        if not stopped.finished:  # nothing to show; leave an earlier run's results in --output alone
+            print(f"{note}; nothing written", file=sys.stderr)
+            return 130
+        out = write_outputs(args.output, stopped.records, stopped.summary, stopped.env)
+        print((out / "results.md").read_text())
+        print(f"{note}; wrote their results.json, results.md and plots in {out}/", file=sys.stderr)
+        return 130
     out = write_outputs(args.output, records, summary, env)
     print((out / "results.md").read_text())
     print(f"wrote {out / 'results.json'}, {out / 'results.md'} and plots in {out}/", file=sys.stderr)

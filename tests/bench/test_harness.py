@@ -84,3 +84,95 @@ def test_drafter_labels(questions):
     # options name labels; an option for a label that does not run is refused before any model loads
     assert main(["bench", "--questions", str(questions), "--drafters", "e0=ngram",
                  "--drafter-option", "ngram:max_order=3"]) == 2
+
+
+@pytest.fixture(scope="module")
+def tiny_target():
+    """The default model's tokenizer (installed offline) with a tiny random Llama of its vocabulary."""
+    from transformers import AutoTokenizer
+
+    from specdraft.models import resolve_target
+    from specdraft.testing import tiny_llama
+
+    tokenizer = AutoTokenizer.from_pretrained(resolve_target(None)[1])
+    return tiny_llama(vocab_size=len(tokenizer), seed=4, max_positions=512), tokenizer
+
+
+def _interrupt_on(monkeypatch, question_id, method, exc=KeyboardInterrupt):
+    """Make ``method``'s run on ``question_id`` raise ``exc``, as Ctrl-C there would; counts the calls."""
+    from specdraft.bench.harness import _Methods
+
+    real_run, calls = _Methods.run, []
+
+    def run(self, name, ids, question):
+        calls.append((name, question["question_id"]))
+        if name == method and question["question_id"] == question_id:
+            raise exc()
+        return real_run(self, name, ids, question)
+
+    monkeypatch.setattr(_Methods, "run", run)
+    return calls
+
+
+def test_interrupted_bench_keeps_the_finished_prompts(questions, tiny_target, monkeypatch):
+    from specdraft.bench import BenchInterrupted
+
+    model, tokenizer = tiny_target
+    # Ctrl-C on the third prompt, after plain has run on it: that half-done prompt must be dropped.
+    calls = _interrupt_on(monkeypatch, 3, "ngram")
+    settings = BenchSettings(questions=str(questions), limit_per_category=None, drafters=["ngram"], max_new_tokens=4)
+    with pytest.raises(BenchInterrupted) as caught:
+        run_bench(model, tokenizer, settings, name="tiny", progress=False)
+    stopped = caught.value
+    assert isinstance(stopped, KeyboardInterrupt)  # callers that do not look for it still stop
+    assert (stopped.finished, stopped.total) == (2, 3)
+    assert ("plain", 3) in calls  # plain did finish the third prompt ...
+    assert [(r.method, r.question_id) for r in stopped.records] == [
+        ("plain", 1), ("ngram", 1), ("plain", 2), ("ngram", 2)]  # ... and is dropped with it
+    assert stopped.summary["plain"]["overall"]["prompts"] == 2 and stopped.summary["ngram"]["overall"]["prompts"] == 2
+    assert stopped.summary["ngram"]["overall"]["mismatches"] == 0
+    assert stopped.env["questions"].endswith("(2 of 3 prompts: interrupted)")
+    assert stopped.env["interrupted"].startswith("after 2 of 3 prompts")
+
+
+def test_cli_bench_writes_the_finished_prompts_on_ctrl_c(questions, tiny_target, tmp_path, monkeypatch, capsys):
+    """`specdraft bench` + Ctrl-C in the verifier (GenerationInterrupted) on the third prompt: results
+    of the first two are written, one note on stderr, exit status 130."""
+    from specdraft.cli import main
+    from specdraft.verifier import GenerationInterrupted
+
+    model, tokenizer = tiny_target
+    monkeypatch.setattr("specdraft.models.load_target", lambda *a, **k: (model, tokenizer, "tiny"))
+    _interrupt_on(monkeypatch, 3, "prompt-lookup", lambda: GenerationInterrupted([]))
+    out = tmp_path / "out"
+    rc = main(["bench", "--questions", str(questions), "--drafters", "ngram,prompt-lookup",
+               "--max-new-tokens", "4", "--output", str(out)])
+    assert rc == 130
+    data = json.loads((out / "results.json").read_text())
+    assert sorted({r["question_id"] for r in data["records"]}) == [1, 2]
+    assert len(data["records"]) == 2 * 3  # every method on each finished prompt, nothing of the third
+    assert {m: data["summary"][m]["overall"]["prompts"] for m in data["summary"]} == {
+        "plain": 2, "ngram": 2, "prompt-lookup": 2}
+    assert "interrupted" in data["environment"]
+    assert "- interrupted: after 2 of 3 prompts" in (out / "results.md").read_text()
+    for png in ("speedup_by_category.png", "acceptance_by_position.png"):
+        assert (out / png).read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    err = capsys.readouterr().err.strip().splitlines()
+    notes = [line for line in err if "interrupted" in line]
+    assert notes == [f"specdraft: bench interrupted after 2 of 3 prompts; wrote their results.json, results.md "
+                     f"and plots in {out}/"]
+
+
+def test_cli_bench_ctrl_c_before_any_prompt_finished_writes_nothing(questions, tiny_target, tmp_path,
+                                                                     monkeypatch, capsys):
+    from specdraft.cli import main
+
+    model, tokenizer = tiny_target
+    monkeypatch.setattr("specdraft.models.load_target", lambda *a, **k: (model, tokenizer, "tiny"))
+    _interrupt_on(monkeypatch, 0, "plain")  # question 0 is the warm-up
+    out = tmp_path / "out"
+    out.mkdir()
+    (out / "results.json").write_text("an earlier run")
+    assert main(["bench", "--questions", str(questions), "--drafters", "ngram", "--output", str(out)]) == 130
+    assert (out / "results.json").read_text() == "an earlier run"  # not replaced by an empty result
+    assert "bench interrupted after 0 of 3 prompts; nothing written" in capsys.readouterr().err

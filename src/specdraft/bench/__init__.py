@@ -1,7 +1,7 @@
 """Benchmarks: specdraft's drafters against plain decoding and transformers, side by side."""
 
-from .harness import BenchSettings, load_questions, run_bench, write_outputs
+from .harness import BenchInterrupted, BenchSettings, load_questions, run_bench, write_outputs
 from .report import RunRecord, expected_tokens_per_round, markdown, summarize
 
-__all__ = ["BenchSettings", "RunRecord", "expected_tokens_per_round", "load_questions", "markdown",
-           "run_bench", "summarize", "write_outputs"]
+__all__ = ["BenchInterrupted", "BenchSettings", "RunRecord", "expected_tokens_per_round", "load_questions",
+           "markdown", "run_bench", "summarize", "write_outputs"]

@@ -159,27 +159,56 @@ class _Methods:
         return out[0, len(ids):].tolist()
 
 
+class BenchInterrupted(KeyboardInterrupt):
+    """Ctrl-C during :func:`run_bench`. ``records``, ``summary`` and ``env`` cover the prompts that
+    finished for every method (``finished`` of ``total``); the prompt under way is dropped, so every
+    method is compared on the same prompts. A ``KeyboardInterrupt``, so callers that do not look
+    for it still stop as on any Ctrl-C."""
+
+    def __init__(self, records: list[RunRecord], summary: dict, env: dict, finished: int, total: int) -> None:
+        super().__init__(f"bench interrupted after {finished} of {total} prompts")
+        self.records, self.summary, self.env = records, summary, env
+        self.finished, self.total = finished, total
+
+
 def run_bench(model, tokenizer, settings: BenchSettings, name: str = "", progress: bool = True):
-    """Run everything; returns ``(records, summary, env)``."""
+    """Run everything; returns ``(records, summary, env)``. On Ctrl-C raises :class:`BenchInterrupted`
+    with the same three for the prompts that finished for every method."""
     from tqdm.auto import tqdm
 
     questions = load_questions(settings.questions, settings.categories, settings.limit_per_category)
     methods = _Methods(model, tokenizer, settings)
-    encoded = [methods.decoders[PLAIN].encode(q["prompt"]) for q in questions]
-    for method in methods.names:  # warm-up, not counted
-        methods.run(method, encoded[0][:64], {**questions[0], "question_id": 0})
     records: list[RunRecord] = []
+    finished = 0
     bar = tqdm(total=len(questions) * len(methods.names), disable=not progress, unit="run", desc="bench")
-    for q, ids in zip(questions, encoded):
-        for method in methods.names:
-            bar.set_postfix_str(f"{q['category']} #{q['question_id']} {method}")
-            records.append(methods.run(method, ids, q))
-            bar.update()
-    bar.close()
+    try:
+        encoded = [methods.decoders[PLAIN].encode(q["prompt"]) for q in questions]
+        for method in methods.names:  # warm-up, not counted
+            methods.run(method, encoded[0][:64], {**questions[0], "question_id": 0})
+        for q, ids in zip(questions, encoded):
+            row = []
+            for method in methods.names:
+                bar.set_postfix_str(f"{q['category']} #{q['question_id']} {method}")
+                row.append(methods.run(method, ids, q))
+                bar.update()
+            records += row  # only whole prompts: every method on it
+            finished += 1
+    except KeyboardInterrupt:  # GenerationInterrupted from inside a generation included
+        interrupted = True
+    else:
+        interrupted = False
+    finally:
+        bar.close()
     env = environment(model, settings, name)
-    env["questions"] = f"{settings.questions} ({len(questions)} prompts)"
+    if interrupted:
+        env["questions"] = f"{settings.questions} ({finished} of {len(questions)} prompts: interrupted)"
+        env["interrupted"] = f"after {finished} of {len(questions)} prompts (Ctrl-C); the unfinished prompt is dropped"
+    else:
+        env["questions"] = f"{settings.questions} ({len(questions)} prompts)"
     for drafter, options in settings.drafter_options.items():
         env[f"{drafter} options"] = ", ".join(f"{k}={v}" for k, v in options.items())
+    if interrupted:
+        raise BenchInterrupted(records, summarize(records), env, finished, len(questions)) from None
     return records, summarize(records), env
 
 
