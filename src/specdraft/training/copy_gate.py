@@ -17,7 +17,7 @@ from typing import Callable, Sequence
 import torch
 
 from ..drafters.copy_gate import CopyGate, column_table
-from .loop import train
+from .loop import seeded, step_generator, train, weights_digest
 
 
 @dataclass
@@ -97,24 +97,32 @@ def mixture_nll(gate: CopyGate, ex: dict[str, torch.Tensor]) -> torch.Tensor:
 
 def fit_copy_gate(owner: torch.nn.Module, source: GateSource, sequences: Sequence[dict], out_dir: Path,
                   states: Sequence[torch.Tensor] | None = None, steps: int = 300, batch: int = 4096, lr: float = 1e-2,
-                  seed: int = 0, progress: bool = True, device="cpu", dtype=torch.float32) -> list[float]:
+                  seed: int = 0, progress: bool = True, device="cpu", dtype=torch.float32,
+                  settings: dict | None = None) -> list[float]:
     """Attach a :class:`CopyGate` to ``owner`` (as ``owner.copy_gate``) and fit it with the drafter
     frozen; returns the losses (none, and no gate attached, when no answer position has a copy
-    candidate). ``out_dir`` holds the resumable checkpoint and the loss plot."""
+    candidate). ``out_dir`` holds the resumable checkpoint and the loss plot; it is resumed only
+    for the same drafter weights, sequences, ``settings`` (what else the states depend on, such
+    as the target) and options."""
+    from .data import sequences_key
+
     ex = gate_examples(source, sequences, states, device=device, dtype=dtype)
     if not len(ex["hit"]):
         return []
+    drafter = {n: t for n, t in owner.state_dict().items() if not n.startswith("copy_gate.")}
     if getattr(owner, "copy_gate", None) is None:
-        owner.copy_gate = CopyGate(source.hidden_size).to(device=device, dtype=torch.float32)
-    generator = torch.Generator().manual_seed(seed)
+        with seeded(seed):
+            owner.copy_gate = CopyGate(source.hidden_size).to(device=device, dtype=torch.float32)
     params = dict(owner.copy_gate.named_parameters())
 
     def loss_fn(step: int) -> torch.Tensor:
-        pick = torch.randint(0, len(ex["hit"]), (batch,), generator=generator).to(device)
+        pick = torch.randint(0, len(ex["hit"]), (batch,), generator=step_generator(seed, step)).to(device)
         return mixture_nll(owner.copy_gate, {k: v[pick] for k, v in ex.items()})
 
+    settings = {**(settings or {}), "sequences": sequences_key(sequences), "drafter": weights_digest(drafter)[:16],
+                "batch": batch, "seed": seed, "dtype": str(dtype)}
     with torch.enable_grad():
-        return train(params, loss_fn, steps, out_dir, lr=lr, progress=progress, desc="copy gate")
+        return train(params, loss_fn, steps, out_dir, lr=lr, progress=progress, desc="copy gate", settings=settings)
 
 
 __all__ = ["GateSource", "fit_copy_gate", "gate_examples", "mixture_nll"]

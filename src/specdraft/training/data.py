@@ -10,36 +10,71 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Sequence
 
 from ..errors import ConfigError
+from .io import file_digest, key_of, read_cache, write_atomic, write_cache
 
 if TYPE_CHECKING:  # pragma: no cover
     import torch
 
+_JSON_TYPES = {str: "a string", int: "a number", float: "a number", bool: "true/false", list: "a list",
+               dict: "an object", type(None): "null"}
 
-def _example_of(row: dict) -> tuple[str | None, str | None]:
-    """``(prompt, reference answer or None)`` of one JSONL row."""
+
+def _text(value, field: str, where: str) -> str | None:
+    """``value`` if it is a string (or absent), else a :class:`ConfigError` naming the line."""
+    if value is None or isinstance(value, str):
+        return value
+    raise ConfigError(f"{where}: {field!r} must be a string, not {_JSON_TYPES.get(type(value), 'a value')} "
+                      f"({json.dumps(value)[:40]})")
+
+
+def _example_of(row: dict, where: str = "prompt file") -> tuple[str | None, str | None]:
+    """``(prompt, reference answer or None)`` of one JSONL row (``where``: its file and line, for errors)."""
     if "instruction" in row:  # self-instruct: instruction + the first instance's input, its output
         instances = row.get("instances", [])
-        with_input = [i for i in instances if i.get("input")]
+        if not isinstance(instances, list) or not all(isinstance(i, dict) for i in instances):
+            raise ConfigError(f"{where}: 'instances' must be a list of objects with 'input' and 'output'")
+        with_input = [i for i in instances if _text(i.get("input"), "input", where)]
         first = with_input[0] if with_input else (instances[0] if instances else {})
-        prompt = row["instruction"] + (("\n\n" + first["input"]) if first.get("input") else "")
-        return prompt, first.get("output") or None
+        instruction = _text(row["instruction"], "instruction", where) or ""
+        prompt = instruction + (("\n\n" + first["input"]) if first.get("input") else "")
+        return prompt, _text(first.get("output"), "output", where) or None
     if "question" in row:  # gsm8k; its calculator annotations <<48/2=24>> are not prose
-        answer = row.get("answer")
-        return row["question"], re.sub(r"<<[^>]*>>", "", answer) if answer else None
+        answer = _text(row.get("answer"), "answer", where)
+        return _text(row["question"], "question", where), re.sub(r"<<[^>]*>>", "", answer) if answer else None
     if "turns" in row:  # spec-bench schema: no reference answers
-        return row["turns"][0], None
-    return row.get("prompt"), row.get("answer") or row.get("response")
+        turns = row["turns"]
+        if not isinstance(turns, list) or not turns:
+            raise ConfigError(f"{where}: 'turns' must be a non-empty list of strings")
+        return _text(turns[0], "turns", where), None
+    return (_text(row.get("prompt"), "prompt", where),
+            _text(row.get("answer"), "answer", where) or _text(row.get("response"), "response", where))
+
+
+def _check_exists(path: str | Path) -> None:
+    if not Path(path).is_file():
+        raise ConfigError(f"prompt file {str(path)!r} does not exist")
 
 
 def _read_rows(path: str | Path):
-    if not Path(path).is_file():
-        raise ConfigError(f"prompt file {str(path)!r} does not exist")
-    for n, line in enumerate(Path(path).read_text().splitlines(), 1):
-        if line.strip():
-            try:
-                yield json.loads(line)
-            except json.JSONDecodeError as exc:
-                raise ConfigError(f"{path}:{n}: not JSON: {exc}") from None
+    """``(where, row)`` of each non-blank line: ``where`` is ``file:line``, ``row`` a JSON object."""
+    _check_exists(path)
+    for n, raw in enumerate(Path(path).read_bytes().splitlines(), 1):
+        where = f"{path}:{n}"
+        try:
+            line = raw.decode("utf-8-sig" if n == 1 else "utf-8")  # a byte-order mark may start the file
+        except UnicodeDecodeError as exc:
+            raise ConfigError(f"{where}: not UTF-8 text (byte 0x{raw[exc.start]:02x} at column {exc.start + 1}); "
+                              "save the file as UTF-8") from None
+        if not line.strip():
+            continue
+        try:
+            row = json.loads(line)
+        except json.JSONDecodeError as exc:
+            raise ConfigError(f"{where}: not JSON: {exc}") from None
+        if not isinstance(row, dict):
+            raise ConfigError(f"{where}: expected a JSON object such as {{\"prompt\": \"...\"}}, not "
+                              f"{_JSON_TYPES.get(type(row), 'a value')}")
+        yield where, row
 
 
 def _mixed(per_file: list[list], seed: int, limit: int | None) -> list:
@@ -56,7 +91,8 @@ def load_prompts(paths: Sequence[str | Path], limit: int | None = None, seed: in
 
     Files are interleaved after a seeded shuffle each, so a ``limit`` keeps a mix of them.
     """
-    per_file = [[p for p, _ in map(_example_of, _read_rows(path)) if p and p.strip()] for path in paths]
+    per_file = [[p for p, _ in (_example_of(row, where) for where, row in _read_rows(path)) if p and p.strip()]
+                for path in paths]
     mixed = _mixed(per_file, seed, limit)
     if not mixed:
         raise ConfigError("no prompts found in " + ", ".join(map(str, paths)))
@@ -65,7 +101,8 @@ def load_prompts(paths: Sequence[str | Path], limit: int | None = None, seed: in
 
 def load_examples(paths: Sequence[str | Path], limit: int | None = None, seed: int = 0) -> list[tuple[str, str]]:
     """``(prompt, reference answer)`` pairs (self-instruct outputs, GSM8K solutions), mixed like prompts."""
-    per_file = [[(p, a) for p, a in map(_example_of, _read_rows(path)) if p and a] for path in paths]
+    per_file = [[(p, a) for p, a in (_example_of(row, where) for where, row in _read_rows(path)) if p and a]
+                for path in paths]
     mixed = _mixed(per_file, seed, limit)
     if not mixed:
         raise ConfigError("no prompts with reference answers found in " + ", ".join(map(str, paths)))
@@ -99,15 +136,44 @@ def frequent_tokens(sequences: list[dict], count: int, always: Sequence[int] = (
     return torch.tensor(sorted(keep), dtype=torch.long)
 
 
+def target_identity(model, tokenizer=None) -> dict:
+    """What identifies the target in a cache key: its weights' fingerprint, its dtype, its tokenizer."""
+    from ..drafters.compact_draft import target_fingerprint
+
+    out = {"fingerprint": target_fingerprint(model.get_input_embeddings().weight), "dtype": str(model.dtype)}
+    if tokenizer is not None:
+        out["tokenizer"] = key_of([sorted(tokenizer.get_vocab().items()), getattr(tokenizer, "chat_template", None),
+                                   tokenizer.eos_token_id, tokenizer.bos_token_id, tokenizer.pad_token_id])
+    return out
+
+
+def sequences_key(sequences: Sequence[dict]) -> str:
+    """The key of training sequences' content (ids and where their answers start)."""
+    return key_of([[s["ids"], s["prompt_len"]] for s in sequences])
+
+
+def prompt_files_record(paths: Sequence[str | Path]) -> list[dict]:
+    """Prompt files as cache keys know them: by their content's hash (and their name, to report)."""
+    for path in paths:
+        _check_exists(path)
+    return [{"name": Path(p).name, "sha256": file_digest(p)} for p in paths]
+
+
 def target_generations(model, tokenizer, prompt_files: Sequence[str], cache_file: Path, num_prompts: int,
                        sampled_fraction: float = 0.25, max_new_tokens: int = 128, batch_size: int = 16,
                        seed: int = 0, progress: bool = True) -> list[dict]:
     """The target's answers to ``num_prompts`` training prompts: greedy, plus a sampled share (T=0.7).
 
-    Cached in ``cache_file`` (the slow part of training: it is reused when present).
+    Cached in ``cache_file`` (the slow part of training), keyed by everything that produced
+    them: reused when the prompt files' content, the counts, lengths, seed, batch size and
+    target are the same, rebuilt otherwise.
     """
-    if cache_file.is_file():
-        return json.loads(cache_file.read_text())
+    inputs = {"prompt_files": prompt_files_record(prompt_files), "num_prompts": num_prompts,
+              "sampled_fraction": sampled_fraction, "max_new_tokens": max_new_tokens, "batch_size": batch_size,
+              "seed": seed, "target": target_identity(model, tokenizer)}
+    cached = read_cache(cache_file, inputs, "answers", progress)
+    if cached is not None:
+        return cached
     prompts = load_prompts(prompt_files, limit=num_prompts, seed=seed)
     n_sampled = int(len(prompts) * sampled_fraction)
     sequences = generate_sequences(model, tokenizer, prompts[n_sampled:], max_new_tokens, batch_size,
@@ -115,8 +181,7 @@ def target_generations(model, tokenizer, prompt_files: Sequence[str], cache_file
     if n_sampled:
         sequences += generate_sequences(model, tokenizer, prompts[:n_sampled], max_new_tokens, batch_size,
                                         temperature=0.7, seed=seed, progress=progress)
-    cache_file.parent.mkdir(parents=True, exist_ok=True)
-    cache_file.write_text(json.dumps(sequences))
+    write_cache(cache_file, inputs, sequences)
     return sequences
 
 
@@ -157,14 +222,17 @@ def self_prompted_generations(model, tokenizer, cache_file: Path, count: int, ma
     """Prompts the target writes itself (sampled from its user-turn prefix), and its greedy answers.
 
     More varied than any fixed prompt set at hand, and in the target's own distribution.
-    Cached in ``cache_file``.
+    Cached in ``cache_file``, keyed like :func:`target_generations`.
     """
     from tqdm.auto import tqdm
 
     from ..decoder import SpeculativeDecoder
 
-    if cache_file.is_file():
-        return json.loads(cache_file.read_text())
+    inputs = {"self_prompts": count, "max_new_tokens": max_new_tokens, "batch_size": batch_size, "seed": seed,
+              "target": target_identity(model, tokenizer)}
+    cached = read_cache(cache_file, inputs, "self-written prompts and answers", progress)
+    if cached is not None:
+        return cached
     dec = SpeculativeDecoder(model, tokenizer, drafter="none")
     prefix = user_turn_prefix(tokenizer)
     prompts: list[str] = []
@@ -182,8 +250,7 @@ def self_prompted_generations(model, tokenizer, cache_file: Path, count: int, ma
                 bar.update()
     bar.close()
     sequences = generate_sequences(model, tokenizer, prompts, max_new_tokens, batch_size, progress=progress)
-    cache_file.parent.mkdir(parents=True, exist_ok=True)
-    cache_file.write_text(json.dumps(sequences))
+    write_cache(cache_file, inputs, sequences)
     return sequences
 
 
@@ -192,16 +259,26 @@ def target_features(model, sequences: Sequence[dict], cache_file: Path | None = 
     """The target's last-layer hidden states (after its final norm) at every position of each sequence.
 
     Returns one ``[len(ids), hidden]`` float16 tensor per sequence, computed once in
-    length-sorted batches and cached in ``cache_file`` (safetensors) when given.
+    length-sorted batches and cached in ``cache_file`` (safetensors) when given, keyed by the
+    sequences' content, the batching and the target.
     """
     import torch
-    from safetensors.torch import load_file, save_file
+    from safetensors import safe_open
+    from safetensors.torch import save_file
     from tqdm.auto import tqdm
 
-    if cache_file is not None and cache_file.is_file():
-        flat = load_file(cache_file)
-        if flat["lengths"].tolist() == [len(s["ids"]) for s in sequences]:
-            return list(flat["states"].split(flat["lengths"].tolist()))
+    inputs = {"sequences": sequences_key(sequences), "batch_tokens": batch_tokens, "target": target_identity(model)}
+
+    def load(path: Path):
+        with safe_open(str(path), "pt") as f:
+            meta = json.loads(f.metadata()["specdraft"])
+            flat = {k: f.get_tensor(k) for k in ("states", "lengths")}
+        return meta["key"], meta["inputs"], list(flat["states"].split(flat["lengths"].tolist()))
+
+    if cache_file is not None:
+        cached = read_cache(cache_file, inputs, desc, progress, load=load)
+        if cached is not None:
+            return cached
     order = sorted(range(len(sequences)), key=lambda i: len(sequences[i]["ids"]))
     states: list = [None] * len(sequences)
     decoder = model.get_decoder()
@@ -227,8 +304,9 @@ def target_features(model, sequences: Sequence[dict], cache_file: Path | None = 
             i = j
     bar.close()
     if cache_file is not None:
-        cache_file.parent.mkdir(parents=True, exist_ok=True)
-        save_file({"states": torch.cat(states), "lengths": torch.tensor([s.shape[0] for s in states])}, cache_file)
+        flat = {"states": torch.cat(states), "lengths": torch.tensor([s.shape[0] for s in states])}
+        meta = {"specdraft": json.dumps({"key": key_of(inputs), "inputs": inputs})}
+        write_atomic(cache_file, lambda tmp: save_file(flat, tmp, metadata=meta))
     return states
 
 
@@ -283,12 +361,15 @@ def target_answers(model, tokenizer, prompt_files: Sequence[str], work: Path, nu
                       f"self_prompted_{self_prompts}_states"))
     if document_prompts_count:
         cache = work / f"document_prompted_{document_prompts_count}.json"
-        if cache.is_file():
-            docs = json.loads(cache.read_text())
-        else:
-            prompts = document_prompts(tokenizer, [s for part, _ in parts for s in part], document_prompts_count, seed)
+        sources = [s for part, _ in parts for s in part]
+        inputs = {"document_prompts": document_prompts_count, "from": sequences_key(sources), "seed": seed,
+                  "max_new_tokens": max_new_tokens, "batch_size": batch_size,
+                  "target": target_identity(model, tokenizer)}
+        docs = read_cache(cache, inputs, "answers to document prompts", progress)
+        if docs is None:
+            prompts = document_prompts(tokenizer, sources, document_prompts_count, seed)
             docs = generate_sequences(model, tokenizer, prompts, max_new_tokens, batch_size, progress=progress)
-            cache.write_text(json.dumps(docs))
+            write_cache(cache, inputs, docs)
         parts.append((docs, f"document_prompted_{document_prompts_count}_states"))
     sequences = [s for part, _ in parts for s in part]
     if not states:

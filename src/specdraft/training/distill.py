@@ -20,7 +20,6 @@ Every stage is resumable: answers and target states are cached in ``DIR/work/`` 
 
 from __future__ import annotations
 
-import random
 import time
 from pathlib import Path
 from typing import Sequence
@@ -31,10 +30,11 @@ from ..drafters.compact_draft import build_compact_draft, save_compact_draft, ta
 from ..drafters.heads.modules import SharedHead
 from ..errors import ConfigError
 from .copy_gate import GateSource, fit_copy_gate
-from .data import frequent_tokens, target_answers
+from .data import frequent_tokens, sequences_key, target_answers, target_identity
 from .evaluate import draft_model_predictor, held_out_acceptance, split_held_out
 from .heads import padded_batch, token_loss
-from .loop import autocast_dtype, train
+from .io import key_of, write_atomic
+from .loop import autocast_dtype, batch_indices, check_lr, seeded, train
 
 
 def distill(target, tokenizer, target_name: str, prompt_files: Sequence[str], out_dir: str | Path,
@@ -47,9 +47,15 @@ def distill(target, tokenizer, target_name: str, prompt_files: Sequence[str], ou
 
     ``work_dir`` (default ``out_dir/work``) caches the target's answers (and, for "kl", its
     hidden states); it can be shared with ``train-heads``. Checkpoints go to ``work_dir/draft-model``.
+    The same inputs and ``seed`` give the same draft, bit for bit on the same machine and
+    threads, whether or not the run was interrupted and resumed.
     """
     if objective not in ("kl", "ce"):
         raise ConfigError(f"objective must be 'kl' or 'ce', not {objective!r}")
+    target_layers = target.config.get_text_config().num_hidden_layers
+    if isinstance(layers, bool) or not isinstance(layers, int) or not 1 <= layers <= target_layers:
+        raise ConfigError(f"layers must be 1 to {target_layers} (the target's layer count), not {layers!r}")
+    check_lr(lr)
     out_dir = Path(out_dir)
     work = Path(work_dir) if work_dir else out_dir / "work"
     (work / "draft-model").mkdir(parents=True, exist_ok=True)
@@ -67,22 +73,17 @@ def distill(target, tokenizer, target_name: str, prompt_files: Sequence[str], ou
 
     specials = [t for t in (tokenizer.eos_token_id, tokenizer.bos_token_id, tokenizer.pad_token_id) if t is not None]
     head_ids = frequent_tokens(sequences, head_tokens, specials).to(target.device)
-    draft = build_compact_draft(target, layers, head_ids)
+    with seeded(seed):  # every weight is then copied from the target, but none is left to chance
+        draft = build_compact_draft(target, layers, head_ids)
     draft.train()
     for p in draft.model.embed_tokens.parameters():
         p.requires_grad_(False)
     params = {n: p for n, p in draft.named_parameters() if p.requires_grad}
     teacher = SharedHead(target.get_output_embeddings(), draft.config.vocab_size, head_ids)
-    rng = random.Random(seed)
-    order: list[int] = []
     width = target.config.get_text_config().hidden_size
 
-    def loss_fn(step: int) -> torch.Tensor:
-        nonlocal order
-        if len(order) < batch_size:
-            order = list(range(len(sequences)))
-            rng.shuffle(order)
-        picked = [order.pop() for _ in range(batch_size)]
+    def loss_fn(step: int) -> torch.Tensor:  # a function of the step alone, so that resuming is exact
+        picked = batch_indices(step, batch_size, len(sequences), seed)
         feats = [states[i] for i in picked] if states is not None else [torch.zeros(1, width)] * batch_size
         ids, feats, valid, answer = padded_batch([sequences[i] for i in picked], feats, target.dtype, target.device)
         hidden = draft.model(input_ids=ids, attention_mask=valid.long()).last_hidden_state  # [batch, width, dim]
@@ -90,14 +91,17 @@ def distill(target, tokenizer, target_name: str, prompt_files: Sequence[str], ou
         return token_loss(hidden[:, :-1], 1, ids, feats, answer, teacher, soft=states is not None,
                           student=draft.lm_head.proj)
 
+    target_id = target_identity(target, tokenizer)
+    settings = {"objective": objective, "answers": sequences_key(sequences), "target": target_id,
+                "head_tokens": key_of(head_ids.tolist()), "batch_size": batch_size, "seed": seed}
     with torch.enable_grad():
         losses = train(params, loss_fn, steps, work / "draft-model", lr=lr, progress=progress, desc="distill",
-                       autocast=autocast_dtype(train_dtype, target.device))
+                       autocast=autocast_dtype(train_dtype, target.device), settings=settings)
     draft.eval()
     gate_info = {}
     if copy_gate:
         gate_losses = fit_copy_gate(draft, draft_gate_source(draft), sequences, work / "copy-gate", steps=gate_steps,
-                                    seed=seed, progress=progress, device=target.device)
+                                    seed=seed, progress=progress, device=target.device, settings={"target": target_id})
         if gate_losses:
             gate_info = {"copy_gate": {"steps": gate_steps,
                                        "final_loss": sum(gate_losses[-20:]) / max(1, len(gate_losses[-20:]))}}
@@ -117,9 +121,9 @@ def distill(target, tokenizer, target_name: str, prompt_files: Sequence[str], ou
     })
     for name in ("loss.png", "losses.json"):
         if (work / "draft-model" / name).is_file():
-            (out_dir / name).write_bytes((work / "draft-model" / name).read_bytes())
+            write_atomic(out_dir / name, (work / "draft-model" / name).read_bytes())
         if gate_info and (work / "copy-gate" / name).is_file():
-            (out_dir / f"copy_gate_{name}").write_bytes((work / "copy-gate" / name).read_bytes())
+            write_atomic(out_dir / f"copy_gate_{name}", (work / "copy-gate" / name).read_bytes())
     return out_dir
 
 

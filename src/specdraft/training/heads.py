@@ -18,7 +18,6 @@ loop ``specdraft distill`` uses: resumable checkpoints, a progress bar, a loss p
 
 from __future__ import annotations
 
-import random
 import time
 from pathlib import Path
 from typing import Sequence
@@ -32,9 +31,11 @@ from ..drafters.heads.formats import load_heads, save_heads
 from ..drafters.heads.modules import KINDS, SharedHead, build_heads
 from ..errors import ConfigError
 from .copy_gate import GateSource, fit_copy_gate
-from .data import chat_sequences, frequent_tokens, load_examples, target_answers, target_features
+from .data import (chat_sequences, frequent_tokens, load_examples, sequences_key, target_answers, target_features,
+                   target_identity)
 from .evaluate import heads_predictor, held_out_acceptance, split_held_out
-from .loop import autocast_dtype, train
+from .io import key_of, write_atomic
+from .loop import autocast_dtype, batch_indices, check_lr, seeded, step_generator, train
 
 #: EAGLE-1's weighting of its two losses: feature regression 1, token classification 0.1
 EAGLE_CLASSIFICATION_WEIGHT = 0.1
@@ -81,8 +82,9 @@ def token_loss(out: torch.Tensor, at: int, ids, feats, answer, head: SharedHead,
 
 
 def heads_loss(kind: str, module, head: SharedHead, embeddings, ids, feats, valid, answer, soft: bool,
-               noise: float = 0.0) -> torch.Tensor:
-    """Teacher-forced training loss of one padded batch (see :func:`_batch`)."""
+               noise: float = 0.0, generator: torch.Generator | None = None) -> torch.Tensor:
+    """Teacher-forced training loss of one padded batch (see :func:`padded_batch`); ``generator``
+    draws EAGLE's input noise (default: torch's global one)."""
     width = ids.shape[1]
     if kind == "medusa":
         losses = []
@@ -102,7 +104,7 @@ def heads_loss(kind: str, module, head: SharedHead, embeddings, ids, feats, vali
             losses.append(token_loss(out, i + 1, ids, feats, answer, head, soft))
         return torch.stack(losses).mean()
     if kind == "eagle":
-        return _eagle_loss(module, head, embeddings, ids, feats, valid, answer, soft, noise)
+        return _eagle_loss(module, head, embeddings, ids, feats, valid, answer, soft, noise, generator=generator)
     raise ConfigError(f"unknown head kind {kind!r}; expected one of {', '.join(KINDS)}")
 
 
@@ -119,7 +121,8 @@ def _chain_mask(steps: torch.Tensor, chains: torch.Tensor, dtype, device) -> tor
     return mask[None, None]
 
 
-def eagle_unroll(module, embeddings, ids, feats, depth: int, noise: float = 0.0) -> list[torch.Tensor]:
+def eagle_unroll(module, embeddings, ids, feats, depth: int, noise: float = 0.0,
+                 generator: torch.Generator | None = None) -> list[torch.Tensor]:
     """EAGLE drafting ``depth`` steps deep from every position at once, as the drafter runs it.
 
     ``ids # [B, W]``, ``feats # [B, W, H]`` (``n = W - 1`` pairs). Returns ``guesses`` with
@@ -128,14 +131,16 @@ def eagle_unroll(module, embeddings, ids, feats, depth: int, noise: float = 0.0)
     guessed features with the tokens ``x_{j+2}..x_{j+s}``; its token guess is ``x_{j+s+1}``.
     Step ``s`` is one pass over the true pairs and the guessed pairs of steps ``2..s``, with
     :func:`_chain_mask` (so that training sees exactly what drafting sees; a test checks it
-    against the drafter's cache path).
+    against the drafter's cache path). ``noise``: uniform noise of that size on the true
+    features, drawn from ``generator``.
     """
     batch, width = ids.shape
     n = width - 1
     device = feats.device
     true_in = feats[:, :-1]
     if noise:
-        true_in = true_in + (torch.rand_like(true_in) * 2 - 1) * noise
+        uniform = torch.rand(true_in.shape, generator=generator, dtype=true_in.dtype, device=true_in.device)
+        true_in = true_in + (uniform * 2 - 1) * noise
     f_in, x_in = [true_in], [embeddings(ids[:, 1:])]
     positions, steps, chains = [torch.arange(n, device=device)], [torch.ones(n, dtype=torch.long, device=device)], \
         [torch.arange(n, device=device)]
@@ -158,7 +163,8 @@ def eagle_unroll(module, embeddings, ids, feats, depth: int, noise: float = 0.0)
 
 
 def _eagle_loss(module, head, embeddings, ids, feats, valid, answer, soft: bool, noise: float,
-                depth: int = EAGLE_DEPTH, token_weight: float = EAGLE_CLASSIFICATION_WEIGHT) -> torch.Tensor:
+                depth: int = EAGLE_DEPTH, token_weight: float = EAGLE_CLASSIFICATION_WEIGHT,
+                generator: torch.Generator | None = None) -> torch.Tensor:
     """EAGLE's loss over ``depth`` drafting steps (:func:`eagle_unroll`), summed.
 
     Each step: smooth-L1 between guessed and true features plus ``token_weight`` x the token
@@ -166,7 +172,7 @@ def _eagle_loss(module, head, embeddings, ids, feats, valid, answer, soft: bool,
     guesses as input and later draft tokens are rarely right.
     """
     loss = 0
-    for s, guess in enumerate(eagle_unroll(module, embeddings, ids, feats, depth, noise), 1):
+    for s, guess in enumerate(eagle_unroll(module, embeddings, ids, feats, depth, noise, generator), 1):
         target, keep = feats[:, s:], valid[:, s:]  # f_{j+s}
         regression = F.smooth_l1_loss(guess[keep].float(), target[keep].float())
         loss = loss + regression + token_weight * token_loss(guess[:, :-1], s + 1, ids, feats, answer, head, soft)
@@ -191,9 +197,13 @@ def train_heads(target, tokenizer, target_name: str, kind: str, prompt_files: Se
     ``work_dir/<kind>-copy-gate``). ``init_from``: start from the heads in that folder
     (specdraft's format, same kind; their vocabulary is kept) instead of fresh ones; with
     ``steps=0`` only the copy gate is fitted.
+
+    The same inputs and ``seed`` give the same heads, bit for bit on the same machine and
+    threads, whether or not the run was interrupted and resumed.
     """
     if kind not in KINDS:
         raise ConfigError(f"unknown head kind {kind!r}; expected one of {', '.join(KINDS)}")
+    check_lr(lr)
     out_dir = Path(out_dir)
     work = Path(work_dir) if work_dir else out_dir / "work"
     (work / kind).mkdir(parents=True, exist_ok=True)
@@ -223,33 +233,35 @@ def train_heads(target, tokenizer, target_name: str, kind: str, prompt_files: Se
         head_ids = frequent_tokens(answers + texts, head_tokens, specials) if head_tokens else None
         lm_head = target.get_output_embeddings()
         head = SharedHead(lm_head, lm_head.weight.shape[0], head_ids).to(device=device, dtype=torch.float32)
-        module = build_heads(kind, target.config.get_text_config(), **head_config).to(device=device, dtype=torch.float32)
+        with seeded(seed):
+            module = build_heads(kind, target.config.get_text_config(), **head_config)
+        module = module.to(device=device, dtype=torch.float32)
     module.train()
     params = dict(module.named_parameters())
     embeddings = target.get_input_embeddings()
     with torch.no_grad():  # EAGLE's input noise is relative to the states' own scale
         noise = 0.1 * float(torch.cat(answer_states[:50]).float().std()) if kind == "eagle" else 0.0
     phase1 = round(steps * 5 / 7)
-    rng = random.Random(seed)
-    orders: dict[int, list[int]] = {1: [], 2: []}
 
-    def loss_fn(step: int) -> torch.Tensor:
+    def loss_fn(step: int) -> torch.Tensor:  # a function of the step alone, so that resuming is exact
         phase = 1 if step < phase1 else 2
         seqs, states = (texts, text_states) if phase == 1 else (answers, answer_states)
-        if len(orders[phase]) < batch_size:
-            orders[phase] = list(range(len(seqs)))
-            rng.shuffle(orders[phase])
-        picked = [orders[phase].pop() for _ in range(batch_size)]
+        picked = batch_indices(step - (0 if phase == 1 else phase1), batch_size, len(seqs), seed + phase)
         ids, feats, valid, answer = padded_batch([seqs[i] for i in picked], [states[i] for i in picked], torch.float32,
                                            device)
         return heads_loss(kind, module, head, lambda t: embeddings(t).float(), ids, feats, valid, answer,
-                          soft=phase == 2, noise=noise)
+                          soft=phase == 2, noise=noise, generator=step_generator(seed, step, device))
 
+    target_id = target_identity(target, tokenizer)
+    settings = {"kind": kind, "texts": sequences_key(texts), "answers": sequences_key(answers), "target": target_id,
+                "head_tokens": key_of(head.head_ids.tolist() if head.head_ids is not None else None),
+                "batch_size": batch_size, "seed": seed}
     losses = []
     if steps:
         with torch.enable_grad():
             losses = train(params, loss_fn, steps, work / kind, lr=lr, progress=progress,
-                           desc=f"train-heads ({kind})", autocast=autocast_dtype(train_dtype, target.device))
+                           desc=f"train-heads ({kind})", autocast=autocast_dtype(train_dtype, target.device),
+                           settings=settings)
     module.eval()
     for p in module.parameters():
         p.requires_grad_(False)
@@ -257,7 +269,8 @@ def train_heads(target, tokenizer, target_name: str, kind: str, prompt_files: Se
     if copy_gate and gate_steps:
         source = heads_gate_source(kind, module, head, lambda t: embeddings(t).float())
         gate_losses = fit_copy_gate(module, source, answers, work / f"{kind}-copy-gate", states=answer_states,
-                                    steps=gate_steps, seed=seed, progress=progress, device=device)
+                                    steps=gate_steps, seed=seed, progress=progress, device=device,
+                                    settings={"target": target_id})
         if gate_losses:
             gate_info = {"copy_gate": {"steps": gate_steps,
                                        "final_loss": sum(gate_losses[-20:]) / max(1, len(gate_losses[-20:]))}}
@@ -283,9 +296,9 @@ def train_heads(target, tokenizer, target_name: str, kind: str, prompt_files: Se
     })
     for name in ("loss.png", "losses.json"):
         if steps and (work / kind / name).is_file():
-            (out_dir / name).write_bytes((work / kind / name).read_bytes())
+            write_atomic(out_dir / name, (work / kind / name).read_bytes())
         if gate_info and (work / f"{kind}-copy-gate" / name).is_file():
-            (out_dir / f"copy_gate_{name}").write_bytes((work / f"{kind}-copy-gate" / name).read_bytes())
+            write_atomic(out_dir / f"copy_gate_{name}", (work / f"{kind}-copy-gate" / name).read_bytes())
     return out_dir
 
 
