@@ -63,8 +63,10 @@ cat <<'MD'
 ```
 
 See [getting started](getting-started.md#draft-models). The answers, training checkpoints
-and loss history go to `DIR/work/` (or `--work`), so an interrupted run continues where it stopped, and
-`DIR/loss.png` plots the loss.
+and loss history go to `DIR/work/` (or `--work`), so an interrupted run continues where it stopped
+when started again with the same command, and `DIR/loss.png` plots the loss. Changed prompt
+files, counts, lengths, target or settings rebuild what they affect, and the log says what it
+reuses and what it rebuilds ([details](getting-started.md#training-interrupted-runs-caches-and-reproducibility)).
 
 ## `specdraft train-heads`
 
@@ -77,7 +79,9 @@ cat <<'MD'
 See [getting started](getting-started.md#heads-medusa-eagle-mlp-speculator). The target's
 answers and hidden states are cached in `--work` (default `DIR/work/`) and do not depend on
 `--kind`: point several runs at one folder to compute them once. Checkpoints go to
-`WORK/<kind>/`, so an interrupted run continues where it stopped. `DIR/loss.png` plots the
+`WORK/<kind>/`, so an interrupted run continues where it stopped when started again with the
+same command; changed inputs or settings rebuild what they affect
+([details](getting-started.md#training-interrupted-runs-caches-and-reproducibility)). `DIR/loss.png` plots the
 loss. `--num-heads` sets Medusa's heads or the MLP speculator's stages; EAGLE has one layer.
 
 ## `specdraft drafters`

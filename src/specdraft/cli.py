@@ -55,7 +55,10 @@ def _training_args(p: argparse.ArgumentParser, steps: int, steps_help: str, lr: 
                         "(default: 16)")
     p.add_argument("--steps", type=int, default=steps, help=f"{steps_help} (default: {steps})")
     p.add_argument("--batch-size", type=int, default=8, help="sequences per step (default: 8)")
-    p.add_argument("--lr", type=float, default=lr, help=f"peak learning rate (default: {lr:g})")
+    p.add_argument("--lr", type=float, default=lr, help=f"peak learning rate, > 0 (default: {lr:g})")
+    p.add_argument("--seed", type=int, default=0,
+                   help="seed of the prompt mix, sampled answers, batches and fresh weights: the same seed and "
+                        "inputs give the same weights (default: 0)")
     p.add_argument("--head-tokens", type=int, default=8192, help=f"{head_tokens_help} (default: 8192)")
     p.add_argument("--train-dtype", choices=TRAIN_DTYPES, default="auto",
                    help="precision of the training steps' matrix products (autocast): auto = bfloat16 where the "
@@ -75,12 +78,14 @@ def _check_training_args(args, *positive: str, non_negative: Sequence[str] = ())
     then the command's own ``positive`` (>= 1) and ``non_negative`` (>= 0) options, then that
     the prompt files hold prompts: all before the model loads."""
     from .training.data import load_prompts
+    from .training.loop import check_lr
 
     _check_positive(args, "num_prompts", "max_new_tokens", "batch_size", "generate_batch_size", *positive)
     for name in ("self_prompts", "document_prompts", "gate_steps", *non_negative):
         if getattr(args, name) < 0:
             raise ConfigError(f"--{name.replace('_', '-')} must be >= 0")
-    load_prompts(args.prompts, limit=1)  # a missing or empty file
+    check_lr(args.lr)
+    load_prompts(args.prompts, limit=1)  # a missing or empty file, or a bad line in one
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -343,7 +348,7 @@ def _distill(args) -> int:
                   steps=args.steps, batch_size=args.batch_size, lr=args.lr, objective=args.objective,
                   self_prompts=args.self_prompts, document_prompts=args.document_prompts,
                   work_dir=args.work, train_dtype=args.train_dtype, copy_gate=args.gate_steps > 0,
-                  gate_steps=args.gate_steps, gen_batch_size=args.generate_batch_size)
+                  gate_steps=args.gate_steps, gen_batch_size=args.generate_batch_size, seed=args.seed)
     from .drafters.compact_draft import FORMAT_FILE
 
     _print_held_out(out / FORMAT_FILE)
@@ -371,7 +376,7 @@ def _train_heads(args) -> int:
                       batch_size=args.batch_size, lr=args.lr, head_tokens=args.head_tokens or None,
                       work_dir=args.work, train_dtype=args.train_dtype, copy_gate=args.gate_steps > 0,
                       gate_steps=args.gate_steps, init_from=args.init, gen_batch_size=args.generate_batch_size,
-                      **config)
+                      seed=args.seed, **config)
     from .drafters.heads.formats import FORMAT_FILE
 
     _print_held_out(out / FORMAT_FILE)
