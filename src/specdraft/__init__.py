@@ -13,7 +13,7 @@ from .errors import (
     UnknownDrafterError,
 )
 from .hookspecs import hookimpl
-from .sampling import SamplingParams, logits_to_probs
+from .sampling import SamplingParams, TokenCounts, logits_to_probs
 from .types import Draft, DraftContext, GenerationResult, GenerationStats, TargetInfo
 
 try:
@@ -24,5 +24,5 @@ except _metadata.PackageNotFoundError:  # running from a source tree that is not
 __all__ = [
     "ConfigError", "Draft", "DraftContext", "Drafter", "DrafterError", "GenerationResult",
     "GenerationStats", "ModelLoadError", "PluginError", "SamplingParams", "SpecdraftError",
-    "SpeculativeDecoder", "TargetInfo", "UnknownDrafterError", "hookimpl", "logits_to_probs",
+    "SpeculativeDecoder", "TargetInfo", "TokenCounts", "UnknownDrafterError", "hookimpl", "logits_to_probs",
 ]
