@@ -1,0 +1,123 @@
+"""A static KV cache: preallocated buffers, per-row lengths on the device, rollback by writing lengths.
+
+Layout per layer: ``keys[i]`` and ``values[i]`` of shape ``[slots, kv_heads, max_len, head_dim]``,
+allocated once. Slot ``s`` stores the key of its position ``p`` at index ``p`` of the ``max_len``
+axis, and ``lengths[s]`` (a long tensor on the cache's device) says how many positions are
+valid. A pass of width ``W`` over rows ``rows`` writes its keys at positions
+``lengths[rows] .. lengths[rows] + W - 1`` and attends with a mask built from ``lengths`` on the
+device: committed positions, plus the pass's own tokens causally (or as a tree mask says).
+Everything per step is a tensor; the only Python ints are the shapes (``W``, ``max_len``), so one
+compiled graph serves every step of a width.
+
+Rolling back is writing smaller lengths (:meth:`KVCache.set_lengths`): nothing is copied, the
+stale positions are masked out and the next pass overwrites them. Rows of different lengths
+share a batch; a row whose pass carries padding advances by its own count (``advance``).
+
+The caller keeps ``lengths[row] + W <= max_len``: writes past the end fail (an index error on
+CPU, a device assert on CUDA) rather than wrapping.
+"""
+
+from __future__ import annotations
+
+import torch
+
+
+class KVCache:
+    """Keys and values of ``layers`` layers for ``slots`` sequences of up to ``max_len`` tokens."""
+
+    def __init__(self, layers: int, slots: int, kv_heads: int, max_len: int, head_dim: int,
+                 dtype: torch.dtype, device: torch.device | str | None = None) -> None:
+        shape = (slots, kv_heads, max_len, head_dim)
+        self.keys = [torch.zeros(shape, dtype=dtype, device=device) for _ in range(layers)]
+        self.values = [torch.zeros(shape, dtype=dtype, device=device) for _ in range(layers)]
+        self.lengths = torch.zeros(slots, dtype=torch.long, device=device)  # [slots]
+
+    @property
+    def slots(self) -> int:
+        return self.lengths.shape[0]
+
+    @property
+    def max_len(self) -> int:
+        return self.keys[0].shape[2]
+
+    @property
+    def device(self) -> torch.device:
+        return self.lengths.device
+
+    # -- lengths: the only state that changes per step -------------------------------------
+
+    def starts(self, rows: torch.Tensor | None) -> torch.Tensor:
+        """Current lengths of ``rows`` (all slots when None): where a pass starts writing.  # [B]"""
+        return self.lengths if rows is None else self.lengths[rows]
+
+    def advance(self, rows: torch.Tensor | None, by: torch.Tensor | int) -> None:
+        """Add ``by`` (an int, or a long tensor ``[B]``) to the lengths of ``rows``."""
+        if rows is None:
+            self.lengths += by
+        else:
+            self.lengths[rows] += by  # rows are distinct, so the in-place add is well defined
+
+    def set_lengths(self, lengths: torch.Tensor | int, rows: torch.Tensor | None = None) -> None:
+        """Rollback (or any other length change): ``lengths[rows] = lengths``. Nothing is copied."""
+        if rows is None:
+            self.lengths.copy_(torch.as_tensor(lengths, device=self.device).expand_as(self.lengths))
+        else:
+            self.lengths[rows] = torch.as_tensor(lengths, device=self.device)
+
+    def reset(self, rows: torch.Tensor | None = None) -> None:
+        """Empty ``rows`` (all slots when None), e.g. to give a slot to a new sequence."""
+        self.set_lengths(0, rows)
+
+    # -- one layer's write and read ---------------------------------------------------------
+
+    def update(self, layer: int, rows: torch.Tensor | None, positions: torch.Tensor, keys: torch.Tensor,
+               values: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """Write a pass's keys and values at ``positions`` and return the rows' whole buffers.
+
+        ``positions # [B, W]`` long; ``keys``, ``values # [B, kv_heads, W, head_dim]``.
+        Returns ``(keys, values) # [B, kv_heads, max_len, head_dim]``: the buffers themselves
+        when ``rows`` is None (every slot, in order), otherwise a gathered copy of those rows.
+        """
+        k_buf, v_buf = self.keys[layer], self.values[layer]
+        slot = torch.arange(k_buf.shape[0], device=self.device) if rows is None else rows  # [B]
+        # Advanced indices around a slice put their dims first: the target is [B, W, kv_heads, head_dim].
+        k_buf[slot[:, None], :, positions] = keys.transpose(1, 2)
+        v_buf[slot[:, None], :, positions] = values.transpose(1, 2)
+        if rows is None:
+            return k_buf, v_buf
+        return k_buf[rows], v_buf[rows]
+
+
+def pass_positions(starts: torch.Tensor, width: int) -> torch.Tensor:
+    """Positions of a pass of ``width`` tokens for rows starting at ``starts # [B]``.  # [B, W]"""
+    return starts[:, None] + torch.arange(width, device=starts.device)
+
+
+def attention_mask(starts: torch.Tensor, width: int, max_len: int, tree_mask: torch.Tensor | None = None,
+                   window: int | None = None) -> torch.Tensor:
+    """Which cache positions each token of a pass may attend to.  # [B, 1, W, max_len] bool
+
+    ``starts # [B]``: each row's length before the pass (its tokens sit at ``starts + 0..W-1``).
+    A token sees every committed position (``< starts``) and, among the pass's own tokens, those
+    at or before it (causal) or, with ``tree_mask # [B, W, W]`` bool, those ``tree_mask[b, i]``
+    marks (a token always sees itself). ``window``: a sliding window of that many positions
+    (the query's own included), as Mistral's ``sliding_window``; keys older than that are hidden.
+    Positions past the pass are never visible, whatever they hold.
+
+    Example: ``starts=[0, 2]``, ``width=2``, ``max_len=5`` gives rows ``[[1,0,0,0,0], [1,1,0,0,0]]``
+    for the first sequence and ``[[1,1,1,0,0], [1,1,1,1,0]]`` for the second.
+    """
+    device = starts.device
+    cols = torch.arange(max_len, device=device)  # [L]
+    query_pos = pass_positions(starts, width)  # [B, W]
+    if tree_mask is None:
+        visible = cols[None, None, :] <= query_pos[:, :, None]  # [B, W, L]
+    else:
+        offset = cols[None, :] - starts[:, None]  # [B, L]: index of each position within the pass
+        in_pass = (offset >= 0) & (offset < width)  # [B, L]
+        own = tree_mask | torch.eye(width, dtype=torch.bool, device=device)  # [B, W, W]
+        index = offset.clamp(0, width - 1)[:, None, :].expand(-1, width, -1)  # [B, W, L]
+        visible = (offset < 0)[:, None, :] | (in_pass[:, None, :] & own.gather(2, index))  # [B, W, L]
+    if window is not None:
+        visible = visible & (cols[None, None, :] > query_pos[:, :, None] - window)
+    return visible[:, None]  # [B, 1, W, L]: one mask for every head

@@ -1,0 +1,209 @@
+"""Llama-family decoder owned by specdraft, in the style of gpt-fast's ``model.py``.
+
+One set of modules serves Llama (SmolLM2, Llama 3.x), Mistral, Qwen2 and Qwen3: fused q/k/v
+(``wqkv``) and gate/up (``w13``) projections, RMSNorm, rotary embeddings (default or Llama-3
+scaled), grouped KV heads, optional q/k/v bias (Qwen2) and per-head q/k norms (Qwen3), tied or
+untied embeddings, an optional sliding window (Mistral).
+
+The forward is explicit: tokens and a :class:`~specdraft.runner.cache.KVCache` in, logits (and
+the final hidden states when asked) out. Positions, write indices and the attention mask come
+from the cache's device-side lengths, so nothing in the forward is a Python int that changes
+from step to step. Weights come from a loaded transformers model (:mod:`.convert`).
+
+The arithmetic follows transformers' modules operation by operation (RMSNorm in float32, rotary
+tables computed in float32 then cast), so logits agree with transformers' to rounding.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from typing import NamedTuple
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from .cache import KVCache, attention_mask, pass_positions
+
+
+@dataclass(frozen=True)
+class ModelArgs:
+    """What the modules need to know, read from a transformers config by :mod:`.convert`."""
+
+    vocab_size: int
+    dim: int  # hidden size
+    n_layers: int
+    n_heads: int
+    n_kv_heads: int
+    head_dim: int  # may differ from dim // n_heads (Qwen3)
+    intermediate_size: int
+    norm_eps: float
+    rope_theta: float
+    rope_llama3: tuple[float, float, float, int] | None = None  # (factor, low, high, original_max_positions)
+    qkv_bias: bool = False  # Qwen2
+    qk_norm: bool = False  # Qwen3: RMSNorm over each head of q and k, before the rotation
+    tie_embeddings: bool = False
+    sliding_window: int | None = None  # Mistral: a query sees this many positions, itself included
+
+
+class ForwardOutput(NamedTuple):
+    logits: torch.Tensor  # [B, W, vocab], or [B, N, vocab] at ``logits_at``; the model's dtype
+    hidden: torch.Tensor | None  # [B, W, dim] after the final norm, when asked
+
+
+def rope_inv_freq(args: ModelArgs) -> torch.Tensor:
+    """Inverse frequencies of the rotary embedding, float32, as transformers' ``modeling_rope_utils``
+    computes them (default, or ``rope_type="llama3"``).  # [head_dim // 2]"""
+    dim = args.head_dim
+    inv_freq = 1.0 / (args.rope_theta ** (torch.arange(0, dim, 2, dtype=torch.int64).to(torch.float) / dim))
+    if args.rope_llama3 is None:
+        return inv_freq
+    factor, low_freq_factor, high_freq_factor, old_context_len = args.rope_llama3
+    low_freq_wavelen = old_context_len / low_freq_factor
+    high_freq_wavelen = old_context_len / high_freq_factor
+    wavelen = 2 * math.pi / inv_freq
+    # long wavelengths are divided by factor, short ones kept, the ones between interpolated
+    scaled = torch.where(wavelen > low_freq_wavelen, inv_freq / factor, inv_freq)
+    smooth = (old_context_len / wavelen - low_freq_factor) / (high_freq_factor - low_freq_factor)
+    smoothed = (1 - smooth) * scaled / factor + smooth * scaled
+    is_medium = ~(wavelen < high_freq_wavelen) * ~(wavelen > low_freq_wavelen)
+    return torch.where(is_medium, smoothed, scaled)
+
+
+def rope_tables(inv_freq: torch.Tensor, positions: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+    """cos and sin at ``positions # [B, W]``, computed in float32 and cast.  # [B, 1, W, head_dim] each"""
+    freqs = positions[..., None].float() * inv_freq.float()  # [B, W, head_dim // 2]
+    emb = torch.cat((freqs, freqs), dim=-1)
+    return emb.cos().to(dtype)[:, None], emb.sin().to(dtype)[:, None]
+
+
+def rotate_half(x: torch.Tensor) -> torch.Tensor:
+    half = x.shape[-1] // 2
+    return torch.cat((-x[..., half:], x[..., :half]), dim=-1)
+
+
+class RMSNorm(nn.Module):
+    """transformers' RMSNorm: normalised in float32, cast back, then scaled by the weight."""
+
+    def __init__(self, dim: int, eps: float) -> None:
+        super().__init__()
+        self.weight = nn.Parameter(torch.ones(dim))
+        self.eps = eps
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = x.to(torch.float32)
+        h = h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + self.eps)
+        return self.weight * h.to(x.dtype)
+
+
+class Attention(nn.Module):
+    def __init__(self, args: ModelArgs, layer: int) -> None:
+        super().__init__()
+        self.layer = layer
+        self.n_heads, self.n_kv_heads, self.head_dim = args.n_heads, args.n_kv_heads, args.head_dim
+        self.wqkv = nn.Linear(args.dim, (args.n_heads + 2 * args.n_kv_heads) * args.head_dim, bias=args.qkv_bias)
+        self.wo = nn.Linear(args.n_heads * args.head_dim, args.dim, bias=False)
+        self.q_norm = RMSNorm(args.head_dim, args.norm_eps) if args.qk_norm else None
+        self.k_norm = RMSNorm(args.head_dim, args.norm_eps) if args.qk_norm else None
+
+    def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, mask: torch.Tensor,
+                cache: KVCache, rows: torch.Tensor | None, positions: torch.Tensor) -> torch.Tensor:
+        batch, width, _ = x.shape  # x: [B, W, dim]
+        q_size, kv_size = self.n_heads * self.head_dim, self.n_kv_heads * self.head_dim
+        q, k, v = self.wqkv(x).split([q_size, kv_size, kv_size], dim=-1)
+        q = q.view(batch, width, self.n_heads, self.head_dim)
+        k = k.view(batch, width, self.n_kv_heads, self.head_dim)
+        v = v.view(batch, width, self.n_kv_heads, self.head_dim)
+        if self.q_norm is not None:
+            q, k = self.q_norm(q), self.k_norm(k)
+        q, k, v = q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2)  # [B, heads, W, head_dim]
+        q = q * cos + rotate_half(q) * sin
+        k = k * cos + rotate_half(k) * sin
+        keys, values = cache.update(self.layer, rows, positions, k, v)  # [B, kv_heads, max_len, head_dim]
+        y = F.scaled_dot_product_attention(q, keys, values, attn_mask=mask, scale=self.head_dim**-0.5,
+                                           enable_gqa=self.n_heads != self.n_kv_heads)  # [B, heads, W, head_dim]
+        return self.wo(y.transpose(1, 2).reshape(batch, width, q_size))
+
+
+class FeedForward(nn.Module):
+    def __init__(self, args: ModelArgs) -> None:
+        super().__init__()
+        self.w13 = nn.Linear(args.dim, 2 * args.intermediate_size, bias=False)  # gate and up, fused
+        self.w2 = nn.Linear(args.intermediate_size, args.dim, bias=False)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        gate, up = self.w13(x).chunk(2, dim=-1)
+        return self.w2(F.silu(gate) * up)
+
+
+class TransformerBlock(nn.Module):
+    def __init__(self, args: ModelArgs, layer: int) -> None:
+        super().__init__()
+        self.attention_norm = RMSNorm(args.dim, args.norm_eps)
+        self.attention = Attention(args, layer)
+        self.ffn_norm = RMSNorm(args.dim, args.norm_eps)
+        self.feed_forward = FeedForward(args)
+
+    def forward(self, x, cos, sin, mask, cache, rows, positions) -> torch.Tensor:
+        h = x + self.attention(self.attention_norm(x), cos, sin, mask, cache, rows, positions)
+        return h + self.feed_forward(self.ffn_norm(h))
+
+
+class SpecdraftModel(nn.Module):
+    """A causal LM over a :class:`KVCache`. Build one with :func:`specdraft.runner.from_transformers`."""
+
+    def __init__(self, args: ModelArgs) -> None:
+        super().__init__()
+        self.args = args
+        self.tok_embeddings = nn.Embedding(args.vocab_size, args.dim)
+        self.layers = nn.ModuleList(TransformerBlock(args, i) for i in range(args.n_layers))
+        self.norm = RMSNorm(args.dim, args.norm_eps)
+        self.output = nn.Linear(args.dim, args.vocab_size, bias=False)
+        if args.tie_embeddings:
+            self.output.weight = self.tok_embeddings.weight
+        # float32 whatever the model's dtype; not in the state dict (recomputed from args)
+        self.register_buffer("rope_inv_freq", rope_inv_freq(args), persistent=False)
+
+    @property
+    def dtype(self) -> torch.dtype:
+        return self.tok_embeddings.weight.dtype
+
+    @property
+    def device(self) -> torch.device:
+        return self.tok_embeddings.weight.device
+
+    def new_cache(self, slots: int, max_len: int) -> KVCache:
+        """An empty cache for ``slots`` sequences of up to ``max_len`` tokens, on the model's device and dtype."""
+        a = self.args
+        return KVCache(a.n_layers, slots, a.n_kv_heads, max_len, a.head_dim, self.dtype, self.device)
+
+    def forward(self, tokens: torch.Tensor, cache: KVCache, rows: torch.Tensor | None = None,
+                logits_at: torch.Tensor | None = None, return_hidden: bool = False,
+                advance: torch.Tensor | None = None, tree_mask: torch.Tensor | None = None) -> ForwardOutput:
+        """One pass of ``W`` new tokens per row over the cache.
+
+        ``tokens # [B, W]`` long. ``rows # [B]`` long: the cache slots the batch rows use, distinct
+        (None: every slot in order, ``B == cache.slots``, and the buffers are read without a gather).
+        Row ``b`` writes its keys and values at positions ``lengths[rows[b]] + 0..W-1`` and then
+        its length advances by ``W``, or by ``advance[b]`` (``advance # [B]`` long), e.g. a prompt
+        shorter than the padded width. Rollback afterwards is ``cache.set_lengths(...)``.
+
+        ``logits_at # [B, N]`` long: indices into ``0..W-1``; logits only there (``[B, N, vocab]``)
+        instead of everywhere (``[B, W, vocab]``). ``return_hidden``: also return the hidden
+        states after the final norm, ``[B, W, dim]``, at every position. ``tree_mask # [B, W, W]``
+        bool: which tokens of the pass each token sees (default causal); positions stay
+        ``lengths + 0..W-1``.
+        """
+        batch, width = tokens.shape
+        starts = cache.starts(rows)  # [B]
+        positions = pass_positions(starts, width)  # [B, W]
+        mask = attention_mask(starts, width, cache.max_len, tree_mask, self.args.sliding_window)  # [B, 1, W, L]
+        x = self.tok_embeddings(tokens)  # [B, W, dim]
+        cos, sin = rope_tables(self.rope_inv_freq, positions, x.dtype)  # [B, 1, W, head_dim]
+        for layer in self.layers:
+            x = layer(x, cos, sin, mask, cache, rows, positions)
+        hidden = self.norm(x)  # [B, W, dim]
+        cache.advance(rows, width if advance is None else advance)
+        picked = hidden if logits_at is None else hidden.gather(1, logits_at[..., None].expand(-1, -1, hidden.shape[-1]))
+        return ForwardOutput(self.output(picked), hidden if return_hidden else None)
