@@ -1,0 +1,33 @@
+"""Our model on the real default model (SmolLM2-135M-Instruct) equals transformers in float64."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from specdraft.models import load_target
+from specdraft.runner import from_transformers
+
+pytestmark = pytest.mark.e2e
+
+
+@torch.no_grad()
+def test_logits_equal_transformers_on_a_real_prompt():
+    hf, tok, _ = load_target(None, dtype=torch.float64)
+    model, reason = from_transformers(hf)
+    assert model is not None, reason
+    prompt = tok.apply_chat_template(
+        [{"role": "user", "content": "What is the capital of Australia, and why was it chosen?"}],
+        add_generation_prompt=True,
+    )["input_ids"]
+    cache = model.new_cache(slots=1, max_len=len(prompt) + 16)
+    logits = [model(torch.tensor([prompt]), cache).logits[0]]
+    seq = list(prompt)
+    for width in (1, 1, 4, 1):  # the greedy token, and at width 4 three guesses after it as drafts would be
+        step = [logits[-1][-1].argmax().item()] + seq[-3:][:width - 1]
+        seq += step
+        logits.append(model(torch.tensor([step]), cache).logits[0])
+    ours = torch.cat(logits)
+    expected = hf(torch.tensor([seq])).logits[0]
+    assert ours.shape == expected.shape == (len(seq), hf.config.vocab_size)
+    torch.testing.assert_close(ours, expected, rtol=0, atol=1e-10)
