@@ -1,14 +1,37 @@
-"""Docs that quote the program must match it."""
+"""Docs that quote the program must match it, and their Python snippets must run as written.
+
+Every ```python block of README.md and docs/*.md runs, a page's blocks in order in one fresh
+namespace (like a notebook: a later block may use what an earlier one defined), so a block
+that forgets an import fails. Two first-line markers change that:
+
+* ``# file: PATH`` -- the block is the file PATH of an example package: it is written to a
+  temporary folder on ``sys.path`` (where later blocks import it) instead of running;
+* ``# not run: REASON`` -- a fragment that cannot run here (e.g. ``# not run: needs a GPU``);
+  the reason is required.
+
+Shell blocks (```bash) are not run.
+"""
 
 from __future__ import annotations
 
+import contextlib
+import re
+import sys
 from pathlib import Path
 
 import pytest
 
 from specdraft.cli import build_parser
 
-DOCS = Path(__file__).resolve().parents[1] / "docs"
+ROOT = Path(__file__).resolve().parents[1]
+DOCS = ROOT / "docs"
+PAGES = [ROOT / "README.md", *sorted(DOCS.glob("*.md"))]
+FILE_MARK = re.compile(r"#\s*file:\s*(\S+)")
+NOT_RUN_MARK = re.compile(r"#\s*not run\b:?\s*(.*)")
+#: the real default model's generations are capped to this many tokens: the snippets must run,
+#: and 128 tokens of a 135M model take seconds each on a small CPU
+E2E_MAX_NEW_TOKENS = 8
+_LOADED: dict = {}  # load_target's arguments -> its result, shared by the pages that load a model
 
 
 @pytest.mark.parametrize("command", ["generate", "bench", "distill", "train-heads", "drafters"])
@@ -32,3 +55,126 @@ def test_docs_exist_and_link_the_example_plugin():
         assert line in tutorial and line in plugin_source.read_text()
     for page in ["getting-started.md", "algorithm.md", "cli.md"]:
         assert (DOCS / page).stat().st_size > 500
+
+
+def python_blocks(page: Path) -> list[tuple[int, str]]:
+    """``(line number of the block's first line, code)`` for every ```python block of ``page``."""
+    blocks, fence, info, start, body = [], None, "", 0, []
+    for n, line in enumerate(page.read_text().splitlines(), 1):
+        stripped = line.strip()
+        if fence is None:
+            if stripped.startswith("```"):
+                fence, info, start, body = line[: len(line) - len(line.lstrip())], stripped[3:].strip(), n + 1, []
+        elif stripped == "```":
+            if info.split()[:1] in (["python"], ["py"]):
+                blocks.append((start, "\n".join(b[len(fence):] if b.startswith(fence) else b for b in body) + "\n"))
+            fence = None
+        else:
+            body.append(line)
+    assert fence is None, f"{page.name}: a ``` block opened on line {start - 1} is never closed"
+    return blocks
+
+
+def _loads_default_model(page: Path) -> bool:
+    return any("from_pretrained(" in code for _, code in python_blocks(page))
+
+
+@contextlib.contextmanager
+def run_page(page: Path, tmp_path: Path):
+    """Run ``page``'s snippets; yields their namespace, then undoes what they registered or imported."""
+    from specdraft.plugins import pm
+
+    blocks = python_blocks(page)
+    package = tmp_path / "snippet-files"
+    for _, code in blocks:
+        mark = FILE_MARK.fullmatch(code.splitlines()[0].strip())
+        if mark:
+            (package / mark.group(1)).parent.mkdir(parents=True, exist_ok=True)
+            (package / mark.group(1)).write_text(code)
+    modules, plugins = set(sys.modules), set(pm.get_plugins())
+    sys.path.insert(0, str(package))
+    namespace: dict = {"__name__": f"snippets_of_{page.stem.replace('-', '_')}"}
+    try:
+        for line, code in blocks:
+            first = code.splitlines()[0].strip()
+            if FILE_MARK.fullmatch(first):
+                continue
+            not_run = NOT_RUN_MARK.match(first)
+            if not_run:
+                assert not_run.group(1).strip(), f"{page.name}:{line}: '# not run:' needs a reason"
+                continue
+            # blank lines first, so a traceback's line numbers are the page's
+            exec(compile("\n" * (line - 1) + code, str(page), "exec"), namespace)
+        yield namespace
+    finally:
+        sys.path.remove(str(package))
+        for plugin in set(pm.get_plugins()) - plugins:
+            pm.unregister(plugin)
+        for name in set(sys.modules) - modules:
+            if str(package) in str(getattr(sys.modules[name], "__file__", "") or ""):
+                del sys.modules[name]
+
+
+def test_snippets_are_found():
+    """The block parser sees the snippets these pages are known to have (a parser that found
+    none would make the test below pass for nothing)."""
+    found = {page.name: python_blocks(page) for page in PAGES}
+    assert len(found["README.md"]) >= 1 and len(found["getting-started.md"]) >= 1
+    assert len(found["writing-a-drafter.md"]) >= 3
+    assert not any(code.lstrip().startswith("$ ") for blocks in found.values() for _, code in blocks)
+
+
+@pytest.mark.parametrize("page", [
+    pytest.param(page, id=page.name, marks=[pytest.mark.e2e] if _loads_default_model(page) else [])
+    for page in PAGES if python_blocks(page)
+])
+def test_python_snippets_run_as_written(page, tmp_path, monkeypatch, capsys):
+    """Every ```python block of the page runs (pages that load the default model are e2e; their
+    generations are capped at E2E_MAX_NEW_TOKENS tokens to keep the test short)."""
+    if _loads_default_model(page):
+        import specdraft.models
+        from specdraft.decoder import SpeculativeDecoder
+
+        load_target, generate_ids = specdraft.models.load_target, SpeculativeDecoder.generate_ids
+
+        def loaded_once(*args, **kwargs):  # every page loads the same model: load it once
+            key = repr((args, sorted(kwargs.items())))
+            if key not in _LOADED:
+                _LOADED[key] = load_target(*args, **kwargs)
+            return _LOADED[key]
+
+        def capped(self, prompts, max_new_tokens=128, **kwargs):
+            return generate_ids(self, prompts, max_new_tokens=min(max_new_tokens, E2E_MAX_NEW_TOKENS), **kwargs)
+
+        monkeypatch.setattr(specdraft.models, "load_target", loaded_once)
+        monkeypatch.setattr(SpeculativeDecoder, "generate_ids", capped)
+    with run_page(page, tmp_path):
+        pass
+    capsys.readouterr()
+
+
+def test_snippet_runner_catches_a_missing_import(tmp_path):
+    page = tmp_path / "page.md"
+    page.write_text("Intro.\n\n```python\nx = 1\n```\n\n```bash\nnot python\n```\n\n```python\n"
+                    "print(torch.zeros(1))\n```\n")
+    with pytest.raises(NameError, match="torch"), run_page(page, tmp_path):
+        pass
+    page.write_text("```python\n# not run: needs a GPU\nimport nothing_here\n```\n")
+    with run_page(page, tmp_path) as namespace:
+        assert "nothing_here" not in namespace
+    page.write_text("```python\n# not run\nimport nothing_here\n```\n")
+    with pytest.raises(AssertionError, match="needs a reason"), run_page(page, tmp_path):
+        pass
+
+
+def test_tutorial_snippets_are_the_example_plugin():
+    """The tutorial's drafter and hook are the example plugin's code, line for line."""
+    source = (ROOT / "plugins/specdraft-adaptive-lookup/src/specdraft_adaptive_lookup/__init__.py").read_text()
+    blocks = [code for _, code in python_blocks(DOCS / "writing-a-drafter.md") if "AdaptiveLookupDrafter" in code]
+    assert len(blocks) == 2  # the drafter (section 2) and its hook (section 3)
+    lines = source.splitlines()
+    for code in blocks:
+        snippet = code.rstrip("\n").splitlines()
+        assert any(lines[i:i + len(snippet)] == snippet for i in range(len(lines))), \
+            f"the tutorial's snippet is not in the example plugin:\n{code}"
+
