@@ -120,7 +120,9 @@ def test_snippets_are_found():
     none would make the test below pass for nothing)."""
     found = {page.name: python_blocks(page) for page in PAGES}
     assert len(found["README.md"]) >= 1 and len(found["getting-started.md"]) >= 1
-    assert len(found["writing-a-drafter.md"]) >= 3
+    tutorial = [code.splitlines()[0] for _, code in found["writing-a-drafter.md"]]
+    assert "# file: target_bigram/drafter.py" in tutorial and "# file: target_bigram/__init__.py" in tutorial
+    assert len(tutorial) >= 5
     assert not any(code.lstrip().startswith("$ ") for blocks in found.values() for _, code in blocks)
 
 
@@ -178,3 +180,25 @@ def test_tutorial_snippets_are_the_example_plugin():
         assert any(lines[i:i + len(snippet)] == snippet for i in range(len(lines))), \
             f"the tutorial's snippet is not in the example plugin:\n{code}"
 
+
+def test_tutorial_sampling_drafter_is_exact_and_gains_from_the_counts(tmp_path, monkeypatch, capsys):
+    """What the tutorial says of its `target-bigram` drafter: it passes the conformance suite,
+    and with a penalty on it gets more of its greedy drafts accepted with the penalties' context
+    (``ctx.counts_after``) than without it, for the same output."""
+    from specdraft import SpeculativeDecoder
+    from specdraft.testing import check_drafter, tiny_llama
+    from specdraft.types import DraftContext
+
+    with run_page(DOCS / "writing-a-drafter.md", tmp_path):
+        model = tiny_llama()
+        check_drafter("target-bigram", model, spec_lengths=(1, 4), samples=3000)
+        dec = SpeculativeDecoder(model, None, drafter="target-bigram", spec_length=4, adaptive=False)
+        prompts = [[5, 6, 7, 5, 6, 7, 5]] * 2
+        settings = {"max_new_tokens": 40, "repetition_penalty": 1.3, "presence_penalty": 0.2, "frequency_penalty": 0.1}
+        with_counts = dec.generate_ids(prompts, **settings)
+        monkeypatch.setattr(DraftContext, "counts_after", lambda self, drafted=(): None)
+        without = dec.generate_ids(prompts, **settings)
+    assert [r.token_ids for r in with_counts] == [r.token_ids for r in without]
+    rate, rate_without = with_counts[0].stats.acceptance_rate, without[0].stats.acceptance_rate
+    assert rate > 1.5 * rate_without, (rate, rate_without)  # the tutorial says "about twice"
+    capsys.readouterr()
