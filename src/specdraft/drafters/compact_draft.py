@@ -111,19 +111,21 @@ def save_compact_draft(draft, path: str | Path, target_name: str, fingerprint: s
                        extra: dict | None = None) -> None:
     from safetensors.torch import save_file
 
+    from ..files import write_atomic
+
     path = Path(path)
     path.mkdir(parents=True, exist_ok=True)
     # the copy gate's few weights stay in float32: its logit adds terms of very different sizes
     state = {k: (v.to(torch.float32 if k.startswith(STATE_PREFIX) else dtype) if v.is_floating_point() else v)
              .contiguous().cpu() for k, v in trainable_state(draft).items()}
-    save_file(state, path / "model.safetensors")
-    draft.config.to_json_file(path / "config.json")
+    write_atomic(path / "model.safetensors", lambda tmp: save_file(state, tmp))
+    write_atomic(path / "config.json", draft.config.to_json_string())
     meta = {"format": FORMAT, "target": target_name, "target_fingerprint": fingerprint,
             "head_tokens": int(draft.lm_head.head_ids.numel()), **(extra or {})}
     gate = getattr(draft, "copy_gate", None)
     if gate is not None:
         meta["copy_gate"] = {**gate.spec(), **meta.get("copy_gate", {})}
-    (path / FORMAT_FILE).write_text(json.dumps(meta, indent=1))
+    write_atomic(path / FORMAT_FILE, json.dumps(meta, indent=1))  # last: it marks the folder complete
 
 
 def is_compact_draft(path: str | Path) -> bool:

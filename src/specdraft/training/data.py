@@ -10,7 +10,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Sequence
 
 from ..errors import ConfigError
-from .io import file_digest, key_of, read_cache, write_atomic, write_cache
+from .io import file_sha256, key_of, read_cache, write_atomic, write_cache
 
 if TYPE_CHECKING:  # pragma: no cover
     import torch
@@ -156,7 +156,7 @@ def prompt_files_record(paths: Sequence[str | Path]) -> list[dict]:
     """Prompt files as cache keys know them: by their content's hash (and their name, to report)."""
     for path in paths:
         _check_exists(path)
-    return [{"name": Path(p).name, "sha256": file_digest(p)} for p in paths]
+    return [{"name": Path(p).name, "sha256": file_sha256(p)} for p in paths]
 
 
 def target_generations(model, tokenizer, prompt_files: Sequence[str], cache_file: Path, num_prompts: int,

@@ -10,62 +10,22 @@ from __future__ import annotations
 
 import hashlib
 import json
-import os
 import re
 import sys
 from pathlib import Path
 from typing import Any, Callable
 
 from ..errors import SpecdraftError
+from ..files import file_sha256, write_atomic  # the training modules import them from here
 
 
 class DamagedFileError(SpecdraftError):
     """A checkpoint cannot be read back (truncated, corrupted, or from another program)."""
 
 
-def write_atomic(path: str | Path, data: bytes | str | Callable[[Path], object]) -> None:
-    """Write ``path`` so that it is always either the old file or the complete new one.
-
-    ``data``: the bytes (or text, as UTF-8), or a function that writes the file at the path
-    it is given. It goes to a temporary file in the same folder, is flushed to disk (fsync),
-    then renamed over ``path`` (``os.replace``, atomic on POSIX and Windows).
-    """
-    path = Path(path)
-    path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
-    try:
-        if callable(data):
-            data(tmp)
-        else:
-            tmp.write_bytes(data.encode() if isinstance(data, str) else data)
-        with open(tmp, "rb+") as f:  # fsync through any descriptor flushes the file's data
-            os.fsync(f.fileno())
-        os.replace(tmp, path)
-    except BaseException:
-        tmp.unlink(missing_ok=True)
-        raise
-    try:  # make the rename itself durable
-        fd = os.open(path.parent, os.O_RDONLY)
-    except OSError:  # pragma: no cover - folders cannot be opened on Windows
-        return
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
-
-
 def key_of(inputs: Any) -> str:
     """A short hash of JSON-able ``inputs``: the key of what they build."""
     return hashlib.sha256(json.dumps(inputs, sort_keys=True, default=str).encode()).hexdigest()[:16]
-
-
-def file_digest(path: str | Path) -> str:
-    """sha256 of a file's bytes: prompt files are known by their content, not their name."""
-    h = hashlib.sha256()
-    with open(path, "rb") as f:
-        for block in iter(lambda: f.read(1 << 20), b""):
-            h.update(block)
-    return h.hexdigest()
 
 
 def changes(old: dict, new: dict) -> str:
@@ -121,5 +81,5 @@ def write_cache(path: Path, inputs: dict, data: Any) -> None:
     write_atomic(path, json.dumps({"key": key_of(inputs), "inputs": inputs, "data": data}))
 
 
-__all__ = ["DamagedFileError", "changes", "file_digest", "key_of", "read_cache", "say", "write_atomic",
+__all__ = ["DamagedFileError", "changes", "file_sha256", "key_of", "read_cache", "say", "write_atomic",
            "write_cache"]

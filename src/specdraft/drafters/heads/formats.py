@@ -43,6 +43,8 @@ def save_heads(module: torch.nn.Module, shared: SharedHead, path: str | Path, ta
                dtype=torch.bfloat16, extra: dict | None = None) -> Path:
     from safetensors.torch import save_file
 
+    from ...files import write_atomic
+
     path = Path(path)
     path.mkdir(parents=True, exist_ok=True)
     # a copy gate's few weights stay in float32 (its logit adds terms of very different sizes)
@@ -50,14 +52,15 @@ def save_heads(module: torch.nn.Module, shared: SharedHead, path: str | Path, ta
              for k, v in module.state_dict().items()}
     if shared.head_ids is not None:
         state["head_ids"] = shared.head_ids
-    save_file({k: v.detach().contiguous().cpu() for k, v in state.items()}, path / WEIGHTS_FILE)
+    tensors = {k: v.detach().contiguous().cpu() for k, v in state.items()}
+    write_atomic(path / WEIGHTS_FILE, lambda tmp: save_file(tensors, tmp))
     meta = {"format": FORMAT, "kind": module.kind, "target": target_name, "target_fingerprint": fingerprint,
             "config": module.config, "head_tokens": None if shared.head_ids is None else int(shared.head_ids.numel()),
             **(extra or {})}
     gate = getattr(module, "copy_gate", None)
     if gate is not None:
         meta["copy_gate"] = {**gate.spec(), **meta.get("copy_gate", {})}
-    (path / FORMAT_FILE).write_text(json.dumps(meta, indent=1))
+    write_atomic(path / FORMAT_FILE, json.dumps(meta, indent=1))  # last: it marks the folder complete
     return path
 
 
