@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 import torch
-from transformers import AutoModelForCausalLM, GPT2Config, LlamaConfig
+from transformers import AutoModelForCausalLM, GPT2Config
 
 from specdraft.runner import from_transformers
 

@@ -44,7 +44,7 @@ def model_args(hf_model) -> tuple[ModelArgs | None, str]:
         return None, f"{name} has weights on several devices or dtypes (offloaded or mixed), not supported"
     if config.hidden_act != "silu":
         return None, f"{name} uses hidden_act={config.hidden_act!r}; only 'silu' is supported"
-    if name in ("LlamaForCausalLM", "MistralForCausalLM", "Qwen3ForCausalLM") and getattr(config, "attention_bias", False):
+    if name != "Qwen2ForCausalLM" and getattr(config, "attention_bias", False):  # Qwen2: q/k/v bias, always
         return None, f"{name} has attention_bias=True, not supported"
     if getattr(config, "mlp_bias", False):
         return None, f"{name} has mlp_bias=True, not supported"
@@ -115,7 +115,8 @@ def _weights(hf_model, args: ModelArgs) -> dict[str, torch.Tensor]:
         weights[ours + "attention.wqkv.weight"] = torch.cat(
             [attn.q_proj.weight, attn.k_proj.weight, attn.v_proj.weight]).detach()
         if args.qkv_bias:
-            weights[ours + "attention.wqkv.bias"] = torch.cat([attn.q_proj.bias, attn.k_proj.bias, attn.v_proj.bias]).detach()
+            weights[ours + "attention.wqkv.bias"] = torch.cat(
+                [attn.q_proj.bias, attn.k_proj.bias, attn.v_proj.bias]).detach()
         weights[ours + "attention.wo.weight"] = attn.o_proj.weight
         if args.qk_norm:
             weights[ours + "attention.q_norm.weight"] = attn.q_norm.weight

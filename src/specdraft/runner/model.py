@@ -71,7 +71,8 @@ def rope_inv_freq(args: ModelArgs) -> torch.Tensor:
     return torch.where(is_medium, smoothed, scaled)
 
 
-def rope_tables(inv_freq: torch.Tensor, positions: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+def rope_tables(inv_freq: torch.Tensor, positions: torch.Tensor,
+                dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
     """cos and sin at ``positions # [B, W]``, computed in float32 and cast.  # [B, 1, W, head_dim] each"""
     freqs = positions[..., None].float() * inv_freq.float()  # [B, W, head_dim // 2]
     emb = torch.cat((freqs, freqs), dim=-1)
@@ -205,5 +206,8 @@ class SpecdraftModel(nn.Module):
             x = layer(x, cos, sin, mask, cache, rows, positions)
         hidden = self.norm(x)  # [B, W, dim]
         cache.advance(rows, width if advance is None else advance)
-        picked = hidden if logits_at is None else hidden.gather(1, logits_at[..., None].expand(-1, -1, hidden.shape[-1]))
-        return ForwardOutput(self.output(picked), hidden if return_hidden else None)
+        if logits_at is not None:
+            hidden_at = hidden.gather(1, logits_at[..., None].expand(-1, -1, hidden.shape[-1]))  # [B, N, dim]
+        else:
+            hidden_at = hidden
+        return ForwardOutput(self.output(hidden_at), hidden if return_hidden else None)
