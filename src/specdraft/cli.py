@@ -143,7 +143,10 @@ def build_parser() -> argparse.ArgumentParser:
     bench.add_argument("--spec-length", type=int, default=4, metavar="K", help="default: 4")
     bench.add_argument("--max-new-tokens", type=int, default=128, metavar="N", help="default: 128")
     bench.add_argument("--temperature", type=float, default=0.0, help="default: 0 (greedy; outputs are compared)")
-    bench.add_argument("--peers", default="", help="'hf': also transformers' generate and its prompt lookup")
+    bench.add_argument("--peers", default="",
+                       help="comma-separated: 'hf' (transformers' generate and its prompt lookup), 'llama-cpp' "
+                            "(llama.cpp on the target's GGUF file, as many threads as torch; needs "
+                            "pip install 'specdraft[llama-cpp]')")
     bench.add_argument("--output", default="bench-out", metavar="DIR", help="default: bench-out")
     bench.add_argument("--target", default=None, help="as for generate (default: SmolLM2-135M-Instruct)")
     bench.add_argument("--dtype", default=None)
@@ -281,6 +284,15 @@ def _split(text: str | None) -> list[str]:
     return [t.strip() for t in (text or "").split(",") if t.strip()]
 
 
+def _gguf_of(target: str | None) -> str | None:
+    """The GGUF file a target is loaded from (the default model's, or a .gguf --target), else None."""
+    if target is None:
+        from .models import default_gguf_path
+
+        return str(default_gguf_path())
+    return target if target.endswith(".gguf") else None
+
+
 def _bench(args) -> int:
     from .bench import BenchSettings, load_questions, run_bench, write_outputs
     from .bench.harness import split_method
@@ -299,7 +311,7 @@ def _bench(args) -> int:
         questions=args.questions, categories=_split(args.categories) or None,
         limit_per_category=args.limit_per_category, drafters=_split(args.drafters), spec_length=args.spec_length,
         max_new_tokens=args.max_new_tokens, temperature=args.temperature, peers=_split(args.peers),
-        drafter_options=options,
+        drafter_options=options, gguf=_gguf_of(args.target),
     )
     check_spec_length(settings.spec_length)
     check_generation_args(settings.max_new_tokens, {"temperature": settings.temperature}, None, None)

@@ -176,3 +176,46 @@ def test_cli_bench_ctrl_c_before_any_prompt_finished_writes_nothing(questions, t
     assert main(["bench", "--questions", str(questions), "--drafters", "ngram", "--output", str(out)]) == 130
     assert (out / "results.json").read_text() == "an earlier run"  # not replaced by an empty result
     assert "bench interrupted after 0 of 3 prompts; nothing written" in capsys.readouterr().err
+
+
+# -- the llama-cpp peer --------------------------------------------------------------------------
+
+def _tiny_bench_parts(questions):
+    from transformers import AutoTokenizer
+
+    from specdraft.models import resolve_target
+    from specdraft.testing import tiny_llama
+
+    tokenizer = AutoTokenizer.from_pretrained(resolve_target(None)[1])
+    return tiny_llama(vocab_size=len(tokenizer), seed=4, max_positions=512), tokenizer
+
+
+def test_llama_cpp_peer_without_the_package_says_how_to_install(questions, monkeypatch, tmp_path):
+    monkeypatch.setitem(__import__("sys").modules, "llama_cpp", None)  # import llama_cpp raises ImportError
+    model, tokenizer = _tiny_bench_parts(questions)
+    settings = BenchSettings(questions=str(questions), drafters=[], peers=["llama-cpp"], gguf=str(tmp_path / "m.gguf"))
+    with pytest.raises(ConfigError, match=r"the llama-cpp peer needs llama-cpp-python: pip install "
+                                          r"'specdraft\[llama-cpp\]'"):
+        run_bench(model, tokenizer, settings, progress=False)
+
+
+def test_llama_cpp_peer_needs_a_gguf_target(questions):
+    model, tokenizer = _tiny_bench_parts(questions)
+    settings = BenchSettings(questions=str(questions), drafters=[], peers=["llama-cpp"], gguf=None)
+    with pytest.raises(ConfigError, match="the llama-cpp peer runs the target's GGUF file"):
+        run_bench(model, tokenizer, settings, progress=False)
+
+
+@pytest.mark.e2e
+def test_llama_cpp_peer_runs_the_default_gguf_side_by_side(questions, tmp_path):
+    """With llama-cpp-python installed (the optional extra): a row per prompt beside plain."""
+    pytest.importorskip("llama_cpp", reason="needs pip install 'specdraft[llama-cpp]'")
+    from specdraft.models import default_gguf_path, load_target
+
+    model, tokenizer, name = load_target(None)
+    settings = BenchSettings(questions=str(questions), categories=["chat"], limit_per_category=1, drafters=[],
+                             peers=["llama-cpp"], max_new_tokens=8, gguf=str(default_gguf_path()))
+    records, summary, env = run_bench(model, tokenizer, settings, name=name, progress=False)
+    peer = [r for r in records if r.method == "llama-cpp"]
+    assert len(peer) == 1 and 0 < peer[0].new_tokens <= 8
+    assert "llama-cpp" in summary and env["llama-cpp"].endswith("threads")

@@ -14,7 +14,9 @@ from typing import Any, Sequence
 from ..errors import ConfigError
 from .report import PLAIN, RunRecord, markdown, summarize
 
-PEERS = {"hf": ("hf-generate", "hf-prompt-lookup")}
+PEERS = {"hf": ("hf-generate", "hf-prompt-lookup"), "llama-cpp": ("llama-cpp",)}
+LLAMA_CPP_INSTALL = ("pip install 'specdraft[llama-cpp]' (llama-cpp-python; it compiles llama.cpp, about 5 minutes "
+                     "on 2 cores)")
 
 
 @dataclass
@@ -28,6 +30,8 @@ class BenchSettings:
     temperature: float = 0.0
     peers: Sequence[str] = ()
     drafter_options: dict[str, dict[str, Any]] = field(default_factory=dict)
+    #: the GGUF file the target was loaded from: the llama-cpp peer runs that same file
+    gguf: str | None = None
 
 
 def split_method(entry: str) -> tuple[str, str]:
@@ -76,6 +80,15 @@ def _categories(path: Path) -> set[str]:
     return {json.loads(line)["category"] for line in path.read_text().splitlines() if line.strip()}
 
 
+def _version(package: str) -> str:
+    import importlib.metadata
+
+    try:
+        return importlib.metadata.version(package)
+    except importlib.metadata.PackageNotFoundError:
+        return "?"
+
+
 def environment(model, settings: BenchSettings, name: str) -> dict:
     import torch
     import transformers
@@ -97,6 +110,8 @@ def environment(model, settings: BenchSettings, name: str) -> dict:
         "dtype": str(model.dtype).replace("torch.", ""),
         "device": torch.cuda.get_device_name(device) if device.type == "cuda" else f"cpu ({cpu}, {os.cpu_count()} cores)",
         "torch_threads": torch.get_num_threads(),
+        **({"llama-cpp": f"llama-cpp-python {_version('llama-cpp-python')}, {Path(settings.gguf).name}, "
+                         f"{torch.get_num_threads()} threads"} if "llama-cpp" in settings.peers else {}),
         "spec_length": settings.spec_length,
         "max_new_tokens": settings.max_new_tokens,
         "temperature": settings.temperature,
@@ -125,6 +140,8 @@ class _Methods:
             if peer not in PEERS:
                 raise ConfigError(f"unknown peer {peer!r}; known peers: {', '.join(PEERS)}")
             self.names += PEERS[peer]
+        self.llama = _llama_cpp(settings.gguf, model) if "llama-cpp" in settings.peers else None
+        self.eos = set(self.decoders[PLAIN].target.eos_token_ids)
 
     def run(self, method: str, ids: list[int], question: dict) -> RunRecord:
         s = self.settings
@@ -138,7 +155,7 @@ class _Methods:
             return RunRecord(method, question["question_id"], question["category"], len(r.token_ids), elapsed,
                              r.token_ids, st.drafted_tokens, st.accepted_tokens, st.target_passes,
                              st.drafted_per_position, st.accepted_per_position, st.draft_time_s, st.verify_time_s)
-        token_ids = self._hf(method, ids, seed)
+        token_ids = self._llama_cpp(ids, seed) if method == "llama-cpp" else self._hf(method, ids, seed)
         elapsed = time.perf_counter() - start
         return RunRecord(method, question["question_id"], question["category"], len(token_ids), elapsed, token_ids)
 
@@ -157,6 +174,35 @@ class _Methods:
         with torch.inference_mode():
             out = self.model.generate(torch.tensor([ids], device=self.model.device), **kw)
         return out[0, len(ids):].tolist()
+
+
+    def _llama_cpp(self, ids: list[int], seed: int) -> list[int]:
+        """llama.cpp on the same token ids (the chat template applied by the same tokenizer)."""
+        s, out = self.settings, []
+        self.llama.set_seed(seed)
+        for token in self.llama.generate(ids, temp=s.temperature, top_k=0, top_p=1.0, min_p=0.0, repeat_penalty=1.0,
+                                         reset=True):
+            out.append(int(token))
+            if token in self.eos or len(out) >= s.max_new_tokens:
+                break
+        return out
+
+
+def _llama_cpp(gguf: str | None, model):
+    """A llama.cpp model of the target's own GGUF file, with as many threads as torch uses."""
+    import torch
+
+    if gguf is None:
+        raise ConfigError("the llama-cpp peer runs the target's GGUF file: use the default model or "
+                          "--target FILE.gguf")
+    try:
+        import llama_cpp
+    except ImportError:
+        raise ConfigError(f"the llama-cpp peer needs llama-cpp-python: {LLAMA_CPP_INSTALL}") from None
+    context = int(getattr(model.config.get_text_config(), "max_position_embeddings", 0) or 8192)
+    threads = torch.get_num_threads()
+    return llama_cpp.Llama(model_path=str(gguf), n_ctx=min(context, 8192), n_threads=threads,
+                           n_threads_batch=threads, verbose=False)
 
 
 class BenchInterrupted(KeyboardInterrupt):
