@@ -254,6 +254,7 @@ class SpeculativeDecoder:
         for i, ids in enumerate(prompt_ids):
             if isinstance(ids, (str, bytes)) or not hasattr(ids, "__iter__"):
                 raise ConfigError(f"prompt {i} must be a list of token ids (ints), got {type(ids).__name__}")
+            ids = list(ids)  # any iterable of ids, read once
             converted = [_token_id(t) for t in ids]
             if None in converted:
                 bad = ids[converted.index(None)]

