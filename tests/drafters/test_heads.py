@@ -95,7 +95,7 @@ def _train_heads(model, kind, work, steps=80):
     from specdraft.drafters.compact_draft import target_fingerprint
     from specdraft.drafters.heads.formats import save_heads
     from specdraft.drafters.heads.modules import SharedHead
-    from specdraft.training.heads import padded_batch
+    from specdraft.training.batches import padded_batch
 
     seqs = _tiny_sequences(model)
     states = target_features(model, seqs, progress=False)
@@ -415,7 +415,7 @@ def test_eagle_training_steps_see_what_drafting_sees(tiny_model):
     """The unrolled training pass over true + guessed pairs equals the drafter's cache path,
     chain by chain and step by step."""
     from specdraft.cache import KVCache
-    from specdraft.training.heads import eagle_unroll
+    from specdraft.training.batches import eagle_unroll
 
     torch.manual_seed(6)
     module = build_heads("eagle", tiny_model.config).double()

@@ -44,7 +44,7 @@ def gate_examples(source: GateSource, sequences: Sequence[dict], states: Sequenc
     drafter's feature before it, the matched n-gram length, the drafter's log-probabilities of
     the candidate and of the target's token, and whether the candidate is the target's token."""
     from ..drafters.prompt_lookup import lookup
-    from .heads import padded_batch
+    from .batches import padded_batch
 
     head_ids = source.head_ids
     # token id -> column of the head's logits (-1: not in the head)

@@ -31,7 +31,7 @@ def held_out_acceptance(predict: Predictor, sequences: Sequence[dict], states: S
     Chains are counted where the target's answer is long enough to test them: depth ``s``
     conditions on the chains that reach it, and the rates are chained from there.
     """
-    from .heads import padded_batch
+    from .batches import padded_batch
 
     right = [0] * (depth + 1)  # right[s]: chains whose first s guesses were all right
     tested = [0] * (depth + 1)  # tested[s]: chains whose guess s was tested
@@ -87,7 +87,7 @@ class _Chooser:
 def heads_predictor(kind: str, module, head, embeddings, depth: int) -> Predictor:
     """Greedy guesses of trained heads of ``kind`` (``head``: their :class:`SharedHead`), through
     their copy gate when they have one."""
-    from .heads import eagle_unroll
+    from .batches import eagle_unroll
 
     def predict(ids: torch.Tensor, feats: torch.Tensor) -> list[torch.Tensor]:
         W = ids.shape[1]
