@@ -119,6 +119,17 @@ def describe_target(model, tokenizer=None, target_name: str = "") -> TargetInfo:
     )
 
 
+def default_compile(device) -> bool:
+    """Whether a target on ``device`` is compiled when the caller does not say.
+
+    CUDA: yes (CUDA graphs remove the launch overhead that dominates small-batch decoding).
+    CPU: no; see docs/benchmarks.md for the measurement behind it.
+    """
+    import torch
+
+    return torch.device(device).type == "cuda"
+
+
 class SpeculativeDecoder:
     """Speculative decoding of a target model with a pluggable drafter.
 
@@ -142,15 +153,23 @@ class SpeculativeDecoder:
         *,
         adaptive: bool = True,
         target_name: str = "",
+        compile: bool | None = None,
+        quantize: str | None = None,
     ) -> None:
         from .drafters.base import Drafter
         from .plugins import get_registry
+        from .runner import load_runner
         from .verifier import Verifier
 
         check_spec_length(spec_length)
+        if compile is not None and not isinstance(compile, bool):
+            raise ConfigError(f"compile must be True, False or None (the device's default), got {compile!r}")
         self.model = model.eval()
         self.tokenizer = tokenizer
         self.target = describe_target(model, tokenizer, target_name)
+        if compile is None:
+            compile = default_compile(self.target.device)
+        self.runner = load_runner(self.model, compile=compile, quantize=quantize)
         if isinstance(drafter, Drafter):
             if drafter_options:
                 raise ConfigError("drafter_options only apply when the drafter is given by name")
@@ -158,7 +177,7 @@ class SpeculativeDecoder:
         else:
             self.drafter = get_registry().create(str(drafter), drafter_options, self.target)
         self.spec_length = spec_length
-        self._verifier = Verifier(model, self.drafter, spec_length, self.target, adaptive=adaptive)
+        self._verifier = Verifier(self.runner, self.drafter, spec_length, self.target, adaptive=adaptive)
         self._lock = threading.Lock()
 
     @classmethod
@@ -171,6 +190,9 @@ class SpeculativeDecoder:
         dtype: Any = None,
         device: Any = None,
         adaptive: bool = True,
+        *,
+        compile: bool | None = None,
+        quantize: str | None = None,
     ) -> "SpeculativeDecoder":
         """Load ``target`` (None = SmolLM2-135M-Instruct, offline; else hub id, folder or .gguf).
 
@@ -178,11 +200,23 @@ class SpeculativeDecoder:
         each round drafts as many of those as pay off given the measured acceptance and
         verify costs (see ``specdraft.verifier.adaptive``); ``adaptive=False`` always asks for
         ``spec_length``.
+
+        ``compile`` runs the target through torch.compile (and CUDA graphs on a GPU), one graph
+        per pass width; None takes the device's default (:func:`default_compile`).
+        ``quantize="int8"`` makes the target weight-only int8: speculative output then equals
+        plain decoding of that quantized model.
         """
         from .models import load_target
 
         model, tokenizer, name = load_target(target, dtype=dtype, device=device)
-        return cls(model, tokenizer, drafter, spec_length, drafter_options, adaptive=adaptive, target_name=name)
+        return cls(model, tokenizer, drafter, spec_length, drafter_options, adaptive=adaptive, target_name=name,
+                   compile=compile, quantize=quantize)
+
+    @property
+    def runner_info(self) -> dict:
+        """How the target runs: ``{"implementation": "specdraft" | "transformers", "compiled": bool,
+        "quantization": None | "int8"}``."""
+        return dict(self.runner.info)
 
     # -- generation ---------------------------------------------------------------------
 

@@ -6,8 +6,8 @@ import pytest
 import torch
 
 from specdraft import ConfigError, ModelLoadError, SamplingParams, SpeculativeDecoder
-from specdraft.cache import KVCache, forward_step
 from specdraft.drafters.draft_model import check_tokenizers
+from specdraft.runner import load_runner
 from specdraft.testing import SIGNIFICANCE as ALPHA
 from specdraft.testing import (
     check_drafter,
@@ -125,12 +125,13 @@ def test_draft_cache_equals_a_fresh_prefill(tiny_model, draft_dir, saved, same):
     drafter = dec.drafter
     fed = drafter._fed[0]
     assert len(fed) > len(prompt)
-    fresh = KVCache(drafter.model.config.num_hidden_layers, slots=len(fed) + 1)
-    fresh.reset(1)
-    forward_step(drafter.model, fresh, torch.tensor([fed]))
-    for ours, ref in zip(drafter.cache.layers, fresh.layers):
-        assert torch.allclose(ours.keys[:, :, : len(fed)], ref.keys[:, :, : len(fed)], atol=1e-10)
-        assert torch.allclose(ours.values[:, :, : len(fed)], ref.values[:, :, : len(fed)], atol=1e-10)
+    assert drafter.runner.lengths.tolist() == [len(fed)]
+    fresh = load_runner(drafter.model)
+    fresh.reset(1, len(fed))
+    fresh.forward(torch.tensor([fed]))
+    ours, ref = drafter.runner.cache, fresh.cache
+    for mine, theirs in zip(ours.keys + ours.values, ref.keys + ref.values):
+        assert torch.allclose(mine[:, :, : len(fed)], theirs[:, :, : len(fed)], atol=1e-10)
 
 
 @pytest.mark.parametrize("params", [

@@ -155,13 +155,11 @@ def test_spec_length_shrinks_at_the_context_limit():
 
 def test_empty_draft_is_a_plain_one_token_step(tiny_model):
     widths = []
-    hook = tiny_model.model.register_forward_pre_hook(lambda mod, args, kw: widths.append(kw["input_ids"].shape[1]),
-                                                      with_kwargs=True)
-    try:
-        dec = SpeculativeDecoder(tiny_model, None, drafter="none", spec_length=4)
-        r = dec.generate_ids([[1, 2, 3]], max_new_tokens=5)[0]
-    finally:
-        hook.remove()
+    dec = SpeculativeDecoder(tiny_model, None, drafter="none", spec_length=4)
+    assert dec.runner_info == {"implementation": "specdraft", "compiled": False, "quantization": None}
+    forward = dec.runner.forward
+    dec.runner.forward = lambda tokens, **kw: widths.append(tokens.shape[1]) or forward(tokens, **kw)
+    r = dec.generate_ids([[1, 2, 3]], max_new_tokens=5)[0]
     assert widths == [2, 1, 1, 1, 1, 1]  # prefill of the prompt minus its last token, then 1 per round
     assert r.stats.target_passes == 5 and r.stats.drafted_tokens == 0
 

@@ -155,3 +155,25 @@ def draw_scored(logits, sampling, generator=None, scored: bool = False, counts=N
     token, probs = draw(logits, sampling, generator, counts)
     confidence = penalize(logits, sampling, counts).softmax(-1).amax(-1) if scored and sampling.greedy else None
     return token, probs, confidence
+
+
+def model_runner(model, compile: bool | None = None):
+    """A runner of its own for a drafter's transformers model (a draft model), from the drafter API.
+
+    It has the target's runner interface: ``reset(rows, max_len)``, ``reserve(max_len)``,
+    ``forward(tokens # [rows, W], logits_at=None, hidden=False, advance=None) -> (logits, hidden)``,
+    ``set_lengths(lengths)`` and ``lengths`` (on the device); see ``specdraft.runner.runner``.
+    Llama-family models run on specdraft's own code (compiled per pass width when ``compile``;
+    None: the device's default), anything else on transformers' modules, eagerly.
+    """
+    from ..decoder import default_compile
+    from ..runner import load_runner
+
+    if compile is None:
+        compile = default_compile(model.device)
+    try:
+        return load_runner(model, compile=compile)
+    except Exception:  # noqa: BLE001 - e.g. compile asked for a model our code does not run
+        if not compile:
+            raise
+        return load_runner(model, compile=False)

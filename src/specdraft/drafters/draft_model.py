@@ -1,11 +1,12 @@
 """``draft-model``: a small causal LM drafts K tokens autoregressively (``llama-1b`` is one).
 
-The draft keeps its own :class:`~specdraft.cache.KVCache`. Before each proposal it brings
-that cache up to date with the tokens accepted since its last call: it rolls back to the
-longest prefix it computed that is still valid, then feeds everything after it, the
-prompt on the first round (lazy prefill), or, after a fully accepted round, its own last
-drafted token plus the target's bonus token (catch-up), in the same forward pass that
-yields the first new draft. Then K-1 single-token steps follow.
+The draft runs on a model runner of its own (:func:`~specdraft.drafters.base.model_runner`:
+specdraft's model code over a static KV cache). Before each proposal it brings that cache up to
+date with the tokens accepted since its last call: it rolls back to the longest prefix it
+computed that is still valid, then feeds everything after it, the prompt on the first round
+(lazy prefill), or, after a fully accepted round, its own last drafted token plus the target's
+bonus token (catch-up), in the same forward pass that yields the first new draft. Then K-1
+single-token steps follow.
 """
 
 from __future__ import annotations
@@ -17,7 +18,7 @@ from pydantic import Field
 
 from ..errors import ConfigError, DrafterError, ModelLoadError
 from ..types import Draft, DraftContext, TargetInfo
-from .base import DraftChain, Drafter, LearntDrafterOptions, draw_scored
+from .base import DraftChain, Drafter, LearntDrafterOptions, draw_scored, model_runner
 
 LLAMA_1B = "meta-llama/Llama-3.2-1B-Instruct"
 
@@ -69,9 +70,10 @@ class DraftModelDrafter(Drafter):
                                                     "(default: the draft shipped for the target, if any)")
         dtype: str | None = Field(None, description="default: the target's dtype")
         device: str | None = Field(None, description="default: the target's device")
+        compile: bool | None = Field(None, description="torch.compile the draft (CUDA graphs on a GPU); "
+                                                       "default: the device's default")
 
     def __init__(self, options: Options, target: TargetInfo) -> None:
-        from ..cache import KVCache
         from ..models import load_target, resolve_device, resolve_dtype
         from .compact_draft import FORMAT_FILE, is_compact_draft, load_compact_draft
         from .shipped import find_shipped
@@ -101,7 +103,7 @@ class DraftModelDrafter(Drafter):
         if tokenizer is not None and target.tokenizer is not None:
             check_tokenizers(target.tokenizer, tokenizer, target.name or "target", name)
         self.embedding_rows = check_vocabulary(model, target, name)
-        self.cache = KVCache(model.config.get_text_config().num_hidden_layers, slots=0)
+        self.runner = model_runner(model, compile=options.compile)
         gate = getattr(model, "copy_gate", None) if options.copy_gate else None
         self.copier = None
         if gate is not None:
@@ -117,7 +119,7 @@ class DraftModelDrafter(Drafter):
         """Roll the cache back to the still-valid prefix of each row; return what is still to feed."""
         if len(self._fed) != ctx.batch_size:  # a new generate call
             self._fed = [[] for _ in range(ctx.batch_size)]
-            self.cache.reset(ctx.batch_size)
+            self.runner.reset(ctx.batch_size, max(len(t) for t in ctx.token_ids) + 64)
         pending, keep = [], []
         for fed, tokens in zip(self._fed, ctx.token_ids):
             limit = min(len(fed), len(tokens) - 1)
@@ -127,7 +129,7 @@ class DraftModelDrafter(Drafter):
             del fed[n:]
             keep.append(n)
             pending.append(tokens[n:])
-        self.cache.rollback(keep)
+        self.runner.set_lengths(keep)
         return pending
 
     def propose(self, ctx: DraftContext, k: int) -> Draft:
@@ -142,34 +144,27 @@ class DraftModelDrafter(Drafter):
                 f"{highest}, which its embedding of {self.embedding_rows} rows cannot embed; the target produced "
                 "a token outside the draft's vocabulary: use a draft with the target's full vocabulary"
             )
-        self.cache.reserve(max(len(t) for t in ctx.token_ids) + k + 1)
+        self.runner.reserve(max(len(t) for t in ctx.token_ids) + k + 1)
         width = max(len(p) for p in pending)
         feed = torch.zeros((ctx.batch_size, width), dtype=torch.long)
-        for b, p in enumerate(pending):  # right-padded; padding slots are rolled back below
+        for b, p in enumerate(pending):  # right-padded; each row advances by its own count
             feed[b, : len(p)] = torch.tensor(p)
-        starts = list(self.cache.lengths)
-        # only each row's last fed position needs logits: on a lazy prefill of a long prompt, logits
-        # (and the head's scatter into the full vocabulary) at every position cost a third of the pass
-        keep = width - min(len(p) for p in pending) + 1
         # with a copy gate the head returns its own logits [..., N]: the mixture works in that space
         with self.model.lm_head.unscattered() if self.copier is not None else nullcontext():
-            return self._draft(ctx, k, pending, feed.to(device), width, keep, starts)
+            return self._draft(ctx, k, pending, feed.to(device))
 
-    def _draft(self, ctx: DraftContext, k: int, pending: list[list[int]], feed, width: int, keep: int,
-               starts: list[int]) -> Draft:
+    def _draft(self, ctx: DraftContext, k: int, pending: list[list[int]], feed) -> Draft:
         import torch
 
-        from ..cache import forward_step
         from .copy_gate import drafted_rows
 
-        device = feed.device
-        out = forward_step(self.model, self.cache, feed, logits_to_keep=keep, return_hidden=self.copier is not None)
-        logits, hidden = out if self.copier is not None else (out, None)  # [batch, keep, vocab_d], [batch, width, dim]
-        rows = torch.arange(ctx.batch_size, device=device)
-        last = torch.tensor([len(p) - 1 - (width - keep) for p in pending], device=device)
-        step_logits = logits[rows, last]  # [batch, vocab_d]
-        step_hidden = hidden[rows, last + (width - keep)] if hidden is not None else None  # [batch, dim]
-        self.cache.rollback([s + len(p) for s, p in zip(starts, pending)])
+        device, gated = feed.device, self.copier is not None
+        # only each row's last fed position needs logits: on a lazy prefill of a long prompt, logits
+        # (and the head's scatter into the full vocabulary) at every position cost a third of the pass
+        last = torch.tensor([[len(p) - 1] for p in pending], device=device)  # [batch, 1]
+        logits, hidden = self.runner.forward(feed, logits_at=last, hidden=gated, advance=[len(p) for p in pending])
+        step_logits = logits[:, 0]  # [batch, vocab_d]
+        step_hidden = hidden.gather(1, last[..., None].expand(-1, -1, hidden.shape[-1]))[:, 0] if gated else None
         for fed, p in zip(self._fed, pending):
             fed.extend(p)
 
@@ -185,8 +180,8 @@ class DraftModelDrafter(Drafter):
             if not chain.add(*drawn):
                 break
             if i + 1 < k:
-                out = forward_step(self.model, self.cache, token[:, None], return_hidden=self.copier is not None)
-                step_logits, step_hidden = (out[0][:, -1], out[1][:, -1]) if self.copier is not None else (out[:, -1], None)
+                logits, hidden = self.runner.forward(token[:, None], hidden=gated)
+                step_logits, step_hidden = logits[:, -1], (hidden[:, -1] if gated else None)
                 for fed, t in zip(self._fed, token.tolist()):
                     fed.append(t)
         return chain.draft()

@@ -6,12 +6,13 @@
     out = model(tokens, cache)                       # tokens [B, W] -> out.logits [B, W, vocab]
     cache.set_lengths(kept)                          # rollback: write the lengths back
 
-Not yet used by the verifier or the decoder.
+The verifier and the drafters use it through :func:`load_runner` (``runner.py``).
 """
 
 from .cache import KVCache, attention_mask
 from .convert import ARCHITECTURES, from_transformers
 from .model import ForwardOutput, ModelArgs, SpecdraftModel
+from .runner import WIDTH_BUCKETS, ModelRunner, load_runner, width_bucket
 
-__all__ = ["ARCHITECTURES", "ForwardOutput", "KVCache", "ModelArgs", "SpecdraftModel", "attention_mask",
-           "from_transformers"]
+__all__ = ["ARCHITECTURES", "WIDTH_BUCKETS", "ForwardOutput", "KVCache", "ModelArgs", "ModelRunner",
+           "SpecdraftModel", "attention_mask", "from_transformers", "load_runner", "width_bucket"]

@@ -72,20 +72,26 @@ class KVCache:
 
     def update(self, layer: int, rows: torch.Tensor | None, positions: torch.Tensor, keys: torch.Tensor,
                values: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """Write a pass's keys and values at ``positions`` and return the rows' whole buffers.
+        """Write a pass's keys and values at ``positions`` and return the rows' whole buffers
+        (see :func:`write_kv`)."""
+        slot = torch.arange(self.slots, device=self.device) if rows is None else rows  # [B]
+        return write_kv(self.keys[layer], self.values[layer], slot, positions, keys, values, rows is not None)
 
-        ``positions # [B, W]`` long; ``keys``, ``values # [B, kv_heads, W, head_dim]``.
-        Returns ``(keys, values) # [B, kv_heads, max_len, head_dim]``: the buffers themselves
-        when ``rows`` is None (every slot, in order), otherwise a gathered copy of those rows.
-        """
-        k_buf, v_buf = self.keys[layer], self.values[layer]
-        slot = torch.arange(k_buf.shape[0], device=self.device) if rows is None else rows  # [B]
-        # Advanced indices around a slice put their dims first: the target is [B, W, kv_heads, head_dim].
-        k_buf[slot[:, None], :, positions] = keys.transpose(1, 2)
-        v_buf[slot[:, None], :, positions] = values.transpose(1, 2)
-        if rows is None:
-            return k_buf, v_buf
-        return k_buf[rows], v_buf[rows]
+
+def write_kv(k_buf: torch.Tensor, v_buf: torch.Tensor, slot: torch.Tensor, positions: torch.Tensor,
+             keys: torch.Tensor, values: torch.Tensor, gather: bool) -> tuple[torch.Tensor, torch.Tensor]:
+    """Write keys and values ``# [B, kv_heads, W, head_dim]`` of slots ``slot # [B]`` at ``positions # [B, W]``
+    of one layer's buffers ``# [slots, kv_heads, max_len, head_dim]``.
+
+    Returns ``(keys, values) # [B, kv_heads, max_len, head_dim]``: the buffers themselves, or with
+    ``gather`` (the batch is a subset of the slots) a gathered copy of the batch's slots.
+    """
+    # Advanced indices around a slice put their dims first: the target is [B, W, kv_heads, head_dim].
+    k_buf[slot[:, None], :, positions] = keys.transpose(1, 2)
+    v_buf[slot[:, None], :, positions] = values.transpose(1, 2)
+    if gather:
+        return k_buf[slot], v_buf[slot]
+    return k_buf, v_buf
 
 
 def pass_positions(starts: torch.Tensor, width: int) -> torch.Tensor:

@@ -24,7 +24,13 @@ def from_transformers(hf_model) -> tuple[SpecdraftModel | None, str]:
         return None, reason
     with torch.device("meta"):
         model = SpecdraftModel(args)
-    model.load_state_dict(_weights(hf_model, args), assign=True)
+    head = hf_model.get_output_embeddings()
+    if not isinstance(head, torch.nn.Linear):  # e.g. a compact draft's head: used as it is
+        model.output = head
+    missing, unexpected = model.load_state_dict(_weights(hf_model, args), assign=True, strict=False)
+    missing = [k for k in missing if not (k.startswith("output.") and model.output is head)]
+    if missing or unexpected:  # a weight left on the meta device would fail far from here
+        raise RuntimeError(f"converting {type(hf_model).__name__}: missing {missing}, unexpected {unexpected}")
     if args.tie_embeddings:
         model.output.weight = model.tok_embeddings.weight
     model.rope_inv_freq = rope_inv_freq(args).to(hf_model.device)  # the meta one holds no values
@@ -66,6 +72,8 @@ def model_args(hf_model) -> tuple[ModelArgs | None, str]:
     out, emb = hf_model.get_output_embeddings(), hf_model.get_input_embeddings()
     if getattr(out, "bias", None) is not None:
         return None, f"{name} has a bias on its output head, not supported"
+    if not isinstance(emb, torch.nn.Embedding):
+        return None, f"{name} has an input embedding of type {type(emb).__name__}, not supported"
     return ModelArgs(
         vocab_size=config.vocab_size,
         dim=config.hidden_size,
@@ -79,7 +87,7 @@ def model_args(hf_model) -> tuple[ModelArgs | None, str]:
         rope_llama3=llama3,
         qkv_bias=name == "Qwen2ForCausalLM",
         qk_norm=name == "Qwen3ForCausalLM",
-        tie_embeddings=out.weight is emb.weight,
+        tie_embeddings=getattr(out, "weight", None) is emb.weight,
         sliding_window=window,
     ), ""
 
@@ -102,11 +110,10 @@ def _sliding_window(name: str, config) -> tuple[int | None, str]:
 def _weights(hf_model, args: ModelArgs) -> dict[str, torch.Tensor]:
     """transformers' parameters under our names, q/k/v and gate/up concatenated."""
     base = hf_model.model
-    weights = {
-        "tok_embeddings.weight": base.embed_tokens.weight,
-        "norm.weight": base.norm.weight,
-        "output.weight": hf_model.get_output_embeddings().weight,
-    }
+    weights = {"tok_embeddings.weight": base.embed_tokens.weight, "norm.weight": base.norm.weight}
+    head = hf_model.get_output_embeddings()
+    if isinstance(head, torch.nn.Linear):  # any other head module is kept as it is
+        weights["output.weight"] = head.weight
     for i, layer in enumerate(base.layers):
         attn, mlp = layer.self_attn, layer.mlp
         ours = f"layers.{i}."

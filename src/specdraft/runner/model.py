@@ -24,7 +24,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from .cache import KVCache, attention_mask, pass_positions
+from .cache import KVCache, attention_mask, pass_positions, write_kv
 
 
 @dataclass(frozen=True)
@@ -109,7 +109,8 @@ class Attention(nn.Module):
         self.k_norm = RMSNorm(args.head_dim, args.norm_eps) if args.qk_norm else None
 
     def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, mask: torch.Tensor,
-                cache: KVCache, rows: torch.Tensor | None, positions: torch.Tensor) -> torch.Tensor:
+                k_buf: torch.Tensor, v_buf: torch.Tensor, slot: torch.Tensor, positions: torch.Tensor,
+                gather: bool) -> torch.Tensor:
         batch, width, _ = x.shape  # x: [B, W, dim]
         q_size, kv_size = self.n_heads * self.head_dim, self.n_kv_heads * self.head_dim
         q, k, v = self.wqkv(x).split([q_size, kv_size, kv_size], dim=-1)
@@ -121,7 +122,7 @@ class Attention(nn.Module):
         q, k, v = q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2)  # [B, heads, W, head_dim]
         q = q * cos + rotate_half(q) * sin
         k = k * cos + rotate_half(k) * sin
-        keys, values = cache.update(self.layer, rows, positions, k, v)  # [B, kv_heads, max_len, head_dim]
+        keys, values = write_kv(k_buf, v_buf, slot, positions, k, v, gather)  # [B, kv_heads, max_len, head_dim]
         y = F.scaled_dot_product_attention(q, keys, values, attn_mask=mask, scale=self.head_dim**-0.5,
                                            enable_gqa=self.n_heads != self.n_kv_heads)  # [B, heads, W, head_dim]
         return self.wo(y.transpose(1, 2).reshape(batch, width, q_size))
@@ -146,9 +147,33 @@ class TransformerBlock(nn.Module):
         self.ffn_norm = RMSNorm(args.dim, args.norm_eps)
         self.feed_forward = FeedForward(args)
 
-    def forward(self, x, cos, sin, mask, cache, rows, positions) -> torch.Tensor:
-        h = x + self.attention(self.attention_norm(x), cos, sin, mask, cache, rows, positions)
+    def forward(self, x, cos, sin, mask, k_buf, v_buf, slot, positions, gather: bool) -> torch.Tensor:
+        h = x + self.attention(self.attention_norm(x), cos, sin, mask, k_buf, v_buf, slot, positions, gather)
         return h + self.feed_forward(self.ffn_norm(h))
+
+
+def run_block(block: nn.Module, *args) -> torch.Tensor:
+    """One decoder block, eagerly; the runner swaps in a compiled version of this very function."""
+    return block(*args)
+
+
+def run_blocks(blocks, x: torch.Tensor, cache: KVCache, rows: torch.Tensor | None, inv_freq: torch.Tensor,
+               window: int | None = None, tree_mask: torch.Tensor | None = None, block_fn=run_block) -> torch.Tensor:
+    """``x # [B, W, dim]`` through ``blocks`` (layer ``i`` on the cache's buffers ``i``); the cache's
+    lengths are left as they were (the caller advances them).  # [B, W, dim]
+
+    Positions, the mask and the rotary tables are computed once here from the cache's lengths, on
+    the device; ``block_fn(block, x, ...)`` runs each block (one compiled graph serves them all).
+    """
+    batch, width = x.shape[:2]
+    starts = cache.starts(rows)  # [B]
+    positions = pass_positions(starts, width)  # [B, W]
+    mask = attention_mask(starts, width, cache.max_len, tree_mask, window)  # [B, 1, W, L]
+    cos, sin = rope_tables(inv_freq, positions, x.dtype)  # [B, 1, W, head_dim]
+    slot = torch.arange(cache.slots, device=x.device) if rows is None else rows  # [B]
+    for i, block in enumerate(blocks):
+        x = block_fn(block, x, cos, sin, mask, cache.keys[i], cache.values[i], slot, positions, rows is not None)
+    return x
 
 
 class SpecdraftModel(nn.Module):
@@ -165,6 +190,7 @@ class SpecdraftModel(nn.Module):
             self.output.weight = self.tok_embeddings.weight
         # float32 whatever the model's dtype; not in the state dict (recomputed from args)
         self.register_buffer("rope_inv_freq", rope_inv_freq(args), persistent=False)
+        self.block_fn = run_block  # the runner's compile swaps in a compiled one
 
     @property
     def dtype(self) -> torch.dtype:
@@ -196,16 +222,11 @@ class SpecdraftModel(nn.Module):
         bool: which tokens of the pass each token sees (default causal); positions stay
         ``lengths + 0..W-1``.
         """
-        batch, width = tokens.shape
-        starts = cache.starts(rows)  # [B]
-        positions = pass_positions(starts, width)  # [B, W]
-        mask = attention_mask(starts, width, cache.max_len, tree_mask, self.args.sliding_window)  # [B, 1, W, L]
         x = self.tok_embeddings(tokens)  # [B, W, dim]
-        cos, sin = rope_tables(self.rope_inv_freq, positions, x.dtype)  # [B, 1, W, head_dim]
-        for layer in self.layers:
-            x = layer(x, cos, sin, mask, cache, rows, positions)
+        x = run_blocks(self.layers, x, cache, rows, self.rope_inv_freq, self.args.sliding_window, tree_mask,
+                       self.block_fn)
         hidden = self.norm(x)  # [B, W, dim]
-        cache.advance(rows, width if advance is None else advance)
+        cache.advance(rows, tokens.shape[1] if advance is None else advance)
         if logits_at is not None:
             hidden_at = hidden.gather(1, logits_at[..., None].expand(-1, -1, hidden.shape[-1]))  # [B, N, dim]
         else:

@@ -14,15 +14,14 @@ next round. A round where nobody drafted anything is a plain one-token decoding 
 
 from __future__ import annotations
 
+import os
 import time
 from dataclasses import dataclass
 from typing import Any, Sequence
 
 import torch
 
-from ..cache import KVCache, forward_step
 from ..errors import ConfigError, DrafterError, SpecdraftError
-from ..fastpath import prepare as prepare_fastpath
 from ..sampling import SamplingParams, TokenCounts, greedy_tokens, logits_to_probs
 from ..types import Draft, DraftContext, GenerationResult, GenerationStats, TargetInfo
 from .adaptive import AdaptiveDraftLength
@@ -66,21 +65,17 @@ class _Row:
         return self.tokens[self.prompt_len:]
 
 
-@dataclass
-class _Timer:
-    device: torch.device
-
-    def now(self) -> float:
-        if self.device.type == "cuda":
-            torch.cuda.synchronize(self.device)
-        return time.perf_counter()
+#: ``SPECDRAFT_DEBUG=1``: validate every draft in full (values, not just shapes), at the cost of
+#: device-to-host copies each round. The conformance suite always does.
+DEBUG = os.environ.get("SPECDRAFT_DEBUG", "") not in ("", "0")
 
 
-def check_draft(draft: Any, batch: int, k: int, vocab: int, who: str, device: torch.device):
+def check_draft(draft: Any, batch: int, k: int, vocab: int, who: str, device: torch.device, full: bool = True):
     """Validate a drafter's output against the :class:`Draft` contract.
 
     Returns ``(token_ids # [batch, k'], lengths # [batch], probs # [batch, k', vocab] | None)``
-    on ``device``; raises :class:`DrafterError` naming ``who`` on any violation.
+    on ``device``; raises :class:`DrafterError` naming ``who`` on any violation. Without ``full``
+    only types and shapes are checked (nothing is copied from the device): what the hot path does.
     """
 
     def bad(msg: str) -> DrafterError:
@@ -99,12 +94,8 @@ def check_draft(draft: Any, batch: int, k: int, vocab: int, who: str, device: to
         lengths = torch.full((batch,), width, dtype=torch.long, device=device)
     else:
         lengths = torch.as_tensor(draft.lengths).to(device=device, dtype=torch.long)
-        if lengths.shape != (batch,) or bool((lengths < 0).any()) or bool((lengths > width).any()):
+        if lengths.shape != (batch,):
             raise bad(f"lengths must be [batch] with values in 0..{width}")
-    valid = torch.arange(width, device=device) < lengths[:, None]  # [batch, k']
-    real = ids[valid]
-    if real.numel() and (int(real.min()) < 0 or int(real.max()) >= vocab):
-        raise bad(f"token ids must lie in [0, {vocab}); got {int(real.min())}..{int(real.max())}")
     probs = draft.probs
     if probs is not None:
         if not isinstance(probs, torch.Tensor) or not probs.is_floating_point():
@@ -112,6 +103,16 @@ def check_draft(draft: Any, batch: int, k: int, vocab: int, who: str, device: to
         if probs.shape != (batch, width, vocab):
             raise bad(f"probs has shape {tuple(probs.shape)}, expected [{batch}, {width}, {vocab}]")
         probs = probs.to(device)
+    if not full:  # on the device, without a copy: a draft stops before its first id outside the vocabulary
+        valid_ids = ((ids >= 0) & (ids < vocab)).long().cumprod(dim=1).sum(dim=1)  # [batch]
+        return ids.clamp(0, vocab - 1), torch.minimum(lengths.clamp(0, width), valid_ids), probs
+    if bool((lengths < 0).any()) or bool((lengths > width).any()):
+        raise bad(f"lengths must be [batch] with values in 0..{width}")
+    valid = torch.arange(width, device=device) < lengths[:, None]  # [batch, k']
+    real = ids[valid]
+    if real.numel() and (int(real.min()) < 0 or int(real.max()) >= vocab):
+        raise bad(f"token ids must lie in [0, {vocab}); got {int(real.min())}..{int(real.max())}")
+    if probs is not None:
         rows = probs[valid].double()  # [n_valid, vocab]
         if rows.numel():
             if not bool(torch.isfinite(rows).all()) or bool((rows < 0).any()):
@@ -125,16 +126,17 @@ def check_draft(draft: Any, batch: int, k: int, vocab: int, who: str, device: to
 
 
 class Verifier:
-    """Runs speculative decoding of ``model`` with ``drafter`` for a batch of prompts."""
+    """Runs speculative decoding of the target's ``runner`` with ``drafter`` for a batch of prompts."""
 
-    def __init__(self, model, drafter, spec_length: int, target: TargetInfo, adaptive: bool = True) -> None:
-        self.model = model
+    def __init__(self, runner, drafter, spec_length: int, target: TargetInfo, adaptive: bool = True) -> None:
+        self.runner = runner  # specdraft.runner: ModelRunner or TransformersRunner
         self.drafter = drafter
         self.spec_length = spec_length
         self.target = target
-        self.cache = KVCache(model.config.get_text_config().num_hidden_layers, slots=0)
         # Verify-pass costs stay learnt across calls; acceptance is relearnt per call.
         self.policy = AdaptiveDraftLength(spec_length) if adaptive else None
+        # Full value checks of every draft cost device-to-host copies; free on CPU.
+        self.validate_drafts = DEBUG or torch.device(target.device).type == "cpu"
 
     @property
     def wants_hidden(self) -> bool:
@@ -173,18 +175,20 @@ class Verifier:
         seed: int | None = None,
         stop: Sequence[str] = (),
     ) -> list[GenerationResult]:
-        target, device = self.target, self.target.device
+        target, device, runner = self.target, self.target.device, self.runner
         tokenizer = target.tokenizer
         if stop and tokenizer is None:
             raise ConfigError("stop strings need a tokenizer to decode the output; this decoder has none")
         eos = set(target.eos_token_ids)
-        timer = _Timer(torch.device(device))
-        start = timer.now()
+        # Host clocks, no synchronization: on a GPU the copy of each round's results to the host
+        # (the one the loop needs anyway) is where a round's device work is waited for.
+        now = time.perf_counter
+        start = now()
 
         rows = [_Row(tokens=list(p), prompt_len=len(p), stats=GenerationStats(prompt_tokens=len(p))) for p in prompts]
         batch = len(rows)
         max_len = min(target.max_context, max(r.prompt_len for r in rows) + max_new_tokens)
-        self.cache.reset(batch, slots=max_len + self.spec_length + 1)
+        runner.reset(batch, max_len + self.spec_length + 1)
         generator = torch.Generator(device=device)
         if seed is None:
             generator.seed()
@@ -199,8 +203,6 @@ class Verifier:
             sampling=sampling,
             generator=generator,
         )
-        if torch.device(device).type == "cpu":  # choose the few-row kernels before anything is timed
-            prepare_fastpath(self.model, [batch * w for w in range(1, self.spec_length + 2)])
         self._call_drafter("reset")
         policy = self.policy
         if policy is not None:
@@ -216,23 +218,23 @@ class Verifier:
             prefill = torch.zeros((batch, longest), dtype=torch.long)
             for b, r in enumerate(rows):
                 prefill[b, : r.prompt_len - 1] = torch.tensor(r.tokens[: r.prompt_len - 1])
-            out = forward_step(self.model, self.cache, prefill.to(device), logits_to_keep=1,
-                               return_hidden=self.wants_hidden)
-            hidden = out[1] if self.wants_hidden else None  # [batch, longest, hidden_size]
-            self.cache.rollback([r.prompt_len - 1 for r in rows])
-        if self.wants_hidden:
+            _, hidden = runner.forward(prefill.to(device), logits_at=torch.zeros((batch, 1), dtype=torch.long,
+                                                                                  device=device),
+                                       hidden=self.wants_hidden, advance=[r.prompt_len - 1 for r in rows])
+        if self.wants_hidden:  # [batch, longest, hidden_size]
             self._hand_hidden(ctx, hidden, [r.prompt_len - 1 for r in rows])
-        prefill_time = timer.now() - start
+        prefill_time = now() - start
         draft_time = verify_time = 0.0
         # Drafting time is a per-token cost sample only when the drafter also ran the round
         # before: the first drafting round includes a draft model's prefill of the prompt, and
         # one after plain steps its catch-up on the tokens they emitted (counting that made
         # drafting look ever dearer the longer the policy paused it, until it never drafted).
         drafted_last = False
+        lengths_now = [r.prompt_len - 1 for r in rows]  # what the runner's cache holds, per row
 
         try:
             while any(ctx.active):
-                t0 = timer.now()
+                t0 = now()
                 was_active = list(ctx.active)
                 want = policy.choose() if policy is not None else self.spec_length
                 caps = [
@@ -245,21 +247,22 @@ class Verifier:
                     ctx.counts = TokenCounts.of(ctx.token_ids, ctx.prompt_lengths, target.vocab_size, device)
                 if k > 0:
                     draft = self._call_drafter("propose", ctx, k)
-                    ids, lengths, probs = check_draft(draft, batch, k, target.vocab_size, self._drafter_label, device)
+                    ids, lengths, probs = check_draft(draft, batch, k, target.vocab_size, self._drafter_label, device,
+                                                      full=self.validate_drafts)
                     lengths = torch.minimum(lengths, torch.tensor(caps, device=device))
-                    width = int(lengths.max())
+                    # no wider a pass than the longest draft: free to know on a CPU, a copy on a GPU
+                    width = int(lengths.max()) if lengths.device.type == "cpu" else ids.shape[1]
                     ids = ids[:, :width]
                     probs = probs[:, :width] if probs is not None else None
                 else:
                     ids = torch.zeros((batch, 0), dtype=torch.long, device=device)
                     lengths = torch.zeros(batch, dtype=torch.long, device=device)
                     probs = None
-                t1 = timer.now()
+                t1 = now()
 
                 last = torch.tensor([[r.tokens[-1]] for r in rows], device=device)  # [batch, 1]
-                old_lengths = list(self.cache.lengths)
-                out = forward_step(self.model, self.cache, torch.cat([last, ids], dim=1), return_hidden=self.wants_hidden)
-                logits, hidden = out if self.wants_hidden else (out, None)  # [batch, k'+1, vocab], [batch, k'+1, dim]
+                logits, hidden = runner.forward(torch.cat([last, ids], dim=1), hidden=self.wants_hidden)
+                # logits [batch, k'+1, vocab], hidden [batch, k'+1, dim] | None
                 # position j of the pass continues the context plus the drafts before j
                 counts = ctx.counts.along(ids) if ctx.counts is not None else None
                 if sampling.greedy:
@@ -267,29 +270,31 @@ class Verifier:
                 else:
                     target_probs = logits_to_probs(logits, sampling, counts)  # float32 or wider
                     num_accepted, next_token = rejection_sample(ids, lengths, probs, target_probs, generator)
-                accepted = num_accepted.tolist()
-                drafted = lengths.tolist()
-                emitted_rows = [ids[b, :n].tolist() + [t] for b, (n, t) in enumerate(zip(accepted, next_token.tolist()))]
-                t2 = timer.now()
+                # the round's one copy to the host: [accepted, next token, drafted, drafts...] per row
+                summary = torch.cat([num_accepted[:, None], next_token[:, None], lengths[:, None], ids], dim=1).tolist()
+                t2 = now()
 
-                new_lengths, committed = [], []
+                committed, accepted, drafted = [], [], []
                 for b, r in enumerate(rows):
+                    n, token, d, *drafts = summary[b]
+                    accepted.append(n)
+                    drafted.append(d)
                     before = len(r.tokens)
                     committed.append(0)
                     if not ctx.active[b]:
-                        new_lengths.append(old_lengths[b])
                         continue
-                    r.stats.record_round(drafted[b], accepted[b])
-                    for token in emitted_rows[b]:
+                    r.stats.record_round(d, n)
+                    for token in drafts[:n] + [token]:
                         r.tokens.append(token)
                         reason = self._finish_reason(r, token, eos, max_new_tokens, max_len, stop)
                         if reason:
                             r.finish_reason = reason
                             ctx.active[b] = False
                             break
-                    new_lengths.append(len(r.tokens) - 1 if ctx.active[b] else old_lengths[b])
+                    if ctx.active[b]:
+                        lengths_now[b] = len(r.tokens) - 1
                     committed[b] = len(r.tokens) - before
-                self.cache.rollback(new_lengths)
+                runner.set_lengths(lengths_now)
                 if policy is not None:
                     live = [b for b in range(batch) if was_active[b]]
                     policy.observe(int(ids.shape[1]) + 1, t2 - t1, [drafted[b] for b in live], [accepted[b] for b in live],
@@ -299,15 +304,15 @@ class Verifier:
                 if self.wants_hidden:  # the states of the positions whose next token is now known
                     self._hand_hidden(ctx, hidden, committed)
                 self._call_drafter("on_verified", ctx, [a if d else 0 for a, d in zip(accepted, drafted)])
-                t3 = timer.now()
+                t3 = now()
                 draft_time += (t1 - t0) + (t3 - t2)
                 verify_time += t2 - t1
         except KeyboardInterrupt:  # keep what was generated: the caller may show it
             for r in rows:
                 r.finish_reason = r.finish_reason or "interrupted"
-            times = (prefill_time, draft_time, verify_time, timer.now() - start)
+            times = (prefill_time, draft_time, verify_time, now() - start)
             raise GenerationInterrupted(self._results(rows, stop, times)) from None
-        return self._results(rows, stop, (prefill_time, draft_time, verify_time, timer.now() - start))
+        return self._results(rows, stop, (prefill_time, draft_time, verify_time, now() - start))
 
     def _results(self, rows: list[_Row], stop: Sequence[str], times: tuple[float, float, float, float]
                  ) -> list[GenerationResult]:

@@ -1,0 +1,219 @@
+"""The model runner: one model's forward over its own KV cache, eager, compiled or CUDA-graphed.
+
+    runner = load_runner(hf_model, compile=False, quantize=None)   # ours, or transformers' as a fallback
+    runner.reset(rows=2, max_len=512)                               # empty cache for 2 sequences
+    logits, hidden = runner.forward(tokens)                         # tokens [2, W] -> logits [2, W, vocab]
+    runner.set_lengths([40, 37])                                    # rollback: write the lengths
+
+Every row of a pass has ``W`` tokens (right-pad shorter rows and pass ``advance``, each row's own
+count: the padding is written past the row's length, so it is never attended to and the next
+pass overwrites it). The lengths live on the device (:attr:`lengths`); nothing that changes per
+step reaches the model as a Python int.
+
+With ``compile=True`` a pass of width ``W`` runs at the next width bucket (:data:`WIDTH_BUCKETS`)
+through one compiled graph per bucket that every decoder layer shares (compiled once per bucket:
+seconds, and reused across runs through torch's compile cache); wider passes (prefill) run
+eagerly. On CUDA each (rows, width bucket) pass is also captured as a CUDA graph on first use and
+replayed after that, as nano-vllm's model runner does. Padding is never accepted: its logits are
+cut off before they are returned.
+"""
+
+from __future__ import annotations
+
+import time
+from typing import Any
+
+import torch
+
+from .cache import KVCache
+from .convert import from_transformers
+from .model import SpecdraftModel, run_block
+
+#: Pass widths a compiled runner pads to (a verify pass is K+1 <= 17 tokens; trees go wider).
+WIDTH_BUCKETS = (1, 2, 4, 8, 16, 32)
+
+
+def width_bucket(width: int) -> int | None:
+    """The smallest bucket holding ``width`` tokens, or None past the largest (run eagerly)."""
+    return next((b for b in WIDTH_BUCKETS if b >= width), None)
+
+
+def _as_lengths(lengths, device) -> torch.Tensor:
+    return torch.as_tensor(lengths, dtype=torch.long).to(device, non_blocking=True)
+
+
+class ModelRunner:
+    """specdraft's own model (:class:`SpecdraftModel`) over a static :class:`KVCache`."""
+
+    implementation = "specdraft"
+
+    def __init__(self, model: SpecdraftModel, compile: bool = False, quantization: str | None = None) -> None:
+        self.model = model
+        self.compiled = bool(compile)
+        self.quantization = quantization
+        self.cache: KVCache | None = None
+        self.compile_seconds = 0.0  # spent compiling (first passes of each bucket)
+        self._compiled_block = None
+        self._graphs: dict[tuple, tuple[Any, ...]] = {}  # CUDA graphs per (rows, width, logits_at, hidden)
+        if self.compiled:
+            import torch._dynamo
+
+            # one graph per (rows, width bucket) shape; the default limit of 8 would fall back to eager
+            torch._dynamo.config.cache_size_limit = max(torch._dynamo.config.cache_size_limit, 64)
+            self._compiled_block = torch.compile(run_block, fullgraph=True, dynamic=False)
+        self._seen: set[tuple] = set()
+
+    # -- what the runner is --------------------------------------------------------------
+
+    @property
+    def device(self) -> torch.device:
+        return self.model.device
+
+    @property
+    def dtype(self) -> torch.dtype:
+        return self.model.dtype
+
+    @property
+    def info(self) -> dict:
+        return {"implementation": self.implementation, "compiled": self.compiled, "quantization": self.quantization}
+
+    @property
+    def cuda_graphs(self) -> bool:
+        return self.compiled and self.device.type == "cuda"
+
+    # -- the cache -----------------------------------------------------------------------
+
+    def reset(self, rows: int, max_len: int) -> None:
+        """An empty cache for ``rows`` sequences of up to ``max_len`` tokens (buffers kept when they fit)."""
+        need = max_len + WIDTH_BUCKETS[-1]  # room for a padded pass at the end
+        cache = self.cache
+        if cache is None or cache.slots != rows or cache.max_len < need:
+            self.cache = self.model.new_cache(rows, need)
+            self._graphs.clear()  # they hold the old buffers
+        else:
+            cache.reset()
+
+    def reserve(self, max_len: int) -> None:
+        """Room for ``max_len`` tokens per row, keeping what is stored (grows by doubling, rarely)."""
+        need = max_len + WIDTH_BUCKETS[-1]
+        old = self.cache
+        if old.max_len >= need:
+            return
+        new = self.model.new_cache(old.slots, max(need, 2 * old.max_len))
+        for dst, src in zip(new.keys + new.values, old.keys + old.values):
+            dst[:, :, : src.shape[2]] = src
+        new.lengths.copy_(old.lengths)
+        self.cache = new
+        self._graphs.clear()
+
+    @property
+    def lengths(self) -> torch.Tensor:
+        """Each row's stored token count, on the device.  # [rows]"""
+        return self.cache.lengths
+
+    def set_lengths(self, lengths) -> None:
+        """Rollback (or any length change): row ``b`` keeps its first ``lengths[b]`` tokens."""
+        self.cache.lengths.copy_(_as_lengths(lengths, self.cache.device))
+
+    # -- the forward ---------------------------------------------------------------------
+
+    def forward(self, tokens: torch.Tensor, logits_at: torch.Tensor | None = None, hidden: bool = False,
+                advance=None) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """Run ``tokens # [rows, W]`` (long, on the device) after each row's stored tokens.
+
+        Returns ``(logits, hidden)``: logits ``[rows, W, vocab]``, or ``[rows, N, vocab]`` at the
+        indices ``logits_at # [rows, N]`` into ``0..W-1``; with ``hidden``, the final-norm hidden
+        states ``[rows, W, dim]`` (else None). Each row's length grows by ``W``, or by
+        ``advance[b]`` (a list or long tensor ``[rows]``) when rows carry padding.
+        """
+        rows, width = tokens.shape
+        if advance is not None:
+            advance = _as_lengths(advance, tokens.device)
+        bucket = width_bucket(width) if self.compiled else None
+        if bucket is None:  # eager: any width
+            self.model.block_fn = run_block
+            out = self.model(tokens, self.cache, logits_at=logits_at, return_hidden=hidden, advance=advance)
+            return out.logits, out.hidden
+        if bucket > width:  # pad; the padding's keys land past each row's new length
+            tokens = torch.cat([tokens, tokens.new_zeros(rows, bucket - width)], dim=1)
+            if advance is None:
+                advance = torch.full((rows,), width, dtype=torch.long, device=tokens.device)
+        key = (rows, bucket, None if logits_at is None else tuple(logits_at.shape), hidden, advance is None)
+        start = time.perf_counter() if key not in self._seen else None
+        if self.cuda_graphs:
+            logits, states = self._replay(key, tokens, logits_at, hidden, advance)
+        else:
+            logits, states = self._compiled(tokens, logits_at, hidden, advance)
+        if start is not None:
+            self._seen.add(key)
+            self.compile_seconds += time.perf_counter() - start
+        if logits_at is None and bucket > width:
+            logits = logits[:, :width]
+        if states is not None and bucket > width:
+            states = states[:, :width]
+        return logits, states
+
+    def _compiled(self, tokens, logits_at, hidden, advance):
+        self.model.block_fn = self._compiled_block
+        try:
+            out = self.model(tokens, self.cache, logits_at=logits_at, return_hidden=hidden, advance=advance)
+        finally:
+            self.model.block_fn = run_block
+        return out.logits, out.hidden
+
+    def _replay(self, key, tokens, logits_at, hidden, advance):
+        """The pass as a CUDA graph: captured on first use of ``key``, replayed on static buffers."""
+        graph = self._graphs.get(key)
+        if graph is None:
+            graph = self._capture(tokens, logits_at, hidden, advance)
+            self._graphs[key] = graph
+        cuda_graph, static_in, static_out = graph
+        for buf, value in zip(static_in, (tokens, logits_at, advance)):
+            if buf is not None:
+                buf.copy_(value)
+        cuda_graph.replay()
+        logits, states = static_out
+        return logits.clone(), None if states is None else states.clone()
+
+    def _capture(self, tokens, logits_at, hidden, advance):
+        static_in = tuple(None if t is None else t.clone() for t in (tokens, logits_at, advance))
+        saved = self.cache.lengths.clone()
+        stream = torch.cuda.Stream(self.device)
+        stream.wait_stream(torch.cuda.current_stream(self.device))
+        with torch.cuda.stream(stream):  # warm up (compiles) outside the capture
+            for _ in range(2):
+                self.cache.lengths.copy_(saved)
+                self._compiled(*static_in[:2], hidden, static_in[2])
+        torch.cuda.current_stream(self.device).wait_stream(stream)
+        self.cache.lengths.copy_(saved)
+        cuda_graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(cuda_graph):
+            static_out = self._compiled(static_in[0], static_in[1], hidden, static_in[2])
+        self.cache.lengths.copy_(saved)  # the capture did not run the pass; the replay will
+        return cuda_graph, static_in, static_out
+
+
+def load_runner(hf_model, compile: bool = False, quantize: str | None = None):
+    """A runner for a loaded transformers model: specdraft's own model code when it reproduces the
+    architecture, else :class:`TransformersRunner` (eager; ``fallback_reason`` says why).
+
+    ``quantize="int8"`` turns every linear layer into weight-only int8 (ours only).
+    """
+    from ..errors import ConfigError
+
+    if quantize not in (None, "int8"):
+        raise ConfigError(f"quantize must be None or 'int8' (got {quantize!r})")
+    model, reason = from_transformers(hf_model)
+    if model is None:
+        if compile or quantize:
+            wanted = " and ".join(x for x in ("compile" if compile else "", f"quantize={quantize!r}" if quantize else "")
+                                  if x)
+            raise ConfigError(f"{wanted} needs specdraft's own model code, which this model cannot use: {reason}")
+        from .hf import TransformersRunner
+
+        return TransformersRunner(hf_model, reason)
+    if quantize == "int8":
+        from .quantize import quantize_int8
+
+        quantize_int8(model)
+    return ModelRunner(model, compile=compile, quantization=quantize)
