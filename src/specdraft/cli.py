@@ -67,6 +67,14 @@ def _training_args(p: argparse.ArgumentParser, steps: int, steps_help: str, lr: 
     p.add_argument("--device", default=None)
 
 
+def _runner_args(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--compile", action=argparse.BooleanOptionalAction, default=None,
+                   help="torch.compile the target, one graph per pass width (CUDA graphs on a GPU); "
+                        "default: on for CUDA, off for CPU")
+    p.add_argument("--quantize", choices=["int8"], default=None,
+                   help="weight-only int8 target (the quantized model is the one decoded, exactly)")
+
+
 def _check_positive(args, *names: str) -> None:
     for name in names:
         if getattr(args, name) < 1:
@@ -126,6 +134,7 @@ def build_parser() -> argparse.ArgumentParser:
     gen.add_argument("--stats", action="store_true", help="print speculation metrics to stderr")
     gen.add_argument("--dtype", default=None, help="float32 (CPU default), bfloat16 (GPU default), float16, float64")
     gen.add_argument("--device", default=None, help="cpu, cuda, cuda:1, ... (default: cuda if available)")
+    _runner_args(gen)
 
     bench = sub.add_parser("bench", help="benchmark drafters against plain decoding on Spec-Bench-style prompts",
                            description="Run plain decoding, each drafter and optional peers on every prompt, "
@@ -151,6 +160,7 @@ def build_parser() -> argparse.ArgumentParser:
     bench.add_argument("--target", default=None, help="as for generate (default: SmolLM2-135M-Instruct)")
     bench.add_argument("--dtype", default=None)
     bench.add_argument("--device", default=None)
+    _runner_args(bench)
 
     dist = sub.add_parser("distill", help="train a compact draft model for a target from the target's own outputs",
                           description="Build a small draft (a few of the target's layers, its embeddings shared, "
@@ -191,10 +201,17 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
-def format_stats(stats, drafter: str, spec_length: int) -> str:
+def format_runner(info: dict) -> str:
+    """``{"implementation": ..., "compiled": ..., "quantization": ...}`` in a few words."""
+    return (f"{info['implementation']} model code, {'compiled' if info['compiled'] else 'eager'}, "
+            f"{info['quantization'] or 'unquantized'} weights")
+
+
+def format_stats(stats, drafter: str, spec_length: int, runner: dict | None = None) -> str:
     by_pos = " ".join(f"{a:.2f}" for a in stats.acceptance_by_position) or "-"
     return "\n".join([
-        f"drafter: {drafter}  spec_length: {spec_length}",
+        f"drafter: {drafter}  spec_length: {spec_length}"
+        + (f"  target: {format_runner(runner)}" if runner else ""),
         f"new tokens: {stats.new_tokens}  time: {stats.total_time_s:.2f} s  tokens/s: {stats.tokens_per_second:.1f}",
         f"target passes: {stats.target_passes}  tokens per pass: {stats.tokens_per_pass:.2f}",
         f"drafted: {stats.drafted_tokens}  accepted: {stats.accepted_tokens}  acceptance rate: {stats.acceptance_rate:.3f}",
@@ -231,7 +248,7 @@ def _generate(args) -> int:
     decoder = SpeculativeDecoder.from_pretrained(
         target=args.target, drafter=args.drafter, spec_length=args.spec_length,
         drafter_options=dict(args.drafter_options), dtype=args.dtype, device=args.device,
-        adaptive=not args.fixed_spec_length,
+        adaptive=not args.fixed_spec_length, compile=args.compile, quantize=args.quantize,
     )
     from .verifier import GenerationInterrupted
 
@@ -244,7 +261,8 @@ def _generate(args) -> int:
         return 130
     print(result.text)
     if args.stats:
-        print(format_stats(result.stats, decoder.drafter.name or args.drafter, args.spec_length), file=sys.stderr)
+        print(format_stats(result.stats, decoder.drafter.name or args.drafter, args.spec_length, decoder.runner_info),
+              file=sys.stderr)
     return 0
 
 
@@ -311,7 +329,7 @@ def _bench(args) -> int:
         questions=args.questions, categories=_split(args.categories) or None,
         limit_per_category=args.limit_per_category, drafters=_split(args.drafters), spec_length=args.spec_length,
         max_new_tokens=args.max_new_tokens, temperature=args.temperature, peers=_split(args.peers),
-        drafter_options=options, gguf=_gguf_of(args.target),
+        drafter_options=options, gguf=_gguf_of(args.target), compile=args.compile, quantize=args.quantize,
     )
     check_spec_length(settings.spec_length)
     check_generation_args(settings.max_new_tokens, {"temperature": settings.temperature}, None, None)

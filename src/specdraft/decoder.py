@@ -212,6 +212,12 @@ class SpeculativeDecoder:
         return cls(model, tokenizer, drafter, spec_length, drafter_options, adaptive=adaptive, target_name=name,
                    compile=compile, quantize=quantize)
 
+    def warm_up(self, rows: int = 1) -> None:
+        """Compile (or capture) the target's passes of every width a round can use, for ``rows``
+        sequences, now rather than during the first generations; free when not compiled."""
+        with self._lock:
+            self.runner.warm_up(rows, range(1, self.spec_length + 2))
+
     @property
     def runner_info(self) -> dict:
         """How the target runs: ``{"implementation": "specdraft" | "transformers", "compiled": bool,

@@ -32,6 +32,9 @@ class BenchSettings:
     drafter_options: dict[str, dict[str, Any]] = field(default_factory=dict)
     #: the GGUF file the target was loaded from: the llama-cpp peer runs that same file
     gguf: str | None = None
+    #: how specdraft runs the target (every specdraft method alike): see SpeculativeDecoder
+    compile: bool | None = None
+    quantize: str | None = None
 
 
 def split_method(entry: str) -> tuple[str, str]:
@@ -127,14 +130,17 @@ class _Methods:
         from ..decoder import SpeculativeDecoder
 
         self.model, self.tokenizer, self.settings = model, tokenizer, settings
-        self.decoders = {PLAIN: SpeculativeDecoder(model, tokenizer, drafter="none", spec_length=settings.spec_length)}
+        runner = dict(compile=settings.compile, quantize=settings.quantize)
+        self.decoders = {PLAIN: SpeculativeDecoder(model, tokenizer, drafter="none", spec_length=settings.spec_length,
+                                                   **runner)}
         for entry in settings.drafters:
             label, drafter = split_method(entry)
             if label in self.decoders:
                 raise ConfigError(f"--drafters runs {label!r} twice; give one of them a label (LABEL={drafter})")
             self.decoders[label] = SpeculativeDecoder(model, tokenizer, drafter=drafter,
                                                       spec_length=settings.spec_length,
-                                                      drafter_options=settings.drafter_options.get(label))
+                                                      drafter_options=settings.drafter_options.get(label),
+                                                      **runner)
         self.names = list(self.decoders)
         for peer in settings.peers:
             if peer not in PEERS:
@@ -229,6 +235,8 @@ def run_bench(model, tokenizer, settings: BenchSettings, name: str = "", progres
     bar = tqdm(total=len(questions) * len(methods.names), disable=not progress, unit="run", desc="bench")
     try:
         encoded = [methods.decoders[PLAIN].encode(q["prompt"]) for q in questions]
+        for decoder in methods.decoders.values():  # compiles every pass width up front, not counted
+            decoder.warm_up()
         for method in methods.names:  # warm-up, not counted
             methods.run(method, encoded[0][:64], {**questions[0], "question_id": 0})
         for q, ids in zip(questions, encoded):
@@ -246,6 +254,10 @@ def run_bench(model, tokenizer, settings: BenchSettings, name: str = "", progres
     finally:
         bar.close()
     env = environment(model, settings, name)
+    plain = methods.decoders[PLAIN]
+    env["runner"] = plain.runner_info
+    if plain.runner_info["compiled"]:
+        env["compile_seconds"] = round(sum(d.runner.compile_seconds for d in methods.decoders.values()), 1)
     if interrupted:
         env["questions"] = f"{settings.questions} ({finished} of {len(questions)} prompts: interrupted)"
         env["interrupted"] = f"after {finished} of {len(questions)} prompts (Ctrl-C); the unfinished prompt is dropped"

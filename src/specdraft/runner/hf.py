@@ -145,6 +145,9 @@ class TransformersRunner:
     def reset(self, rows: int, max_len: int) -> None:
         self.cache.reset(rows, slots=max_len)
 
+    def warm_up(self, rows: int, widths) -> None:
+        """Nothing to compile."""
+
     def reserve(self, max_len: int) -> None:
         self.cache.reserve(max_len)
 
@@ -152,7 +155,7 @@ class TransformersRunner:
     def lengths(self) -> torch.Tensor:
         return torch.tensor(self.cache.lengths, dtype=torch.long, device=self.device)
 
-    def set_lengths(self, lengths) -> None:
+    def set_lengths(self, lengths, bound: int | None = None) -> None:
         values = lengths.tolist() if isinstance(lengths, torch.Tensor) else list(lengths)
         self.cache.lengths = [int(n) for n in values]
 

@@ -158,21 +158,26 @@ def run_block(block: nn.Module, *args) -> torch.Tensor:
 
 
 def run_blocks(blocks, x: torch.Tensor, cache: KVCache, rows: torch.Tensor | None, inv_freq: torch.Tensor,
-               window: int | None = None, tree_mask: torch.Tensor | None = None, block_fn=run_block) -> torch.Tensor:
+               window: int | None = None, tree_mask: torch.Tensor | None = None, block_fn=run_block,
+               span: int | None = None) -> torch.Tensor:
     """``x # [B, W, dim]`` through ``blocks`` (layer ``i`` on the cache's buffers ``i``); the cache's
     lengths are left as they were (the caller advances them).  # [B, W, dim]
 
     Positions, the mask and the rotary tables are computed once here from the cache's lengths, on
     the device; ``block_fn(block, x, ...)`` runs each block (one compiled graph serves them all).
+    ``span``: attend over (and write within) the first ``span`` positions of the buffers only, which
+    the caller guarantees hold every row's tokens and this pass's (default: all ``max_len``).
     """
     batch, width = x.shape[:2]
+    span = cache.max_len if span is None else span
     starts = cache.starts(rows)  # [B]
     positions = pass_positions(starts, width)  # [B, W]
-    mask = attention_mask(starts, width, cache.max_len, tree_mask, window)  # [B, 1, W, L]
+    mask = attention_mask(starts, width, span, tree_mask, window)  # [B, 1, W, span]
     cos, sin = rope_tables(inv_freq, positions, x.dtype)  # [B, 1, W, head_dim]
     slot = torch.arange(cache.slots, device=x.device) if rows is None else rows  # [B]
     for i, block in enumerate(blocks):
-        x = block_fn(block, x, cos, sin, mask, cache.keys[i], cache.values[i], slot, positions, rows is not None)
+        keys, values = cache.keys[i][:, :, :span], cache.values[i][:, :, :span]  # views: writes land in the cache
+        x = block_fn(block, x, cos, sin, mask, keys, values, slot, positions, rows is not None)
     return x
 
 
@@ -207,7 +212,8 @@ class SpecdraftModel(nn.Module):
 
     def forward(self, tokens: torch.Tensor, cache: KVCache, rows: torch.Tensor | None = None,
                 logits_at: torch.Tensor | None = None, return_hidden: bool = False,
-                advance: torch.Tensor | None = None, tree_mask: torch.Tensor | None = None) -> ForwardOutput:
+                advance: torch.Tensor | None = None, tree_mask: torch.Tensor | None = None,
+                span: int | None = None) -> ForwardOutput:
         """One pass of ``W`` new tokens per row over the cache.
 
         ``tokens # [B, W]`` long. ``rows # [B]`` long: the cache slots the batch rows use, distinct
@@ -220,11 +226,11 @@ class SpecdraftModel(nn.Module):
         instead of everywhere (``[B, W, vocab]``). ``return_hidden``: also return the hidden
         states after the final norm, ``[B, W, dim]``, at every position. ``tree_mask # [B, W, W]``
         bool: which tokens of the pass each token sees (default causal); positions stay
-        ``lengths + 0..W-1``.
+        ``lengths + 0..W-1``. ``span``: see :func:`run_blocks`.
         """
         x = self.tok_embeddings(tokens)  # [B, W, dim]
         x = run_blocks(self.layers, x, cache, rows, self.rope_inv_freq, self.args.sliding_window, tree_mask,
-                       self.block_fn)
+                       self.block_fn, span)
         hidden = self.norm(x)  # [B, W, dim]
         cache.advance(rows, tokens.shape[1] if advance is None else advance)
         if logits_at is not None:

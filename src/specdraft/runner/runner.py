@@ -21,6 +21,7 @@ cut off before they are returned.
 from __future__ import annotations
 
 import time
+import weakref
 from typing import Any
 
 import torch
@@ -36,6 +37,21 @@ WIDTH_BUCKETS = (1, 2, 4, 8, 16, 32)
 def width_bucket(width: int) -> int | None:
     """The smallest bucket holding ``width`` tokens, or None past the largest (run eagerly)."""
     return next((b for b in WIDTH_BUCKETS if b >= width), None)
+
+
+#: The cache's capacity grows in steps of this many positions (reallocating is rare).
+CAPACITY_STEP = 256
+#: The shortest span a pass attends over; spans are powers of two from here to the capacity.
+MIN_SPAN = 64
+
+
+def span_for(bound: int, capacity: int) -> int:
+    """Positions a pass attends over when no row will hold more than ``bound`` after it: the next
+    power of two (at least :data:`MIN_SPAN`), so attention reads what is stored, not the whole buffer."""
+    span = MIN_SPAN
+    while span < bound:
+        span *= 2
+    return min(span, capacity)
 
 
 def _as_lengths(lengths, device) -> torch.Tensor:
@@ -60,8 +76,17 @@ class ModelRunner:
 
             # one graph per (rows, width bucket) shape; the default limit of 8 would fall back to eager
             torch._dynamo.config.cache_size_limit = max(torch._dynamo.config.cache_size_limit, 64)
-            self._compiled_block = torch.compile(run_block, fullgraph=True, dynamic=False)
+            compiled = torch.compile(run_block, fullgraph=True, dynamic=False)
+
+            def block(layer, x, cos, sin, mask, keys, values, *rest):
+                # one graph for every span: the span dimension is symbolic, the rest static
+                for t, dim in ((mask, 3), (keys, 2), (values, 2)):
+                    torch._dynamo.mark_dynamic(t, dim)
+                return compiled(layer, x, cos, sin, mask, keys, values, *rest)
+
+            self._compiled_block = block
         self._seen: set[tuple] = set()
+        self._bound = 0  # no row holds more tokens than this (known on the host, no copy needed)
 
     # -- what the runner is --------------------------------------------------------------
 
@@ -85,13 +110,14 @@ class ModelRunner:
 
     def reset(self, rows: int, max_len: int) -> None:
         """An empty cache for ``rows`` sequences of up to ``max_len`` tokens (buffers kept when they fit)."""
-        need = max_len + WIDTH_BUCKETS[-1]  # room for a padded pass at the end
+        need = -(-(max_len + WIDTH_BUCKETS[-1]) // CAPACITY_STEP) * CAPACITY_STEP  # room for a padded pass
         cache = self.cache
         if cache is None or cache.slots != rows or cache.max_len < need:
             self.cache = self.model.new_cache(rows, need)
             self._graphs.clear()  # they hold the old buffers
         else:
             cache.reset()
+        self._bound = 0
 
     def reserve(self, max_len: int) -> None:
         """Room for ``max_len`` tokens per row, keeping what is stored (grows by doubling, rarely)."""
@@ -99,7 +125,8 @@ class ModelRunner:
         old = self.cache
         if old.max_len >= need:
             return
-        new = self.model.new_cache(old.slots, max(need, 2 * old.max_len))
+        need = max(-(-need // CAPACITY_STEP) * CAPACITY_STEP, 2 * old.max_len)
+        new = self.model.new_cache(old.slots, need)
         for dst, src in zip(new.keys + new.values, old.keys + old.values):
             dst[:, :, : src.shape[2]] = src
         new.lengths.copy_(old.lengths)
@@ -111,9 +138,28 @@ class ModelRunner:
         """Each row's stored token count, on the device.  # [rows]"""
         return self.cache.lengths
 
-    def set_lengths(self, lengths) -> None:
-        """Rollback (or any length change): row ``b`` keeps its first ``lengths[b]`` tokens."""
+    def set_lengths(self, lengths, bound: int | None = None) -> None:
+        """Rollback (or any length change): row ``b`` keeps its first ``lengths[b]`` tokens.
+
+        ``lengths`` a list (or a long tensor [rows]); ``bound``, an upper bound of them, lets a
+        device tensor through without a copy to the host (default: its max, read from it)."""
+        if isinstance(lengths, torch.Tensor):
+            self._bound = int(lengths.max()) if bound is None else bound
+        else:
+            lengths = list(lengths)
+            self._bound = max(lengths, default=0)
         self.cache.lengths.copy_(_as_lengths(lengths, self.cache.device))
+
+    def warm_up(self, rows: int, widths) -> None:
+        """Compile every width bucket that passes of ``widths`` tokens use (rows ``rows``); the cache is emptied."""
+        if not self.compiled:
+            return
+        self.reset(rows, MIN_SPAN)
+        with torch.inference_mode():
+            for bucket in sorted({width_bucket(w) for w in widths} - {None}):
+                for hidden in (False, True) if bucket > 1 else (False,):
+                    self.forward(torch.zeros((rows, bucket), dtype=torch.long, device=self.device), hidden=hidden)
+                    self.set_lengths([0] * rows)
 
     # -- the forward ---------------------------------------------------------------------
 
@@ -130,20 +176,25 @@ class ModelRunner:
         if advance is not None:
             advance = _as_lengths(advance, tokens.device)
         bucket = width_bucket(width) if self.compiled else None
+        span = span_for(self._bound + (bucket or width), self.cache.max_len)
+        if self._bound + width > self.cache.max_len - WIDTH_BUCKETS[-1]:
+            raise ValueError(f"KV cache overflow: {self._bound} + {width} tokens > {self.cache.max_len} positions; "
+                             "reserve() first")
+        self._bound += width
         if bucket is None:  # eager: any width
             self.model.block_fn = run_block
-            out = self.model(tokens, self.cache, logits_at=logits_at, return_hidden=hidden, advance=advance)
+            out = self.model(tokens, self.cache, logits_at=logits_at, return_hidden=hidden, advance=advance, span=span)
             return out.logits, out.hidden
         if bucket > width:  # pad; the padding's keys land past each row's new length
             tokens = torch.cat([tokens, tokens.new_zeros(rows, bucket - width)], dim=1)
             if advance is None:
                 advance = torch.full((rows,), width, dtype=torch.long, device=tokens.device)
-        key = (rows, bucket, None if logits_at is None else tuple(logits_at.shape), hidden, advance is None)
+        key = (rows, bucket, span, None if logits_at is None else tuple(logits_at.shape), hidden, advance is None)
         start = time.perf_counter() if key not in self._seen else None
         if self.cuda_graphs:
-            logits, states = self._replay(key, tokens, logits_at, hidden, advance)
+            logits, states = self._replay(key, tokens, logits_at, hidden, advance, span)
         else:
-            logits, states = self._compiled(tokens, logits_at, hidden, advance)
+            logits, states = self._compiled(tokens, logits_at, hidden, advance, span)
         if start is not None:
             self._seen.add(key)
             self.compile_seconds += time.perf_counter() - start
@@ -153,19 +204,19 @@ class ModelRunner:
             states = states[:, :width]
         return logits, states
 
-    def _compiled(self, tokens, logits_at, hidden, advance):
+    def _compiled(self, tokens, logits_at, hidden, advance, span):
         self.model.block_fn = self._compiled_block
         try:
-            out = self.model(tokens, self.cache, logits_at=logits_at, return_hidden=hidden, advance=advance)
+            out = self.model(tokens, self.cache, logits_at=logits_at, return_hidden=hidden, advance=advance, span=span)
         finally:
             self.model.block_fn = run_block
         return out.logits, out.hidden
 
-    def _replay(self, key, tokens, logits_at, hidden, advance):
+    def _replay(self, key, tokens, logits_at, hidden, advance, span):
         """The pass as a CUDA graph: captured on first use of ``key``, replayed on static buffers."""
         graph = self._graphs.get(key)
         if graph is None:
-            graph = self._capture(tokens, logits_at, hidden, advance)
+            graph = self._capture(tokens, logits_at, hidden, advance, span)
             self._graphs[key] = graph
         cuda_graph, static_in, static_out = graph
         for buf, value in zip(static_in, (tokens, logits_at, advance)):
@@ -175,7 +226,7 @@ class ModelRunner:
         logits, states = static_out
         return logits.clone(), None if states is None else states.clone()
 
-    def _capture(self, tokens, logits_at, hidden, advance):
+    def _capture(self, tokens, logits_at, hidden, advance, span):
         static_in = tuple(None if t is None else t.clone() for t in (tokens, logits_at, advance))
         saved = self.cache.lengths.clone()
         stream = torch.cuda.Stream(self.device)
@@ -183,14 +234,18 @@ class ModelRunner:
         with torch.cuda.stream(stream):  # warm up (compiles) outside the capture
             for _ in range(2):
                 self.cache.lengths.copy_(saved)
-                self._compiled(*static_in[:2], hidden, static_in[2])
+                self._compiled(*static_in[:2], hidden, static_in[2], span)
         torch.cuda.current_stream(self.device).wait_stream(stream)
         self.cache.lengths.copy_(saved)
         cuda_graph = torch.cuda.CUDAGraph()
         with torch.cuda.graph(cuda_graph):
-            static_out = self._compiled(static_in[0], static_in[1], hidden, static_in[2])
+            static_out = self._compiled(static_in[0], static_in[1], hidden, static_in[2], span)
         self.cache.lengths.copy_(saved)  # the capture did not run the pass; the replay will
         return cuda_graph, static_in, static_out
+
+
+#: converted (and quantized) models per transformers model: runners of one model share its weights
+_CONVERTED: "weakref.WeakKeyDictionary[Any, dict]" = weakref.WeakKeyDictionary()
 
 
 def load_runner(hf_model, compile: bool = False, quantize: str | None = None):
@@ -203,6 +258,9 @@ def load_runner(hf_model, compile: bool = False, quantize: str | None = None):
 
     if quantize not in (None, "int8"):
         raise ConfigError(f"quantize must be None or 'int8' (got {quantize!r})")
+    converted = _CONVERTED.setdefault(hf_model, {})
+    if quantize in converted:
+        return ModelRunner(converted[quantize], compile=compile, quantization=quantize)
     model, reason = from_transformers(hf_model)
     if model is None:
         if compile or quantize:
@@ -216,4 +274,5 @@ def load_runner(hf_model, compile: bool = False, quantize: str | None = None):
         from .quantize import quantize_int8
 
         quantize_int8(model)
+    converted[quantize] = model
     return ModelRunner(model, compile=compile, quantization=quantize)
