@@ -415,84 +415,137 @@ def test_medusa_heads_start_as_identity():
     assert torch.equal(heads(x), x[:, None].expand(2, 3, 8))
 
 
+def _eagle_runner(module):
+    """The drafter's inference path for ``module``: its layer on specdraft's block over a KV cache."""
+    from specdraft.drafters.base import layer_runner
+
+    return layer_runner(module.layer, module.llama_config, compile=False, attention_norm=False)
+
+
+def _random_eagle(model, seed):
+    torch.manual_seed(seed)
+    module = build_heads("eagle", model.config).double()
+    for p in module.parameters():
+        torch.nn.init.normal_(p, std=0.2)
+    return module
+
+
 def test_eagle_training_steps_see_what_drafting_sees(tiny_model):
     """The unrolled training pass over true + guessed pairs equals the drafter's cache path,
     chain by chain and step by step."""
-    from specdraft.cache import KVCache
     from specdraft.training.batches import eagle_unroll
 
-    torch.manual_seed(6)
-    module = build_heads("eagle", tiny_model.config).double()
-    for p in module.parameters():
-        torch.nn.init.normal_(p, std=0.2)
+    module = _random_eagle(tiny_model, 6)
+    runner = _eagle_runner(module)
     feats, ids = torch.randn(1, 9, 32, dtype=torch.float64), torch.randint(1, 64, (1, 9))
     embed = tiny_model.get_input_embeddings()
     with torch.no_grad():
         unrolled = eagle_unroll(module, embed, ids, feats, depth=3)
         assert [g.shape[1] for g in unrolled] == [8, 7, 6]
         for t in range(6):
-            cache = KVCache(1, slots=16)
-            cache.reset(1)
-            pos, mask = cache.prepare(t + 1, "cpu", torch.float64)  # true pairs 0..t
-            guess = module(feats[:, : t + 1], embed(ids[:, 1 : t + 2]), pos, mask, cache)[:, -1:]
-            cache.advance(t + 1)
+            runner.reset(1, 16)
+            guess = runner.forward(module.fc_in(feats[:, : t + 1], embed(ids[:, 1 : t + 2])))[:, -1:]  # true pairs 0..t
             for step in (1, 2, 3):
                 torch.testing.assert_close(guess[:, 0], unrolled[step - 1][:, t], rtol=1e-10, atol=1e-10)
                 if step < 3:  # then the guessed pair, as the drafter feeds it
-                    pos, mask = cache.prepare(1, "cpu", torch.float64)
-                    guess = module(guess, embed(ids[:, t + step + 1 : t + step + 2]), pos, mask, cache)
-                    cache.advance(1)
+                    guess = runner.forward(module.fc_in(guess, embed(ids[:, t + step + 1 : t + step + 2])))
 
 
 @pytest.mark.parametrize("batch", [1, 3])
-def test_eagle_token_step_computes_the_layer_forward(tiny_model, batch):
-    """The fused one-token draft step equals EagleDraft.forward through the same cache: the
-    guessed features and every key and value it stores, step after step."""
-    from specdraft.cache import KVCache
-    from specdraft.drafters.heads.modules import EagleTokenStep
-
-    torch.manual_seed(7)
-    module = build_heads("eagle", tiny_model.config).double()
-    for p in module.parameters():
-        torch.nn.init.normal_(p, std=0.2)
-    assert EagleTokenStep.supports(module)
-    step = EagleTokenStep(module)
+def test_eagle_layer_runner_computes_the_transformers_layer(tiny_model, batch):
+    """The drafter's path (fc, then the layer on specdraft's block over the runner's KV cache)
+    equals EagleDraft.forward (transformers' layer over the whole sequence, no cache) for ragged
+    catch-ups of true pairs and one-token draft steps, round after round with rollbacks; the cache
+    then holds what one fresh pass over the true pairs stores."""
+    module = _random_eagle(tiny_model, 7)
     embed = tiny_model.get_input_embeddings()
-    feats, ids = torch.randn(batch, 5, 32, dtype=torch.float64), torch.randint(1, 64, (batch, 9))
-    caches = [KVCache(1, slots=300) for _ in range(2)]
+    gen = torch.Generator().manual_seed(7)
+    runner = _eagle_runner(module)
+
+    def reference(f, x):  # [n, H] features and [n] next tokens -> the guesses after each pair  # [n, H]
+        n = x.shape[0]
+        return module(f[None], embed(x[None]), torch.arange(n)[None], causal_mask(n, torch.float64, "cpu"))[0]
+
+    feats = [torch.zeros(0, 32, dtype=torch.float64) for _ in range(batch)]  # true pairs fed, per row
+    toks = [torch.zeros(0, dtype=torch.long) for _ in range(batch)]
+    runner.reset(batch, 8)
+    rounds = ([5, 3, 4], [1, 1, 1], [2, 0, 3], [3, 3, 3])
     with torch.no_grad():
-        guesses = []
-        for cache in caches:
-            cache.reset(batch)
-            pos, mask = cache.prepare(5, "cpu", torch.float64)  # true pairs first, as in a catch-up
-            guesses.append(module(feats, embed(ids[:, 1:6]), pos, mask, cache)[:, -1])
-            cache.advance(5)
-        reference, fused = guesses
-        for t in range(6, 9):
-            assert EagleTokenStep.usable(caches[1], batch)
-            pos, mask = caches[0].prepare(1, "cpu", torch.float64)
-            reference = module(reference[:, None], embed(ids[:, t : t + 1]), pos, mask, caches[0])[:, 0]
-            caches[0].advance(1)
-            fused = step(fused, embed(ids[:, t]), caches[1])
-            torch.testing.assert_close(fused, reference, rtol=1e-10, atol=1e-10)
-        assert caches[0].lengths == caches[1].lengths == [8] * batch
-        for name in ("keys", "values"):
-            torch.testing.assert_close(getattr(caches[1].layers[0], name)[:, :, :8],
-                                       getattr(caches[0].layers[0], name)[:, :, :8], rtol=1e-10, atol=1e-10)
-        caches[1].rollback([8] * (batch - 1) + [7])
-        assert not EagleTokenStep.usable(caches[1], batch) or batch == 1
+        for counts in (c[:batch] for c in rounds):
+            runner.set_lengths([len(t) for t in toks])  # forget last round's guessed pairs
+            runner.reserve(max(map(len, toks)) + max(counts) + 3)
+            width = max(counts)
+            f = torch.randn(batch, width, 32, dtype=torch.float64, generator=gen)
+            x = torch.randint(1, 64, (batch, width), generator=gen)
+            for b, n in enumerate(counts):
+                f[b, n:], x[b, n:] = 0, 0  # padding of shorter rows
+                feats[b], toks[b] = torch.cat([feats[b], f[b, :n]]), torch.cat([toks[b], x[b, :n]])
+            even = len(set(counts)) == 1
+            guess = runner.forward(module.fc_in(f, embed(x)), advance=None if even else counts)
+            assert runner.lengths.tolist() == [len(t) for t in toks]
+            guess = torch.stack([guess[b, max(n - 1, 0)] for b, n in enumerate(counts)])  # each row's newest
+            drafted_f, drafted_x = [t.clone() for t in feats], [t.clone() for t in toks]
+            for b, n in enumerate(counts):
+                if n:
+                    torch.testing.assert_close(guess[b], reference(feats[b], toks[b])[-1], rtol=1e-10, atol=1e-10)
+            for _ in range(3):  # draft steps: the guessed feature and a drafted token, one pair per row
+                token = torch.randint(1, 64, (batch,), generator=gen)
+                for b in range(batch):
+                    drafted_f[b] = torch.cat([drafted_f[b], guess[b : b + 1]])
+                    drafted_x[b] = torch.cat([drafted_x[b], token[b : b + 1]])
+                guess = runner.forward(module.fc_in(guess[:, None], embed(token[:, None])))[:, 0]
+                for b in range(batch):
+                    if counts[b]:
+                        torch.testing.assert_close(guess[b], reference(drafted_f[b], drafted_x[b])[-1],
+                                                   rtol=1e-10, atol=1e-10)
+        runner.set_lengths([len(t) for t in toks])
+        fresh = _eagle_runner(module)
+        fresh.reset(batch, 64)
+        width = max(map(len, toks))
+        f, x = torch.zeros(batch, width, 32, dtype=torch.float64), torch.zeros(batch, width, dtype=torch.long)
+        for b in range(batch):
+            f[b, : len(toks[b])], x[b, : len(toks[b])] = feats[b], toks[b]
+        fresh.forward(module.fc_in(f, embed(x)), advance=[len(t) for t in toks])
+    assert torch.equal(fresh.lengths, runner.lengths)
+    for mine, ref in zip(runner.cache.keys + runner.cache.values, fresh.cache.keys + fresh.cache.values):
+        for b, t in enumerate(toks):
+            torch.testing.assert_close(mine[b, :, : len(t)], ref[b, :, : len(t)], rtol=1e-10, atol=1e-10)
 
 
-def test_eagle_drafts_through_the_token_step(tiny_model, tmp_path, monkeypatch):
-    """Draft steps after the first take the fused path (a silent fallback would only cost speed)."""
-    from specdraft.drafters.heads.modules import EagleTokenStep
+def test_eagle_drafts_through_the_layer_runner(tiny_model, tmp_path, monkeypatch):
+    """Every draft pass runs the layer runner (the transformers layer only serves training), and
+    greedy output over ragged prompts equals plain decoding."""
+    from specdraft.runner.layers import LayerRunner
 
     calls = []
-    original = EagleTokenStep.__call__
-    monkeypatch.setattr(EagleTokenStep, "__call__", lambda self, *a: calls.append(1) or original(self, *a))
+    original = LayerRunner.forward
+    monkeypatch.setattr(LayerRunner, "forward", lambda self, x, **kw: calls.append(x.shape) or original(self, x, **kw))
+    layer_calls = []
     heads = random_heads("eagle", tiny_model, tmp_path / "eagle", seed=1)
     dec = SpeculativeDecoder(tiny_model, None, drafter="eagle", spec_length=4, adaptive=False,
                              drafter_options={"heads": str(heads), "min_confidence": 0})
-    out = dec.generate_ids([[1, 2, 3, 4, 5]], max_new_tokens=12)[0]
-    assert out.token_ids == plain_greedy(tiny_model, [1, 2, 3, 4, 5], 12)
-    assert calls
+    assert isinstance(dec.drafter.runner, LayerRunner)
+    dec.drafter.module.layer.register_forward_hook(lambda *a: layer_calls.append(1))
+    prompts = [[1, 2, 3, 4, 5], [7, 8], [9, 10, 11, 12, 13, 14, 15, 16], [3]]
+    results = dec.generate_ids(prompts, max_new_tokens=12)
+    for p, r in zip(prompts, results):
+        assert r.token_ids == plain_greedy(tiny_model, p, 12)
+    assert any(s[1] == 1 for s in calls) and any(s[1] > 1 for s in calls)  # draft steps and catch-ups
+    assert not layer_calls
+
+
+def test_heads_no_longer_import_the_old_cache_or_fastpath():
+    import subprocess
+    import sys
+
+    code = ("import sys, specdraft.drafters.heads.drafters, specdraft.drafters.heads.formats; "
+            "print([m for m in sys.modules if m.startswith('specdraft.cache') or m == 'specdraft.fastpath'])")
+    assert subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout.strip() == "[]"
+
+
+def test_layer_runner_names_what_it_cannot_run(tiny_model):
+    from specdraft.drafters.base import layer_runner
+
+    module = build_heads("eagle", tiny_model.config)
+    with pytest.raises(ConfigError, match="pass attention_norm=False"):
+        layer_runner(module.layer, module.llama_config, compile=False)  # EAGLE-1's layer has no input norm

@@ -177,3 +177,29 @@ def model_runner(model, compile: bool | None = None):
         if not compile:
             raise
         return load_runner(model, compile=False)
+
+
+def layer_runner(hf_layers, config, compile: bool | None = None, attention_norm: bool = True):
+    """A runner of its own for a drafter's transformers decoder layers (EAGLE's layer), from the drafter API.
+
+    ``hf_layers``: one layer or a sequence run in order; ``config``: their transformers config.
+    The runner has the model runner's cache interface (``reset(rows, max_len)``,
+    ``reserve(max_len)``, ``set_lengths(lengths)``, ``lengths``) and
+    ``forward(x # [rows, W, dim], advance=None) -> [rows, W, dim]``, the last layer's output;
+    see ``specdraft.runner.layers``. ``attention_norm=False``: the layers skip their input norm
+    (EAGLE-1). Compiled per pass width when ``compile`` (None: the device's default). Raises
+    :class:`~specdraft.ConfigError` naming what specdraft's layer code does not reproduce.
+    """
+    import torch
+
+    from ..decoder import default_compile
+    from ..errors import ConfigError
+    from ..runner.layers import layers_from_transformers
+
+    layers = hf_layers if isinstance(hf_layers, torch.nn.Module) else torch.nn.ModuleList(hf_layers)
+    if compile is None:
+        compile = default_compile(next(layers.parameters()).device)
+    runner, reason = layers_from_transformers(layers, config, attention_norm=attention_norm, compile=compile)
+    if runner is None:
+        raise ConfigError(f"specdraft cannot run these decoder layers: {reason}")
+    return runner

@@ -45,12 +45,38 @@ def model_args(hf_model) -> tuple[ModelArgs | None, str]:
     config = hf_model.config
     if getattr(hf_model, "hf_quantizer", None) is not None or getattr(config, "quantization_config", None):
         return None, f"{name} has quantized weights, which specdraft's model code does not load"
-    params = list(hf_model.parameters())
+    reason = placement_reason(name, list(hf_model.parameters()))
+    if reason:
+        return None, reason
+    out, emb = hf_model.get_output_embeddings(), hf_model.get_input_embeddings()
+    tied = isinstance(emb, torch.nn.Embedding) and getattr(out, "weight", None) is emb.weight
+    args, reason = config_args(name, config, vocab_size=config.vocab_size, n_layers=config.num_hidden_layers,
+                               tie_embeddings=tied)
+    if args is None:
+        return None, reason
+    if getattr(out, "bias", None) is not None:
+        return None, f"{name} has a bias on its output head, not supported"
+    if not isinstance(emb, torch.nn.Embedding):
+        return None, f"{name} has an input embedding of type {type(emb).__name__}, not supported"
+    return args, ""
+
+
+def placement_reason(name: str, params: list[torch.Tensor]) -> str:
+    """Why weights spread over several devices or dtypes (or left on the meta device) are refused, or ""."""
     if len({(p.device, p.dtype) for p in params}) != 1 or params[0].device.type == "meta":
-        return None, f"{name} has weights on several devices or dtypes (offloaded or mixed), not supported"
+        return f"{name} has weights on several devices or dtypes (offloaded or mixed), not supported"
+    return ""
+
+
+def config_args(arch: str, config, label: str | None = None, **fields) -> tuple[ModelArgs | None, str]:
+    """The :class:`ModelArgs` that the decoder layers of architecture ``arch`` (one of
+    :data:`ARCHITECTURES`) with ``config`` need, or ``(None, reason)`` naming ``label`` (default
+    ``arch``). ``fields``: the rest (``vocab_size``, ``n_layers``, ``tie_embeddings``), which the
+    layers do not read."""
+    name = label or arch
     if config.hidden_act != "silu":
         return None, f"{name} uses hidden_act={config.hidden_act!r}; only 'silu' is supported"
-    if name != "Qwen2ForCausalLM" and getattr(config, "attention_bias", False):  # Qwen2: q/k/v bias, always
+    if arch != "Qwen2ForCausalLM" and getattr(config, "attention_bias", False):  # Qwen2: q/k/v bias, always
         return None, f"{name} has attention_bias=True, not supported"
     if getattr(config, "mlp_bias", False):
         return None, f"{name} has mlp_bias=True, not supported"
@@ -60,7 +86,7 @@ def model_args(hf_model) -> tuple[ModelArgs | None, str]:
         return None, f"{name} uses rope_type={rope_type!r}; only 'default' and 'llama3' are supported"
     if rope.get("partial_rotary_factor", 1.0) != 1.0:
         return None, f"{name} rotates part of each head (partial_rotary_factor), not supported"
-    window, reason = _sliding_window(name, config)
+    window, reason = _sliding_window(arch, config, name)
     if reason:
         return None, reason
     heads = config.num_attention_heads
@@ -69,15 +95,8 @@ def model_args(hf_model) -> tuple[ModelArgs | None, str]:
     if rope_type == "llama3":
         llama3 = (rope["factor"], rope["low_freq_factor"], rope["high_freq_factor"],
                   rope["original_max_position_embeddings"])
-    out, emb = hf_model.get_output_embeddings(), hf_model.get_input_embeddings()
-    if getattr(out, "bias", None) is not None:
-        return None, f"{name} has a bias on its output head, not supported"
-    if not isinstance(emb, torch.nn.Embedding):
-        return None, f"{name} has an input embedding of type {type(emb).__name__}, not supported"
     return ModelArgs(
-        vocab_size=config.vocab_size,
         dim=config.hidden_size,
-        n_layers=config.num_hidden_layers,
         n_heads=heads,
         n_kv_heads=config.num_key_value_heads or heads,
         head_dim=head_dim,
@@ -85,18 +104,18 @@ def model_args(hf_model) -> tuple[ModelArgs | None, str]:
         norm_eps=config.rms_norm_eps,
         rope_theta=rope.get("rope_theta", getattr(config, "rope_theta", 10000.0)),
         rope_llama3=llama3,
-        qkv_bias=name == "Qwen2ForCausalLM",
-        qk_norm=name == "Qwen3ForCausalLM",
-        tie_embeddings=getattr(out, "weight", None) is emb.weight,
+        qkv_bias=arch == "Qwen2ForCausalLM",
+        qk_norm=arch == "Qwen3ForCausalLM",
         sliding_window=window,
+        **fields,
     ), ""
 
 
-def _sliding_window(name: str, config) -> tuple[int | None, str]:
-    """The window every layer uses (None: full attention), or a reason when layers differ."""
+def _sliding_window(arch: str, config, name: str) -> tuple[int | None, str]:
+    """The window every layer uses (None: full attention), or a reason (naming ``name``) when layers differ."""
     window = getattr(config, "sliding_window", None)
     layer_types = getattr(config, "layer_types", None)
-    if name == "MistralForCausalLM" or window is None:
+    if arch == "MistralForCausalLM" or window is None:
         return window, ""
     # Qwen2/Qwen3: a window only on the layers that layer_types marks as sliding
     sliding = [t == "sliding_attention" for t in layer_types or []]
@@ -110,24 +129,34 @@ def _sliding_window(name: str, config) -> tuple[int | None, str]:
 def _weights(hf_model, args: ModelArgs) -> dict[str, torch.Tensor]:
     """transformers' parameters under our names, q/k/v and gate/up concatenated."""
     base = hf_model.model
-    weights = {"tok_embeddings.weight": base.embed_tokens.weight, "norm.weight": base.norm.weight}
+    weights = {"tok_embeddings.weight": base.embed_tokens.weight.detach(), "norm.weight": base.norm.weight.detach()}
     head = hf_model.get_output_embeddings()
     if isinstance(head, torch.nn.Linear):  # any other head module is kept as it is
-        weights["output.weight"] = head.weight
+        weights["output.weight"] = head.weight.detach()
     for i, layer in enumerate(base.layers):
-        attn, mlp = layer.self_attn, layer.mlp
-        ours = f"layers.{i}."
-        weights[ours + "attention_norm.weight"] = layer.input_layernorm.weight
-        weights[ours + "ffn_norm.weight"] = layer.post_attention_layernorm.weight
-        weights[ours + "attention.wqkv.weight"] = torch.cat(
-            [attn.q_proj.weight, attn.k_proj.weight, attn.v_proj.weight]).detach()
-        if args.qkv_bias:
-            weights[ours + "attention.wqkv.bias"] = torch.cat(
-                [attn.q_proj.bias, attn.k_proj.bias, attn.v_proj.bias]).detach()
-        weights[ours + "attention.wo.weight"] = attn.o_proj.weight
-        if args.qk_norm:
-            weights[ours + "attention.q_norm.weight"] = attn.q_norm.weight
-            weights[ours + "attention.k_norm.weight"] = attn.k_norm.weight
-        weights[ours + "feed_forward.w13.weight"] = torch.cat([mlp.gate_proj.weight, mlp.up_proj.weight]).detach()
-        weights[ours + "feed_forward.w2.weight"] = mlp.down_proj.weight
+        weights.update({f"layers.{i}.{k}": v for k, v in block_weights(layer, args).items()})
+    return weights
+
+
+def block_weights(layer, args: ModelArgs) -> dict[str, torch.Tensor]:
+    """One transformers decoder layer's parameters under a :class:`TransformerBlock`'s names:
+    q/k/v and gate/up concatenated (new tensors), the others transformers' own (detached).
+    A layer whose input norm has no weight (an ``nn.Identity``, as in EAGLE-1) gives no
+    ``attention_norm.weight``."""
+    attn, mlp = layer.self_attn, layer.mlp
+    weights = {
+        "ffn_norm.weight": layer.post_attention_layernorm.weight,
+        "attention.wqkv.weight": torch.cat([attn.q_proj.weight, attn.k_proj.weight, attn.v_proj.weight]),
+        "attention.wo.weight": attn.o_proj.weight,
+        "feed_forward.w13.weight": torch.cat([mlp.gate_proj.weight, mlp.up_proj.weight]),
+        "feed_forward.w2.weight": mlp.down_proj.weight,
+    }
+    norm = getattr(layer.input_layernorm, "weight", None)
+    if norm is not None:
+        weights["attention_norm.weight"] = norm
+    if args.qkv_bias:
+        weights["attention.wqkv.bias"] = torch.cat([attn.q_proj.bias, attn.k_proj.bias, attn.v_proj.bias])
+    if args.qk_norm:
+        weights["attention.q_norm.weight"] = attn.q_norm.weight
+        weights["attention.k_norm.weight"] = attn.k_norm.weight
     return {k: v.detach() for k, v in weights.items()}

@@ -18,11 +18,9 @@ from typing import ClassVar
 import torch
 
 from ...errors import ConfigError
-from ...fastpath import few_row_linears
 from ...types import Draft, DraftContext, TargetInfo
-from ..base import DraftChain, Drafter, HeadOptions, draw_scored
+from ..base import DraftChain, Drafter, HeadOptions, draw_scored, layer_runner
 from ..copy_gate import CopyDrafting, drafted_rows
-from .modules import EagleTokenStep
 
 
 class HeadDrafter(Drafter):
@@ -43,7 +41,6 @@ class HeadDrafter(Drafter):
                 f"(a folder from `specdraft train-heads --kind {self.kind}`, or a published checkpoint)"
             )
         self.module, self.head, self.meta = load_heads(path, target, self.kind)
-        self._fast = torch.device(target.device).type == "cpu"
         gate = getattr(self.module, "copy_gate", None) if options.copy_gate else None
         self.copier = CopyDrafting(gate, self.head.head_ids, target.vocab_size) if gate is not None else None
         super().__init__(options, target)
@@ -88,21 +85,20 @@ class MedusaDrafter(HeadDrafter):
     def propose(self, ctx: DraftContext, k: int) -> Draft:
         m = min(k, self.module.num_heads)
         chain = self._chain(ctx)
-        with few_row_linears(self.module, enabled=self._fast):
-            features = self.module(self._last, m)  # [batch, m, H]
-            # all heads at once, unless a guess depends on the ones before it (the copy gate's
-            # candidate, the penalties' context)
-            if (self.copier is None or self.module.own_heads is not None) and not ctx.sampling.penalized:
-                logits = self.module.logits(features, self.head)  # [batch, m, vocab]
-                batch, _, vocab = logits.shape
-                drawn = draw_scored(logits.reshape(batch * m, vocab), ctx.sampling, ctx.generator, chain.scored)
-                tokens, probs, confidence = (None if x is None else x.view(batch, m, *x.shape[1:]) for x in drawn)
-                for i in range(m):
-                    chain.add(*(None if x is None else x[:, i] for x in (tokens, probs, confidence)))
-            else:
-                for i in range(m):  # each candidate depends on the guesses before it
-                    if not chain.add(*self._draw(features[:, i], ctx, chain)):
-                        break
+        features = self.module(self._last, m)  # [batch, m, H]
+        # all heads at once, unless a guess depends on the ones before it (the copy gate's
+        # candidate, the penalties' context)
+        if (self.copier is None or self.module.own_heads is not None) and not ctx.sampling.penalized:
+            logits = self.module.logits(features, self.head)  # [batch, m, vocab]
+            batch, _, vocab = logits.shape
+            drawn = draw_scored(logits.reshape(batch * m, vocab), ctx.sampling, ctx.generator, chain.scored)
+            tokens, probs, confidence = (None if x is None else x.view(batch, m, *x.shape[1:]) for x in drawn)
+            for i in range(m):
+                chain.add(*(None if x is None else x[:, i] for x in (tokens, probs, confidence)))
+        else:
+            for i in range(m):  # each candidate depends on the guesses before it
+                if not chain.add(*self._draw(features[:, i], ctx, chain)):
+                    break
         return chain.draft(self._lengths(m))
 
 
@@ -115,33 +111,32 @@ class MLPSpeculatorDrafter(HeadDrafter):
         m = min(k, self.module.num_stages)
         token = torch.tensor([row[-1] for row in ctx.token_ids], device=self._last.device)  # x_{L-1}
         state, chain = self._last, self._chain(ctx)
-        with few_row_linears(self.module, enabled=self._fast):
-            for i in range(m):
-                state, feature = self.module.stage(i, state, self.target.embeddings(token))
-                drawn = self._draw(feature, ctx, chain)  # [batch], [batch, vocab], [batch]
-                token = drawn[0]
-                if not chain.add(*drawn):
-                    break
+        for i in range(m):
+            state, feature = self.module.stage(i, state, self.target.embeddings(token))
+            drawn = self._draw(feature, ctx, chain)  # [batch], [batch, vocab], [batch]
+            token = drawn[0]
+            if not chain.add(*drawn):
+                break
         return chain.draft(self._lengths(m))
 
 
 class EagleDrafter(HeadDrafter):
     """EAGLE-1: a one-layer decoder that runs ahead of the target at the feature level.
 
-    Its KV cache holds one entry per position ``j`` whose pair ``(f_j, x_{j+1})`` used the
-    target's true state; the entries of guessed features are dropped at the next proposal,
-    and the pairs the target's latest states complete are fed in the same forward pass that
-    gives the first guess.
+    The layer runs on specdraft's own block over a KV cache of its own (a layer runner from the
+    drafter API, :func:`~specdraft.drafters.base.layer_runner`), fed ``fc([embed(x_{t+1}) ; f_t])``.
+    The cache holds one entry per position ``j`` whose pair ``(f_j, x_{j+1})`` used the
+    target's true state; the entries of guessed features are dropped at the next proposal
+    (by writing the lengths back), and the pairs the target's latest states complete are fed
+    in the same forward pass that gives the first guess (rows with fewer pairs are padded and
+    advance by their own count).
     """
 
     kind = "eagle"
 
     def __init__(self, options: HeadOptions, target: TargetInfo) -> None:
-        from ...cache import KVCache
-
-        self.cache = KVCache(1, slots=0)
         super().__init__(options, target)
-        self.token_step = EagleTokenStep(self.module) if EagleTokenStep.supports(self.module) else None
+        self.runner = layer_runner(self.module.layer, self.module.llama_config, attention_norm=False)
 
     def reset(self) -> None:
         super().reset()
@@ -153,31 +148,22 @@ class EagleDrafter(HeadDrafter):
         if len(self._pending) != len(hidden_states):
             self._pending = [[] for _ in hidden_states]
             self._pairs = [0] * len(hidden_states)
-            self.cache.reset(len(hidden_states))
+            self.runner.reset(len(hidden_states), max(len(t) for t in ctx.token_ids))
         for pending, h in zip(self._pending, hidden_states):
             if h.shape[0]:
                 pending.append(h)
 
-    def _step(self, features: torch.Tensor, tokens: torch.Tensor) -> torch.Tensor:
-        """Feed pairs ``(features # [B, n, H], tokens # [B, n])``; returns guessed next features ``[B, n, H]``."""
-        n = tokens.shape[1]
-        positions, mask = self.cache.prepare(n, tokens.device, features.dtype)
-        with few_row_linears(self.module, enabled=self._fast):
-            out = self.module(features, self.target.embeddings(tokens), positions, mask, self.cache)
-        self.cache.advance(n)
-        return out
-
-    def _step_one(self, feature: torch.Tensor, token: torch.Tensor) -> torch.Tensor:
-        """One draft step: ``feature # [B, H]`` and the token drawn from it ``# [B]`` -> the next feature ``[B, H]``."""
-        if self.token_step is not None and EagleTokenStep.usable(self.cache, feature.shape[0]):
-            return self.token_step(feature, self.target.embeddings(token), self.cache)  # its own few-row products
-        return self._step(feature[:, None], token[:, None])[:, 0]
+    def _step(self, features: torch.Tensor, tokens: torch.Tensor, advance=None) -> torch.Tensor:
+        """Feed pairs ``(features # [B, n, H], tokens # [B, n])``; returns guessed next features ``[B, n, H]``.
+        Each row's cache grows by ``n``, or by ``advance[b]`` (rows padded past their pairs)."""
+        return self.runner.forward(self.module.fc_in(features, self.target.embeddings(tokens)), advance=advance)
 
     def _catch_up(self, ctx: DraftContext, counts: list[int]) -> torch.Tensor:
         """Feed every row's pending true states; returns each row's newest guessed feature ``[batch, H]``."""
         batch, width, device = ctx.batch_size, max(counts), self._last.device
         starts = [p + 1 for p in self._pairs]  # pair j is (f_j, x_{j+1})
-        if all(n == width for n in counts):  # the common case (one row, or rows in step): no padding
+        even = all(n == width for n in counts)  # the common case (one row, or rows in step): no padding
+        if even:
             features = torch.stack([torch.cat(p) for p in self._pending])
             tokens = torch.tensor([row[s : s + width] for row, s in zip(ctx.token_ids, starts)], device=device)
         else:
@@ -191,17 +177,14 @@ class EagleDrafter(HeadDrafter):
         for pending in self._pending:
             pending.clear()
         self._pairs = [p + n for p, n in zip(self._pairs, counts)]
-        if width == 1 and all(n == 1 for n in counts):  # one new state per row: a plain draft step
-            return self._step_one(features[:, 0], tokens[:, 0])
-        out = self._step(features, tokens)  # [batch, width, H]
-        self.cache.rollback(self._pairs)  # padding entries of shorter rows
-        if all(n == width for n in counts):
+        out = self._step(features, tokens, None if even else counts)  # [batch, width, H]
+        if even:
             return out[:, -1]
         return out[torch.arange(batch, device=device), torch.tensor([max(n - 1, 0) for n in counts], device=device)]
 
     def propose(self, ctx: DraftContext, k: int) -> Draft:
-        self.cache.rollback(self._pairs)  # forget last round's guessed features
-        self.cache.reserve(max(len(t) for t in ctx.token_ids) + k + 1)
+        self.runner.set_lengths(self._pairs)  # forget last round's guessed features
+        self.runner.reserve(max(len(t) for t in ctx.token_ids) + k + 1)
         counts = [sum(h.shape[0] for h in p) for p in self._pending]
         if max(counts) == 0:
             return Draft.empty(ctx.batch_size, self._last.device)
@@ -211,6 +194,6 @@ class EagleDrafter(HeadDrafter):
             drawn = self._draw(feature, ctx, chain)  # [batch], [batch, vocab], [batch]
             if not chain.add(*drawn):
                 break
-            if i + 1 < k:
-                feature = self._step_one(feature, drawn[0])
+            if i + 1 < k:  # the guessed pair: one position per row
+                feature = self._step(feature[:, None], drawn[0][:, None])[:, 0]
         return chain.draft(self._lengths(k))

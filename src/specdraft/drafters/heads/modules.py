@@ -7,8 +7,10 @@ turns ``f_t`` into ``x_{t+1}``; heads guess further ahead.
 * :class:`MedusaHeads` (Medusa-1): head ``i`` (1-based) is ``i`` residual SiLU blocks on
   ``f_t`` followed by an LM head and guesses ``x_{t+i+1}``; the heads run in parallel.
 * :class:`EagleDraft` (EAGLE-1): one decoder layer over ``fc([embed(x_{t+1}) ; f_t])``
-  predicts ``f_{t+1}``, autoregressively at the feature level, with its own KV cache;
-  the target's LM head turns predicted features into tokens.
+  predicts ``f_{t+1}``, autoregressively at the feature level; the target's LM head turns
+  predicted features into tokens. Training runs the transformers layer over whole sequences;
+  drafting runs it on specdraft's own block over a KV cache
+  (:func:`~specdraft.drafters.base.layer_runner`).
 * :class:`MLPSpeculator` (multi-stage, after IBM's MLP speculator): stage ``i`` mixes the
   previous stage's state with the embedding of the token chosen at stage ``i-1`` (stage 1:
   ``f_t`` and ``x_{t+1}``), so each guess is conditioned on the one before it.
@@ -20,13 +22,12 @@ restricted to a frequent-token vocabulary) instead of owning copies.
 from __future__ import annotations
 
 import math
+from contextlib import nullcontext
 from typing import Any
 
 import torch
 import torch.nn.functional as F
 from torch import nn
-
-from ...cache import attention_backends
 
 KINDS = ("medusa", "eagle", "mlp-speculator")
 
@@ -50,10 +51,8 @@ class SharedHead(nn.Module):
         self.bias = getattr(lm_head, "bias", None)
 
     def small(self, hidden: torch.Tensor) -> torch.Tensor:
-        from ...fastpath import few_row_linear
-
         bias = None if self.bias is None else (self.bias if self.head_ids is None else self.bias[self.head_ids])
-        return few_row_linear(hidden, self.weight, bias)  # [..., N]
+        return F.linear(hidden, self.weight, bias)  # [..., N]
 
     def forward(self, hidden: torch.Tensor) -> torch.Tensor:
         small = self.small(hidden)
@@ -151,101 +150,33 @@ class EagleDraft(nn.Module):
         self.layer.input_layernorm = nn.Identity()  # EAGLE-1: fc's output enters attention unnormalised
         self.rotary = LlamaRotaryEmbedding(config)
 
+    def fc_in(self, features: torch.Tensor, embeds: torch.Tensor) -> torch.Tensor:
+        """The layer's input: ``fc([embed(x_{t+1}) ; f_t])``.  # [..., H]"""
+        return self.fc(torch.cat([embeds, features], dim=-1))
+
     def forward(self, features: torch.Tensor, embeds: torch.Tensor, position_ids: torch.Tensor,
-                attention_mask: torch.Tensor | None, cache=None) -> torch.Tensor:
+                attention_mask: torch.Tensor | None) -> torch.Tensor:
         """``features`` (``f_t``) and ``embeds`` (``embed(x_{t+1})``) ``# [B, n, H]`` -> ``f_{t+1}`` guesses ``# [B, n, H]``.
 
-        ``attention_mask`` is additive ``[B, 1, n, kv]``; ``cache`` a KVCache (or None in training).
+        One pass over whole sequences, no cache (training, and the reference that drafting, which
+        runs :attr:`layer` on specdraft's own block over a KV cache, equals): ``attention_mask``
+        is additive ``[B, 1, n, n]``.
         """
-        x = self.fc(torch.cat([embeds, features], dim=-1))
-        with attention_backends(x.device):
-            out = self.layer(x, attention_mask=attention_mask, position_ids=position_ids, past_key_values=cache,
-                             use_cache=cache is not None, position_embeddings=self.rotary(x, position_ids))
+        x = self.fc_in(features, embeds)
+        with _attention_backends(x.device):
+            out = self.layer(x, attention_mask=attention_mask, position_ids=position_ids,
+                             position_embeddings=self.rotary(x, position_ids))
         return out[0] if isinstance(out, tuple) else out
 
 
-class EagleTokenStep:
-    """EAGLE's one-token draft step (one ``(f_t, x_{t+1})`` pair per row) in few tensor operations.
+def _attention_backends(device: torch.device):
+    """On CUDA, SDPA's flash / memory-efficient / math kernels only: cuDNN's builds an execution
+    plan for every new key length, which costs more than the attention at these sizes."""
+    if device.type != "cuda":
+        return nullcontext()
+    from torch.nn.attention import SDPBackend, sdpa_kernel
 
-    Draft steps run once per drafted token on a single position, so what they cost is the
-    number of operations launched, not arithmetic: on an H100 the decoder layer called through
-    transformers, with its mask and rotary setup, took 1.9 ms a step, about 30 us per
-    operation, against 26 ms for the 135M target's whole step. This computes the same layer
-    (:class:`EagleDraft`'s ``forward``) with one fused q/k/v product and one gate/up product, a
-    precomputed rotary table, and no mask (a row's single query attends to every slot it has
-    stored), writing into the same :class:`~specdraft.cache.KVCache`. All rows must be at the
-    same length (a batch of one always is); :meth:`usable` says when it applies.
-    """
-
-    #: rotary types whose cos/sin depend on the position alone, so a table can hold them
-    STATIC_ROPE = ("default", "linear", "llama3")
-
-    def __init__(self, draft: "EagleDraft") -> None:
-        layer, attn = draft.layer, draft.layer.self_attn
-        cfg = draft.llama_config
-        self.fc, self.o, self.down = draft.fc, attn.o_proj, layer.mlp.down_proj
-        self.norm, self.act, self.rotary = layer.post_attention_layernorm, layer.mlp.act_fn, draft.rotary
-        self.heads, self.kv_heads, self.head_dim = cfg.num_attention_heads, cfg.num_key_value_heads, attn.head_dim
-        self.scaling = attn.scaling
-        with torch.no_grad():
-            self.qkv_weight, self.qkv_bias = _fused(attn.q_proj, attn.k_proj, attn.v_proj)
-            self.gate_up_weight, self.gate_up_bias = _fused(layer.mlp.gate_proj, layer.mlp.up_proj)
-        self._cos = self._sin = None  # [positions, head_dim]
-
-    @classmethod
-    def supports(cls, draft: "EagleDraft") -> bool:
-        return (getattr(draft.rotary, "rope_type", None) in cls.STATIC_ROPE
-                and isinstance(draft.layer.input_layernorm, nn.Identity))
-
-    @staticmethod
-    def usable(cache, batch: int) -> bool:
-        """Whether the next step of ``cache`` (``batch`` rows) can take this path."""
-        layer = cache.layers[0]
-        lengths = cache.lengths
-        return (bool(lengths) and all(n == lengths[0] for n in lengths) and layer.is_initialized
-                and layer.keys.shape[0] == batch and layer.keys.shape[2] > lengths[0])
-
-    def _rotary(self, position: int, like: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        if self._cos is None or self._cos.shape[0] <= position or self._cos.dtype != like.dtype \
-                or self._cos.device != like.device:
-            size = max(position + 1, 2 * (0 if self._cos is None else self._cos.shape[0]), 256)
-            cos, sin = self.rotary(like, torch.arange(size, device=like.device)[None])
-            self._cos, self._sin = cos[0], sin[0]
-        return self._cos[position], self._sin[position]
-
-    def __call__(self, features: torch.Tensor, embeds: torch.Tensor, cache) -> torch.Tensor:
-        """``features`` (``f_t``), ``embeds`` (``embed(x_{t+1})``) ``# [B, H]`` -> ``f_{t+1}`` guesses ``# [B, H]``;
-        the pair's key and value are stored at each row's next slot and the cache advances by one."""
-        from ...fastpath import few_row_linear as linear
-
-        batch, start = features.shape[0], cache.lengths[0]
-        x = linear(torch.cat([embeds, features], dim=-1), self.fc.weight, self.fc.bias)  # [B, H]
-        qkv = linear(x, self.qkv_weight, self.qkv_bias).view(batch, -1, self.head_dim)
-        cos, sin = self._rotary(start, x)
-        q_and_k = qkv[:, : self.heads + self.kv_heads]
-        half = self.head_dim // 2
-        q_and_k = q_and_k * cos + torch.cat([-q_and_k[..., half:], q_and_k[..., :half]], dim=-1) * sin
-        layer = cache.layers[0]
-        layer.keys[:, :, start] = q_and_k[:, self.heads :]
-        layer.values[:, :, start] = qkv[:, self.heads + self.kv_heads :]
-        with attention_backends(x.device):
-            att = F.scaled_dot_product_attention(
-                q_and_k[:, : self.heads, None], layer.keys[:, :, : start + 1], layer.values[:, :, : start + 1],
-                scale=self.scaling, enable_gqa=self.heads != self.kv_heads)  # [B, heads, 1, head_dim]
-        hidden = x + linear(att.reshape(batch, -1), self.o.weight, self.o.bias)
-        gate, up = linear(self.norm(hidden), self.gate_up_weight, self.gate_up_bias).chunk(2, dim=-1)
-        cache.advance(1)
-        return hidden + linear(self.act(gate) * up, self.down.weight, self.down.bias)
-
-
-def _fused(*linears: nn.Linear) -> tuple[torch.Tensor, torch.Tensor | None]:
-    """One weight (and bias) computing several linear layers of the same input, outputs concatenated."""
-    weight = torch.cat([m.weight for m in linears]).detach()
-    if all(m.bias is None for m in linears):
-        return weight, None
-    return weight, torch.cat([m.bias if m.bias is not None else torch.zeros(m.out_features, dtype=weight.dtype,
-                                                                             device=weight.device)
-                              for m in linears]).detach()
+    return sdpa_kernel([SDPBackend.FLASH_ATTENTION, SDPBackend.EFFICIENT_ATTENTION, SDPBackend.MATH])
 
 
 def causal_mask(n: int, dtype: torch.dtype, device) -> torch.Tensor:

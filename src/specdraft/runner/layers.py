@@ -1,0 +1,166 @@
+"""Decoder layers without a model around them, over the runner's KV cache: what EAGLE's draft layer runs on.
+
+    runner, reason = layers_from_transformers(hf_layers, config, attention_norm=False)  # (None, reason) if not
+    runner.reset(rows=2, max_len=512)                   # empty cache for 2 sequences
+    y = runner.forward(x)                               # x [2, W, dim] float -> y [2, W, dim]
+    runner.set_lengths([40, 37])                        # rollback: write the lengths
+
+A :class:`LayerRunner` is a :class:`~specdraft.runner.runner.ModelRunner` whose model is a stack
+of :class:`~specdraft.runner.model.TransformerBlock`\\ s (:class:`LayerStack`) fed hidden states
+instead of token ids: the same cache interface (``reset``, ``reserve``, ``lengths``,
+``set_lengths``, ragged rows through ``advance``), and with ``compile=True`` the same width
+buckets and compiled block (no CUDA graphs yet). Its output is the last block's, with no final norm.
+"""
+
+from __future__ import annotations
+
+import time
+
+import torch
+from torch import nn
+
+from .cache import KVCache
+from .convert import ARCHITECTURES, block_weights, config_args, placement_reason
+from .model import ModelArgs, TransformerBlock, rope_inv_freq, run_block, run_blocks
+from .runner import WIDTH_BUCKETS, ModelRunner, _as_lengths, width_bucket
+
+
+class LayerStack(nn.Module):
+    """``args.n_layers`` decoder blocks over a :class:`KVCache`, hidden states in and out.
+
+    ``attention_norm=False``: the blocks' input norm is ``nn.Identity`` (EAGLE-1's layer reads
+    its input unnormalised).
+    """
+
+    def __init__(self, args: ModelArgs, attention_norm: bool = True) -> None:
+        super().__init__()
+        self.args = args
+        self.layers = nn.ModuleList(TransformerBlock(args, i) for i in range(args.n_layers))
+        if not attention_norm:
+            for block in self.layers:
+                block.attention_norm = nn.Identity()
+        self.register_buffer("rope_inv_freq", rope_inv_freq(args), persistent=False)
+        self.block_fn = run_block  # the runner's compile swaps in a compiled one
+
+    @property
+    def dtype(self) -> torch.dtype:
+        return self.layers[0].ffn_norm.weight.dtype
+
+    @property
+    def device(self) -> torch.device:
+        return self.layers[0].ffn_norm.weight.device
+
+    def new_cache(self, slots: int, max_len: int) -> KVCache:
+        a = self.args
+        return KVCache(a.n_layers, slots, a.n_kv_heads, max_len, a.head_dim, self.dtype, self.device)
+
+    def forward(self, x: torch.Tensor, cache: KVCache, advance: torch.Tensor | None = None) -> torch.Tensor:
+        """``x # [B, W, dim]`` after each row's stored positions (every slot of ``cache``, in order)
+        -> the last block's output ``[B, W, dim]``. Lengths grow by ``W``, or by ``advance # [B]``."""
+        out = run_blocks(self.layers, x, cache, None, self.rope_inv_freq, self.args.sliding_window,
+                         block_fn=self.block_fn)
+        cache.advance(None, x.shape[1] if advance is None else advance)
+        return out
+
+
+class LayerRunner(ModelRunner):
+    """A :class:`LayerStack` over its own static cache; see the module's docstring.
+
+    The cache interface (``reset``, ``reserve``, ``lengths``, ``set_lengths``) and the compiled
+    block are :class:`ModelRunner`'s own; only the forward differs (hidden states in and out).
+    Compiled passes run eagerly around the compiled block, without CUDA-graph capture.
+    """
+
+    def __init__(self, stack: LayerStack, compile: bool = False) -> None:
+        super().__init__(stack, compile=compile)
+
+    @property
+    def cuda_graphs(self) -> bool:
+        return False
+
+    def forward(self, x: torch.Tensor, advance=None) -> torch.Tensor:
+        """Run ``x # [rows, W, dim]`` (the stack's dtype and device) after each row's stored positions.
+
+        Returns the last block's output ``[rows, W, dim]``. Each row's length grows by ``W``, or
+        by ``advance[b]`` (a list or long tensor ``[rows]``) when rows carry padding.
+        """
+        rows, width, dim = x.shape
+        if advance is not None:
+            advance = _as_lengths(advance, x.device)
+        bucket = width_bucket(width) if self.compiled else None
+        if bucket is None:  # eager: any width
+            return self.model(x, self.cache, advance=advance)
+        if bucket > width:  # pad; the padding's keys land past each row's new length
+            x = torch.cat([x, x.new_zeros(rows, bucket - width, dim)], dim=1)
+            if advance is None:
+                advance = torch.full((rows,), width, dtype=torch.long, device=x.device)
+        key = (rows, bucket, advance is None)
+        start = None if key in self._seen else time.perf_counter()
+        self.model.block_fn = self._compiled_block
+        try:
+            out = self.model(x, self.cache, advance=advance)
+        finally:
+            self.model.block_fn = run_block
+        if start is not None:
+            self._seen.add(key)
+            self.compile_seconds += time.perf_counter() - start
+        return out[:, :width]
+
+    def warm_up(self, rows: int, widths) -> None:
+        """Compile every width bucket that passes of ``widths`` positions use (rows ``rows``); the cache is emptied."""
+        if not self.compiled:
+            return
+        self.reset(rows, 2 * WIDTH_BUCKETS[-1])
+        with torch.inference_mode():
+            for bucket in sorted({width_bucket(w) for w in widths} - {None}):
+                self.forward(torch.zeros((rows, bucket, self.model.args.dim), dtype=self.dtype, device=self.device))
+                self.set_lengths([0] * rows)
+
+
+def layers_from_transformers(hf_layers, config, attention_norm: bool = True,
+                             compile: bool = False) -> tuple[LayerRunner | None, str]:
+    """``(runner, "")`` running transformers decoder layers (one, or a sequence run in order) on
+    specdraft's blocks, or ``(None, reason)`` for anything they do not reproduce exactly.
+
+    ``config``: the layers' transformers config (shapes, norm epsilon, rotary settings: default
+    or llama3 rope). q/k/v and gate/up are fused into new tensors; the other weights are the
+    layers' own. ``attention_norm=False``: the blocks skip their input norm (EAGLE-1, whose
+    layer has an ``nn.Identity`` there); True needs the layers' input norm weights.
+    """
+    layers = [hf_layers] if isinstance(hf_layers, nn.Module) and not isinstance(hf_layers, nn.ModuleList) \
+        else list(hf_layers)
+    if not layers:
+        return None, "no decoder layers given"
+    kinds = sorted({type(layer).__name__ for layer in layers})
+    if len(kinds) > 1:
+        return None, f"decoder layers of several types ({', '.join(kinds)}), not supported"
+    name = kinds[0].replace("DecoderLayer", "ForCausalLM")
+    if not kinds[0].endswith("DecoderLayer") or name not in ARCHITECTURES:
+        supported = ", ".join(a.replace("ForCausalLM", "DecoderLayer") for a in ARCHITECTURES)
+        return None, f"{kinds[0]} is not a supported decoder layer (supported: {supported})"
+    reason = placement_reason(kinds[0], [p for layer in layers for p in layer.parameters()])
+    if reason:
+        return None, reason
+    args, reason = config_args(name, config, label=kinds[0], vocab_size=getattr(config, "vocab_size", None) or 0,
+                               n_layers=len(layers))
+    if args is None:
+        return None, reason
+    weights = {}
+    for i, layer in enumerate(layers):
+        ours = block_weights(layer, args)
+        if attention_norm and "attention_norm.weight" not in ours:
+            return None, (f"{kinds[0]} has no input norm weight ({type(layer.input_layernorm).__name__}); "
+                          "pass attention_norm=False to run it without one")
+        if not attention_norm:
+            ours.pop("attention_norm.weight", None)
+        weights.update({f"layers.{i}.{k}": v for k, v in ours.items()})
+    with torch.device("meta"):
+        stack = LayerStack(args, attention_norm)
+    missing, unexpected = stack.load_state_dict(weights, assign=True, strict=False)
+    if missing or unexpected:  # a weight left on the meta device would fail far from here
+        raise RuntimeError(f"converting {kinds[0]}: missing {missing}, unexpected {unexpected}")
+    stack.rope_inv_freq = rope_inv_freq(args).to(stack.device)  # the meta one holds no values
+    return LayerRunner(stack.requires_grad_(False).eval(), compile=compile), ""
+
+
+__all__ = ["LayerRunner", "LayerStack", "layers_from_transformers"]
