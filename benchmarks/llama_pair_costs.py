@@ -8,7 +8,10 @@ time). From these it projects the speedup at acceptance rates 0.6, 0.7 and 0.8:
 
     speedup(K) = (1 - a^(K+1)) / (1 - a)  /  (K c + v(K+1) + overhead)
 
-and prints a Markdown table for docs/benchmarks.md (labelled a projection). Run on a GPU:
+and prints a Markdown table for docs/benchmarks.md (labelled a projection). Every pass runs
+through specdraft's model runner (``--compile`` for torch.compile and, on CUDA, CUDA graphs; the
+device's default otherwise). It also prints each step's weight-read floor: the model's weight
+bytes over the device's measured read bandwidth. Run on a GPU:
 
     python benchmarks/llama_pair_costs.py --device cuda --dtype bfloat16
 
@@ -24,7 +27,8 @@ import torch
 from transformers import LlamaConfig, LlamaForCausalLM
 
 from specdraft import Draft, Drafter, SpeculativeDecoder
-from specdraft.cache import KVCache, forward_step
+from specdraft.decoder import default_compile
+from specdraft.runner import load_runner
 
 SHAPES = {  # Llama-3.2 1B and 3B: hidden, layers, heads, kv heads, intermediate
     "draft (1B)": (2048, 16, 32, 8, 8192),
@@ -47,27 +51,54 @@ def sync(device):
         torch.cuda.synchronize()
 
 
-def time_pass(model, width, context, reps, device):
-    """Seconds per ``width``-token pass over a cache of about ``context`` tokens.
+def time_pass(runner, width, context, reps, device):
+    """Seconds per ``width``-token pass of ``runner`` over a cache of about ``context`` tokens.
 
     Each timed pass starts one token further along, as in decoding, so the key length is new
     every time (attention kernels that cache per-length plans pay for that here too).
     """
-    cache = KVCache(model.config.num_hidden_layers, slots=context + reps + 16)
-    cache.reset(1)
-    ids = torch.randint(0, model.config.get_text_config().vocab_size, (1, context + reps + 16), device=device)
+    runner.reset(1, context + reps + 16)
+    vocab = runner.model.config.get_text_config().vocab_size if hasattr(runner.model, "config") else \
+        runner.model.args.vocab_size
+    ids = torch.randint(0, vocab, (1, context + reps + 16), device=device)
     with torch.inference_mode():
-        forward_step(model, cache, ids[:, :context - 3])
-        for i in range(3):
-            cache.rollback([context - 3 + i])
-            forward_step(model, cache, ids[:, context - 3 + i:context - 3 + i + width])
+        runner.forward(ids[:, :context - 3])
+        for i in range(3):  # warm-up (compiles the width's graph when compiled)
+            runner.set_lengths([context - 3 + i])
+            runner.forward(ids[:, context - 3 + i:context - 3 + i + width])
         sync(device)
         start = time.perf_counter()
         for i in range(reps):
-            cache.rollback([context + i])
-            forward_step(model, cache, ids[:, context + i:context + i + width])
+            runner.set_lengths([context + i])
+            runner.forward(ids[:, context + i:context + i + width])
         sync(device)
     return (time.perf_counter() - start) / reps
+
+
+def read_bandwidth(device, megabytes: int = 1024) -> float:
+    """Bytes per second the device reads: the best of a few sums over a buffer far larger than its caches."""
+    x = torch.ones(megabytes * 2**20 // 4, dtype=torch.float32, device=device)
+    best = float("inf")
+    for _ in range(5):
+        sync(device)
+        start = time.perf_counter()
+        x.sum()
+        sync(device)
+        best = min(best, time.perf_counter() - start)
+    return x.numel() * 4 / best
+
+
+def weight_bytes(runner) -> int:
+    """Bytes a decode step reads: every parameter and buffer of the runner's model but the input embedding
+    (of which a step reads one row)."""
+    model = runner.model
+    skip = {id(t) for t in model.get_input_embeddings().parameters()} if hasattr(model, "get_input_embeddings") \
+        else {id(model.tok_embeddings.weight)}
+    tied = getattr(getattr(model, "output", None), "weight", None)
+    tensors = {id(t): t for t in list(model.parameters()) + list(model.buffers())}
+    if tied is not None and id(tied) in skip:  # a tied head is read in full
+        skip.discard(id(tied))
+    return sum(t.numel() * t.element_size() for k, t in tensors.items() if k not in skip)
 
 
 class _Fixed(Drafter):
@@ -84,25 +115,39 @@ def main() -> None:
     ap.add_argument("--context", type=int, default=512)
     ap.add_argument("--reps", type=int, default=20)
     ap.add_argument("--scale", type=float, default=1.0)
+    ap.add_argument("--compile", action=argparse.BooleanOptionalAction, default=None,
+                    help="torch.compile (+ CUDA graphs on CUDA); default: the device's default")
+    ap.add_argument("--quantize", choices=["int8"], default=None)
     args = ap.parse_args()
     dtype = getattr(torch, args.dtype)
+    compile = default_compile(args.device) if args.compile is None else args.compile
     models = {name: build(*shape, args.scale, dtype, args.device) for name, shape in SHAPES.items()}
     target, draft = models["target (3B)"], models["draft (1B)"]
-    step = time_pass(target, 1, args.context, args.reps, args.device)
-    c = time_pass(draft, 1, args.context, args.reps, args.device) / step
-    verify = {k: time_pass(target, k + 1, args.context, args.reps, args.device) / step for k in range(1, 9)}
+    runners = {name: load_runner(m, compile=compile, quantize=args.quantize) for name, m in models.items()}
+    step = time_pass(runners["target (3B)"], 1, args.context, args.reps, args.device)
+    draft_step = time_pass(runners["draft (1B)"], 1, args.context, args.reps, args.device)
+    c = draft_step / step
+    verify = {k: time_pass(runners["target (3B)"], k + 1, args.context, args.reps, args.device) / step
+              for k in range(1, 9)}
+    bandwidth = read_bandwidth(args.device)
+    floors = {name: weight_bytes(r) / bandwidth for name, r in runners.items()}
 
     overhead = {}
     for k in (1, 4, 8):  # a round's wall time minus its model time, with a free fixed drafter
-        dec = SpeculativeDecoder(target, None, drafter=_Fixed(None, None), spec_length=k, adaptive=False)
+        dec = SpeculativeDecoder(target, None, drafter=_Fixed(None, None), spec_length=k, adaptive=False,
+                                 compile=compile, quantize=args.quantize)
         dec.generate_ids([[1] * args.context], max_new_tokens=16)  # warm-up: first-call kernel loads
         r = dec.generate_ids([[1] * args.context], max_new_tokens=64)[0]
         rounds = r.stats.target_passes
         overhead[k] = max(0.0, (r.stats.verify_time_s + r.stats.draft_time_s) / rounds / step - verify[k])
 
     device = torch.cuda.get_device_name() if torch.device(args.device).type == "cuda" else f"cpu (scale {args.scale})"
-    print(f"device: {device}, dtype {args.dtype}, context {args.context}\n")
-    print(f"target decode step: {step * 1e3:.2f} ms; draft step: {c * step * 1e3:.2f} ms; c = {c:.3f}\n")
+    runner = runners["target (3B)"].info
+    print(f"device: {device}, dtype {args.dtype}, context {args.context}, runner {runner}\n")
+    print(f"read bandwidth: {bandwidth / 1e9:.0f} GB/s\n")
+    print(f"target decode step: {step * 1e3:.2f} ms (weight-read floor {floors['target (3B)'] * 1e3:.2f} ms, "
+          f"{step / floors['target (3B)']:.2f}x it); draft step: {draft_step * 1e3:.2f} ms (floor "
+          f"{floors['draft (1B)'] * 1e3:.2f} ms); c = {c:.3f}\n")
     print("| K | verify pass (K+1 tokens) / target step | round overhead / target step |")
     print("|---|---|---|")
     for k, v in verify.items():

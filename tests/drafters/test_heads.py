@@ -534,15 +534,6 @@ def test_eagle_drafts_through_the_layer_runner(tiny_model, tmp_path, monkeypatch
     assert not layer_calls
 
 
-def test_heads_no_longer_import_the_old_cache_or_fastpath():
-    import subprocess
-    import sys
-
-    code = ("import sys, specdraft.drafters.heads.drafters, specdraft.drafters.heads.formats; "
-            "print([m for m in sys.modules if m.startswith('specdraft.cache') or m == 'specdraft.fastpath'])")
-    assert subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout.strip() == "[]"
-
-
 def test_layer_runner_names_what_it_cannot_run(tiny_model):
     from specdraft.drafters.base import layer_runner
 

@@ -167,8 +167,12 @@ class TransformersRunner:
         keep = 0
         if logits_at is not None:  # only the last positions asked for need the LM head
             keep = width - int(logits_at.min())
-        out = self.model(input_ids=tokens, position_ids=position_ids, attention_mask=mask, past_key_values=self.cache,
-                         use_cache=True, logits_to_keep=keep, output_hidden_states=hidden)
+        from .runner import attention_backends
+
+        with attention_backends(tokens.device):
+            out = self.model(input_ids=tokens, position_ids=position_ids, attention_mask=mask,
+                             past_key_values=self.cache, use_cache=True, logits_to_keep=keep,
+                             output_hidden_states=hidden)
         logits = out.logits  # [rows, keep or W, vocab]
         if logits_at is not None:
             index = logits_at - (width - logits.shape[1])  # [rows, N]

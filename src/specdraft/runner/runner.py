@@ -22,9 +22,11 @@ from __future__ import annotations
 
 import time
 import weakref
+from contextlib import nullcontext
 from typing import Any
 
 import torch
+from torch.nn.attention import SDPBackend, sdpa_kernel
 
 from .cache import KVCache
 from .convert import from_transformers
@@ -52,6 +54,17 @@ def span_for(bound: int, capacity: int) -> int:
     while span < bound:
         span *= 2
     return min(span, capacity)
+
+
+#: Attention kernels on CUDA. PyTorch prefers cuDNN's attention on Hopper, which builds an execution
+#: plan for every new key length: about 1 ms of CPU per layer per pass on an H100 when a cache grows
+#: by a token or a few each step (docs/benchmarks.md). These kernels need no plan.
+GPU_ATTENTION = (SDPBackend.FLASH_ATTENTION, SDPBackend.EFFICIENT_ATTENTION, SDPBackend.MATH)
+
+
+def attention_backends(device: torch.device):
+    """A context choosing :data:`GPU_ATTENTION` on CUDA (nothing changes on other devices)."""
+    return sdpa_kernel(list(GPU_ATTENTION)) if device.type == "cuda" else nullcontext()
 
 
 def _as_lengths(lengths, device) -> torch.Tensor:
@@ -172,6 +185,10 @@ class ModelRunner:
         states ``[rows, W, dim]`` (else None). Each row's length grows by ``W``, or by
         ``advance[b]`` (a list or long tensor ``[rows]``) when rows carry padding.
         """
+        with attention_backends(tokens.device):
+            return self._forward(tokens, logits_at, hidden, advance)
+
+    def _forward(self, tokens, logits_at, hidden, advance):
         rows, width = tokens.shape
         if advance is not None:
             advance = _as_lengths(advance, tokens.device)
