@@ -51,6 +51,20 @@ def test_greedy_parity(tiny_model, draft_dir, k):
         assert r.stats.drafted_tokens > 0
 
 
+@pytest.mark.parametrize("k", [1, 5])
+def test_greedy_parity_compiled(tiny_model, draft_dir, k):
+    """Target and draft both compiled (width buckets, padding): still plain greedy decoding."""
+    prompts = repetitive_prompts(64, seed=11)
+    dec = SpeculativeDecoder(tiny_model, None, drafter="draft-model", spec_length=k, compile=True,
+                             drafter_options={"model": draft_dir, "dtype": "float64", "min_confidence": 0.0,
+                                              "compile": True})
+    assert dec.runner_info["compiled"] and dec.drafter.runner.info["compiled"]
+    results = dec.generate_ids(prompts, max_new_tokens=30)
+    for p, r in zip(prompts, results):
+        assert r.token_ids == plain_greedy(tiny_model, p, 30)
+        assert r.stats.drafted_tokens > 0
+
+
 def test_conformance(tiny_model, draft_dir):
     check_drafter("draft-model", tiny_model, drafter_options={"model": draft_dir, "dtype": "float64"})
 
