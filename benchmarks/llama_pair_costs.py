@@ -117,7 +117,7 @@ def main() -> None:
     ap.add_argument("--scale", type=float, default=1.0)
     ap.add_argument("--compile", action=argparse.BooleanOptionalAction, default=None,
                     help="torch.compile (+ CUDA graphs on CUDA); default: the device's default")
-    ap.add_argument("--quantize", choices=["int8"], default=None)
+    ap.add_argument("--quantize", choices=["int8", "int4"], default=None)
     args = ap.parse_args()
     dtype = getattr(torch, args.dtype)
     compile = default_compile(args.device) if args.compile is None else args.compile

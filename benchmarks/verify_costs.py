@@ -31,7 +31,7 @@ def main() -> None:
     p.add_argument("--widths", type=int, nargs="+", default=[1, 2, 3, 4, 5, 6, 8])
     p.add_argument("--reps", type=int, default=20)
     p.add_argument("--compile", action=argparse.BooleanOptionalAction, default=False)
-    p.add_argument("--quantize", choices=["int8"], default=None)
+    p.add_argument("--quantize", choices=["int8", "int4"], default=None)
     args = p.parse_args()
     model, _, name = load_target(args.target, dtype=args.dtype, device=args.device)
     device = model.device

@@ -71,8 +71,9 @@ def _runner_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--compile", action=argparse.BooleanOptionalAction, default=None,
                    help="torch.compile the target, one graph per pass width (CUDA graphs on a GPU); "
                         "default: on for CUDA, off for CPU")
-    p.add_argument("--quantize", choices=["int8"], default=None,
-                   help="weight-only int8 target (the quantized model is the one decoded, exactly)")
+    p.add_argument("--quantize", choices=["int8", "int4"], default=None,
+                   help="weight-only int8 (per channel) or int4 (per group of 32; CPU only) target: the quantized "
+                        "model is the one decoded, exactly")
 
 
 def _check_positive(args, *names: str) -> None:

@@ -203,8 +203,8 @@ class SpeculativeDecoder:
 
         ``compile`` runs the target through torch.compile (and CUDA graphs on a GPU), one graph
         per pass width; None takes the device's default (:func:`default_compile`).
-        ``quantize="int8"`` makes the target weight-only int8: speculative output then equals
-        plain decoding of that quantized model.
+        ``quantize="int8"`` (or ``"int4"``, CPU only) makes the target weight-only int8 (int4):
+        speculative output then equals plain decoding of that quantized model.
         """
         from .models import load_target
 
@@ -221,7 +221,7 @@ class SpeculativeDecoder:
     @property
     def runner_info(self) -> dict:
         """How the target runs: ``{"implementation": "specdraft" | "transformers", "compiled": bool,
-        "quantization": None | "int8"}``."""
+        "quantization": None | "int8" | "int4"}``."""
         return dict(self.runner.info)
 
     # -- generation ---------------------------------------------------------------------

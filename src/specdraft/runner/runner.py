@@ -261,6 +261,9 @@ class ModelRunner:
         return cuda_graph, static_in, static_out
 
 
+#: weight quantizations a runner offers (None: the model's own weights)
+QUANTIZATIONS = (None, "int8", "int4")
+
 #: converted (and quantized) models per transformers model: runners of one model share its weights
 _CONVERTED: "weakref.WeakKeyDictionary[Any, dict]" = weakref.WeakKeyDictionary()
 
@@ -269,12 +272,18 @@ def load_runner(hf_model, compile: bool = False, quantize: str | None = None):
     """A runner for a loaded transformers model: specdraft's own model code when it reproduces the
     architecture, else :class:`TransformersRunner` (eager; ``fallback_reason`` says why).
 
-    ``quantize="int8"`` turns every linear layer into weight-only int8 (ours only).
+    ``quantize`` (ours only): ``"int8"`` makes every linear layer, the LM head included, weight-only
+    int8 with a scale per output channel; ``"int4"`` 4-bit with a scale and zero point per group of
+    32 inputs (CPU only). Their products run in bfloat16 (the only vectorised kernels on x86 CPUs;
+    a float64 model keeps float64 products for the parity tests). See :mod:`.quantize`.
     """
     from ..errors import ConfigError
 
-    if quantize not in (None, "int8"):
-        raise ConfigError(f"quantize must be None or 'int8' (got {quantize!r})")
+    if quantize not in QUANTIZATIONS:
+        raise ConfigError(f"quantize must be one of {', '.join(map(repr, QUANTIZATIONS))} (got {quantize!r})")
+    if quantize == "int4" and torch.device(hf_model.device).type != "cpu":
+        raise ConfigError("quantize='int4' runs on CPU only (torch's int4 kernel here is the CPU one); "
+                          "use quantize='int8' on a GPU")
     converted = _CONVERTED.setdefault(hf_model, {})
     if quantize in converted:
         return ModelRunner(converted[quantize], compile=compile, quantization=quantize)
@@ -287,9 +296,12 @@ def load_runner(hf_model, compile: bool = False, quantize: str | None = None):
         from .hf import TransformersRunner
 
         return TransformersRunner(hf_model, reason)
-    if quantize == "int8":
-        from .quantize import quantize_int8
+    if quantize is not None:
+        from .quantize import quantize_int4, quantize_int8
 
-        quantize_int8(model)
+        if quantize == "int8":  # a float64 model (the parity tests) multiplies dequantized weights in float64
+            quantize_int8(model, compute_dtype=None if model.dtype == torch.float64 else torch.bfloat16)
+        else:
+            quantize_int4(model, group_size=32)  # float64 inputs take the dequantized weights in float64
     converted[quantize] = model
     return ModelRunner(model, compile=compile, quantization=quantize)
