@@ -169,6 +169,7 @@ class DraftModelDrafter(Drafter):
             fed.extend(p)
 
         chain = DraftChain(ctx.batch_size, device, self.options.min_confidence, ctx.sampling.greedy)
+        fed_now = []  # tokens fed below, copied to the host once at the end (one copy per round, not per step)
         for i in range(k):
             if self.copier is None:  # [batch], [batch, vocab] | None, [batch] | None
                 drawn = draw_scored(self._to_target_vocab(step_logits), ctx.sampling, ctx.generator, chain.scored,
@@ -182,8 +183,10 @@ class DraftModelDrafter(Drafter):
             if i + 1 < k:
                 logits, hidden = self.runner.forward(token[:, None], hidden=gated)
                 step_logits, step_hidden = logits[:, -1], (hidden[:, -1] if gated else None)
-                for fed, t in zip(self._fed, token.tolist()):
-                    fed.append(t)
+                fed_now.append(token)
+        if fed_now:
+            for fed, tokens in zip(self._fed, torch.stack(fed_now, 1).tolist()):
+                fed.extend(tokens)
         return chain.draft()
 
     def _to_target_vocab(self, logits: Any):
