@@ -11,6 +11,8 @@ from __future__ import annotations
 import torch
 from transformers.cache_utils import Cache, CacheLayerMixin
 
+from .runner import RunnerBase, attention_backends
+
 
 class _Layer(CacheLayerMixin):
     """One layer's buffers; writes go where the owning :class:`HFCache` says."""
@@ -117,30 +119,16 @@ class HFCache(Cache):
         return positions, mask[:, None]
 
 
-class TransformersRunner:
+class TransformersRunner(RunnerBase):
     """transformers' model as a runner (eager, float or whatever it was loaded as)."""
 
     implementation = "transformers"
-    compiled = False
-    quantization = None
     compile_seconds = 0.0
 
     def __init__(self, hf_model, reason: str = "") -> None:
         self.model = hf_model
         self.fallback_reason = reason  # why specdraft's own model code does not run it
         self.cache = HFCache(hf_model.config.get_text_config().num_hidden_layers, slots=0)
-
-    @property
-    def device(self) -> torch.device:
-        return self.model.device
-
-    @property
-    def dtype(self) -> torch.dtype:
-        return self.model.dtype
-
-    @property
-    def info(self) -> dict:
-        return {"implementation": self.implementation, "compiled": False, "quantization": None}
 
     def reset(self, rows: int, max_len: int) -> None:
         self.cache.reset(rows, slots=max_len)
@@ -167,8 +155,6 @@ class TransformersRunner:
         keep = 0
         if logits_at is not None:  # only the last positions asked for need the LM head
             keep = width - int(logits_at.min())
-        from .runner import attention_backends
-
         with attention_backends(tokens.device):
             out = self.model(input_ids=tokens, position_ids=position_ids, attention_mask=mask,
                              past_key_values=self.cache, use_cache=True, logits_to_keep=keep,

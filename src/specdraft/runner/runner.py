@@ -71,7 +71,28 @@ def _as_lengths(lengths, device) -> torch.Tensor:
     return torch.as_tensor(lengths, dtype=torch.long).to(device, non_blocking=True)
 
 
-class ModelRunner:
+class RunnerBase:
+    """What every runner says about itself (``model`` is the module it runs)."""
+
+    implementation = ""
+    compiled = False
+    quantization: str | None = None
+    model: Any
+
+    @property
+    def device(self) -> torch.device:
+        return self.model.device
+
+    @property
+    def dtype(self) -> torch.dtype:
+        return self.model.dtype
+
+    @property
+    def info(self) -> dict:
+        return {"implementation": self.implementation, "compiled": self.compiled, "quantization": self.quantization}
+
+
+class ModelRunner(RunnerBase):
     """specdraft's own model (:class:`SpecdraftModel`) over a static :class:`KVCache`."""
 
     implementation = "specdraft"
@@ -100,20 +121,6 @@ class ModelRunner:
             self._compiled_block = block
         self._seen: set[tuple] = set()
         self._bound = 0  # no row holds more tokens than this (known on the host, no copy needed)
-
-    # -- what the runner is --------------------------------------------------------------
-
-    @property
-    def device(self) -> torch.device:
-        return self.model.device
-
-    @property
-    def dtype(self) -> torch.dtype:
-        return self.model.dtype
-
-    @property
-    def info(self) -> dict:
-        return {"implementation": self.implementation, "compiled": self.compiled, "quantization": self.quantization}
 
     @property
     def cuda_graphs(self) -> bool:
