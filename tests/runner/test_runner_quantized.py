@@ -45,9 +45,9 @@ def test_int8_changes_the_model(model):
         runner = load_runner(model, quantize=quantize)
         runner.reset(1, tokens.shape[1])
         with torch.inference_mode():
-            outs.append(runner.forward(tokens)[0])
+            outs.append(runner.forward(tokens)[0].to(model.dtype))  # a quantized float32 model runs in bfloat16
     assert not torch.equal(outs[0], outs[1]) and not torch.equal(outs[0], outs[2])
-    torch.testing.assert_close(outs[1], outs[0], rtol=0.1, atol=0.1)  # int8: close
+    torch.testing.assert_close(outs[1], outs[0], rtol=0.1, atol=0.15)  # int8: close
 
 
 def test_int8_compiled_speculative_equals_int8_plain():

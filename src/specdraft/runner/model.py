@@ -123,9 +123,42 @@ class Attention(nn.Module):
         q = q * cos + rotate_half(q) * sin
         k = k * cos + rotate_half(k) * sin
         keys, values = write_kv(k_buf, v_buf, slot, positions, k, v, gather)  # [B, kv_heads, max_len, head_dim]
-        y = F.scaled_dot_product_attention(q, keys, values, attn_mask=mask, scale=self.head_dim**-0.5,
-                                           enable_gqa=self.n_heads != self.n_kv_heads)  # [B, heads, W, head_dim]
+        if self.row_invariant and width <= ROW_INVARIANT_WIDTH:
+            y = row_invariant_attention(q, keys, values, mask, self.head_dim**-0.5)
+        else:
+            y = F.scaled_dot_product_attention(q, keys, values, attn_mask=mask, scale=self.head_dim**-0.5,
+                                               enable_gqa=self.n_heads != self.n_kv_heads)  # [B, heads, W, head_dim]
         return self.wo(y.transpose(1, 2).reshape(batch, width, q_size))
+
+    #: compute decode-width passes with :func:`row_invariant_attention` (the runner sets it where needed)
+    row_invariant = False
+
+
+#: Passes up to this wide use :func:`row_invariant_attention` when a model asks for it (prefill does not:
+#: plain and speculative decoding share it, so its rounding cannot make them differ).
+ROW_INVARIANT_WIDTH = 32
+
+
+def row_invariant_attention(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, mask: torch.Tensor,
+                            scale: float) -> torch.Tensor:
+    """Attention whose every query row is computed from that row alone, in an order that does not
+    depend on how many queries the pass has: elementwise products and reductions over one axis
+    (no BLAS call, whose kernel choice depends on the row count, and no fused attention kernel,
+    whose blocking does). So a (K+1)-token verify pass gives, bit for bit, what K+1 one-token steps
+    give, which is what exact greedy speculation needs where the model rounds coarsely (bfloat16).
+
+    ``q # [B, heads, W, D]``, ``keys``/``values # [B, kv_heads, L, D]``, ``mask # [B, 1, W, L]`` bool.
+    Scores and softmax in float32.  # [B, heads, W, D]
+    """
+    batch, heads, width, dim = q.shape
+    kv_heads = keys.shape[1]
+    q = q.reshape(batch, kv_heads, heads // kv_heads, width, 1, dim).float()  # [B, kvH, G, W, 1, D]
+    k = keys[:, :, None, None].float()  # [B, kvH, 1, 1, L, D]
+    scores = (q * k).sum(-1) * scale  # [B, kvH, G, W, L]
+    scores = scores.masked_fill(~mask[:, :, None], float("-inf"))
+    probs = scores.softmax(-1)  # [B, kvH, G, W, L]
+    out = (probs[..., None] * values[:, :, None, None].float()).sum(-2)  # [B, kvH, G, W, D]
+    return out.reshape(batch, heads, width, dim).to(values.dtype)
 
 
 class FeedForward(nn.Module):
@@ -204,6 +237,19 @@ class SpecdraftModel(nn.Module):
     @property
     def device(self) -> torch.device:
         return self.tok_embeddings.weight.device
+
+    def to_dtype(self, dtype: torch.dtype) -> "SpecdraftModel":
+        """Cast the weights to ``dtype`` in place (new tensors: a source model sharing them is left
+        alone); the rotary frequencies stay float32."""
+        inv_freq = self.rope_inv_freq
+        for module in self.modules():
+            for name, p in list(module._parameters.items()):
+                if p is not None and p.is_floating_point():
+                    module._parameters[name] = nn.Parameter(p.detach().to(dtype), requires_grad=False)
+        if self.args.tie_embeddings:
+            self.output.weight = self.tok_embeddings.weight
+        self.rope_inv_freq = inv_freq
+        return self
 
     def new_cache(self, slots: int, max_len: int) -> KVCache:
         """An empty cache for ``slots`` sequences of up to ``max_len`` tokens, on the model's device and dtype."""

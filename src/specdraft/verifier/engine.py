@@ -145,6 +145,8 @@ class Verifier:
     def _hand_hidden(self, ctx: DraftContext, hidden: torch.Tensor | None, counts: list[int]) -> None:
         """Give the drafter ``hidden[b, :counts[b]]`` for every row (empty where nothing is new)."""
         width = int(self.target.hidden_size or (hidden.shape[-1] if hidden is not None else 0))
+        if hidden is not None:  # a quantized runner computes in bfloat16; drafters get the target's dtype
+            hidden = hidden.to(self.target.dtype)
         rows = [hidden[b, :n] if hidden is not None and n > 0
                 else torch.zeros((0, width), dtype=self.target.dtype, device=self.target.device)
                 for b, n in enumerate(counts)]
