@@ -70,7 +70,7 @@ def _training_args(p: argparse.ArgumentParser, steps: int, steps_help: str, lr: 
 def _runner_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--compile", action=argparse.BooleanOptionalAction, default=None,
                    help="torch.compile the target, one graph per pass width (CUDA graphs on a GPU); "
-                        "default: on for CUDA, off for CPU")
+                        "default: off (see docs/benchmarks.md)")
     p.add_argument("--quantize", choices=["int8", "int4"], default=None,
                    help="weight-only int8 (per channel) or int4 (per group of 32; CPU only) target: the quantized "
                         "model is the one decoded, exactly")
