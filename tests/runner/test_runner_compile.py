@@ -74,3 +74,19 @@ def test_compiled_speculative_equals_plain(model, drafter, k):
     assert dec.runner_info["compiled"]
     assert [r.token_ids for r in dec.generate_ids(prompts, max_new_tokens=24)] == expected
     assert dec.generate_ids(prompts[:1], max_new_tokens=24)[0].token_ids == expected[0]
+
+
+@pytest.mark.parametrize("settings", [{}, {"compile": True}, {"quantize": "int8"}, {"quantize": "int4", "compile": True}],
+                         ids=["eager", "compiled", "int8", "int4-compiled"])
+@torch.inference_mode()
+def test_same_inputs_give_bit_identical_logits_run_after_run(settings):
+    """No kernel is chosen by timing: two fresh runners (and two passes) agree bit for bit."""
+    model = tiny_llama(vocab_size=64, seed=9).float()
+    tokens = torch.randint(0, 64, (2, 12), generator=torch.Generator().manual_seed(2))
+    outs = []
+    for _ in range(2):
+        runner = load_runner(model, **settings)
+        runner.reset(2, 32)
+        runner.forward(tokens[:, :8])
+        outs.append(runner.forward(tokens[:, 8:], hidden=True))
+    assert torch.equal(outs[0][0], outs[1][0]) and torch.equal(outs[0][1], outs[1][1])
