@@ -27,8 +27,7 @@ import torch
 from transformers import LlamaConfig, LlamaForCausalLM
 
 from specdraft import Draft, Drafter, SpeculativeDecoder
-from specdraft.decoder import default_compile
-from specdraft.runner import load_runner
+from specdraft.runner import default_compile, load_runner
 
 SHAPES = {  # Llama-3.2 1B and 3B: hidden, layers, heads, kv heads, intermediate
     "draft (1B)": (2048, 16, 32, 8, 8192),

@@ -119,17 +119,6 @@ def describe_target(model, tokenizer=None, target_name: str = "") -> TargetInfo:
     )
 
 
-def default_compile(device) -> bool:
-    """Whether a target on ``device`` is compiled when the caller does not say: no, for now.
-
-    CPU: measured (docs/benchmarks.md): compiling made the float32 step slower and costs tens of
-    seconds up front; it pays with ``quantize="int4"``/``"int8"``, so ask for it there.
-    CUDA: the CUDA-graph path has not been measured on a GPU yet, so it stays opt-in
-    (``compile=True``, ``--compile``) until it has been.
-    """
-    return False
-
-
 class SpeculativeDecoder:
     """Speculative decoding of a target model with a pluggable drafter.
 
@@ -158,7 +147,7 @@ class SpeculativeDecoder:
     ) -> None:
         from .drafters.base import Drafter
         from .plugins import get_registry
-        from .runner import load_runner
+        from .runner import default_compile, load_runner
         from .verifier import Verifier
 
         check_spec_length(spec_length)
@@ -202,7 +191,7 @@ class SpeculativeDecoder:
         ``spec_length``.
 
         ``compile`` runs the target through torch.compile (and CUDA graphs on a GPU), one graph
-        per pass width; None takes the device's default (:func:`default_compile`).
+        per pass width; None takes the device's default (:func:`specdraft.runner.default_compile`).
         ``quantize="int8"`` (or ``"int4"``, CPU only) makes the target weight-only int8 (int4):
         speculative output then equals plain decoding of that quantized model.
         """

@@ -166,8 +166,7 @@ def model_runner(model, compile: bool | None = None):
     Llama-family models run on specdraft's own code (compiled per pass width when ``compile``;
     None: the device's default), anything else on transformers' modules, eagerly.
     """
-    from ..decoder import default_compile
-    from ..runner import load_runner
+    from ..runner import default_compile, load_runner
 
     if compile is None:
         compile = default_compile(model.device)
@@ -192,8 +191,8 @@ def layer_runner(hf_layers, config, compile: bool | None = None, attention_norm:
     """
     import torch
 
-    from ..decoder import default_compile
     from ..errors import ConfigError
+    from ..runner import default_compile
     from ..runner.layers import layers_from_transformers
 
     layers = hf_layers if isinstance(hf_layers, torch.nn.Module) else torch.nn.ModuleList(hf_layers)

@@ -12,7 +12,7 @@ The verifier and the drafters use it through :func:`load_runner` (``runner.py``)
 from .cache import KVCache, attention_mask
 from .convert import ARCHITECTURES, from_transformers
 from .model import ForwardOutput, ModelArgs, SpecdraftModel
-from .runner import WIDTH_BUCKETS, ModelRunner, load_runner, width_bucket
+from .runner import WIDTH_BUCKETS, ModelRunner, default_compile, load_runner, width_bucket
 
 __all__ = ["ARCHITECTURES", "WIDTH_BUCKETS", "ForwardOutput", "KVCache", "ModelArgs", "ModelRunner",
-           "SpecdraftModel", "attention_mask", "from_transformers", "load_runner", "width_bucket"]
+           "SpecdraftModel", "attention_mask", "default_compile", "from_transformers", "load_runner", "width_bucket"]

@@ -11,7 +11,7 @@ from __future__ import annotations
 import torch
 from transformers.cache_utils import Cache, CacheLayerMixin
 
-from .runner import RunnerBase, attention_backends
+from .base import RunnerBase, attention_backends
 
 
 class _Layer(CacheLayerMixin):

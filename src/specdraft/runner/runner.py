@@ -22,12 +22,11 @@ from __future__ import annotations
 
 import time
 import weakref
-from contextlib import nullcontext
 from typing import Any
 
 import torch
-from torch.nn.attention import SDPBackend, sdpa_kernel
 
+from .base import RunnerBase, attention_backends
 from .cache import KVCache
 from .convert import from_transformers
 from .model import SpecdraftModel, run_block
@@ -56,40 +55,8 @@ def span_for(bound: int, capacity: int) -> int:
     return min(span, capacity)
 
 
-#: Attention kernels on CUDA. PyTorch prefers cuDNN's attention on Hopper, which builds an execution
-#: plan for every new key length: about 1 ms of CPU per layer per pass on an H100 when a cache grows
-#: by a token or a few each step (docs/benchmarks.md). These kernels need no plan.
-GPU_ATTENTION = (SDPBackend.FLASH_ATTENTION, SDPBackend.EFFICIENT_ATTENTION, SDPBackend.MATH)
-
-
-def attention_backends(device: torch.device):
-    """A context choosing :data:`GPU_ATTENTION` on CUDA (nothing changes on other devices)."""
-    return sdpa_kernel(list(GPU_ATTENTION)) if device.type == "cuda" else nullcontext()
-
-
 def _as_lengths(lengths, device) -> torch.Tensor:
     return torch.as_tensor(lengths, dtype=torch.long).to(device, non_blocking=True)
-
-
-class RunnerBase:
-    """What every runner says about itself (``model`` is the module it runs)."""
-
-    implementation = ""
-    compiled = False
-    quantization: str | None = None
-    model: Any
-
-    @property
-    def device(self) -> torch.device:
-        return self.model.device
-
-    @property
-    def dtype(self) -> torch.dtype:
-        return self.model.dtype
-
-    @property
-    def info(self) -> dict:
-        return {"implementation": self.implementation, "compiled": self.compiled, "quantization": self.quantization}
 
 
 class ModelRunner(RunnerBase):
@@ -273,6 +240,17 @@ QUANTIZATIONS = (None, "int8", "int4")
 
 #: converted (and quantized) models per transformers model: runners of one model share its weights
 _CONVERTED: "weakref.WeakKeyDictionary[Any, dict]" = weakref.WeakKeyDictionary()
+
+
+def default_compile(device) -> bool:
+    """Whether a model on ``device`` is compiled when the caller does not say: no, for now.
+
+    CPU: measured (docs/benchmarks.md): compiling made the float32 step slower and costs tens of
+    seconds up front; it pays with ``quantize="int4"``/``"int8"``, so ask for it there.
+    CUDA: the CUDA-graph path has not been measured on a GPU yet, so it stays opt-in
+    (``compile=True``, ``--compile``) until it has been.
+    """
+    return False
 
 
 def load_runner(hf_model, compile: bool = False, quantize: str | None = None):
