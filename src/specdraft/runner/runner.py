@@ -269,7 +269,11 @@ def load_runner(hf_model, compile: bool = False, quantize: str | None = None):
     if quantize == "int4" and torch.device(hf_model.device).type != "cpu":
         raise ConfigError("quantize='int4' runs on CPU only (torch's int4 kernel here is the CPU one); "
                           "use quantize='int8' on a GPU")
-    converted = _CONVERTED.setdefault(hf_model, {})
+    # reuse a conversion only while the source weights are the very same, unchanged tensors
+    state = tuple((p.data_ptr(), p._version) for p in hf_model.parameters())
+    converted = _CONVERTED.get(hf_model)
+    if converted is None or converted.get("state") != state:
+        converted = _CONVERTED[hf_model] = {"state": state}
     if quantize in converted:
         return ModelRunner(converted[quantize], compile=compile, quantization=quantize)
     model, reason = from_transformers(hf_model)
