@@ -235,6 +235,14 @@ class ModelRunner(RunnerBase):
         return cuda_graph, static_in, static_out
 
 
+def _version(tensor: torch.Tensor) -> int | None:
+    """How often ``tensor`` was changed in place (None for an inference tensor, which has no counter)."""
+    try:
+        return tensor._version
+    except RuntimeError:
+        return None
+
+
 #: weight quantizations a runner offers (None: the model's own weights)
 QUANTIZATIONS = (None, "int8", "int4")
 
@@ -270,7 +278,7 @@ def load_runner(hf_model, compile: bool = False, quantize: str | None = None):
         raise ConfigError("quantize='int4' runs on CPU only (torch's int4 kernel here is the CPU one); "
                           "use quantize='int8' on a GPU")
     # reuse a conversion only while the source weights are the very same, unchanged tensors
-    state = tuple((p.data_ptr(), p._version) for p in hf_model.parameters())
+    state = tuple((p.data_ptr(), _version(p)) for p in hf_model.parameters())
     converted = _CONVERTED.get(hf_model)
     if converted is None or converted.get("state") != state:
         converted = _CONVERTED[hf_model] = {"state": state}
