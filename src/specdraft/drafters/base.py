@@ -202,3 +202,11 @@ def layer_runner(hf_layers, config, compile: bool | None = None, attention_norm:
     if runner is None:
         raise ConfigError(f"specdraft cannot run these decoder layers: {reason}")
     return runner
+
+
+def attention_backends(device):
+    """The attention kernels specdraft allows on ``device`` (on CUDA: no cuDNN, which plans per key
+    length), as a context; for a drafter's own modules run outside a runner (training)."""
+    from ..runner.base import attention_backends as choose
+
+    return choose(device)

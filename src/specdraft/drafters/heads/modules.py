@@ -22,7 +22,6 @@ restricted to a frequent-token vocabulary) instead of owning copies.
 from __future__ import annotations
 
 import math
-from contextlib import nullcontext
 from typing import Any
 
 import torch
@@ -163,20 +162,12 @@ class EagleDraft(nn.Module):
         is additive ``[B, 1, n, n]``.
         """
         x = self.fc_in(features, embeds)
-        with _attention_backends(x.device):
+        from ..base import attention_backends
+
+        with attention_backends(x.device):
             out = self.layer(x, attention_mask=attention_mask, position_ids=position_ids,
                              position_embeddings=self.rotary(x, position_ids))
         return out[0] if isinstance(out, tuple) else out
-
-
-def _attention_backends(device: torch.device):
-    """On CUDA, SDPA's flash / memory-efficient / math kernels only: cuDNN's builds an execution
-    plan for every new key length, which costs more than the attention at these sizes."""
-    if device.type != "cuda":
-        return nullcontext()
-    from torch.nn.attention import SDPBackend, sdpa_kernel
-
-    return sdpa_kernel([SDPBackend.FLASH_ATTENTION, SDPBackend.EFFICIENT_ATTENTION, SDPBackend.MATH])
 
 
 def causal_mask(n: int, dtype: torch.dtype, device) -> torch.Tensor:
