@@ -197,6 +197,10 @@ def build_parser() -> argparse.ArgumentParser:
     _training_args(th, steps=700, steps_help="training steps, split 5:2 between phases", lr=1e-3,
                    head_tokens_help="output vocabulary: the most frequent answer tokens; 0 = all")
 
+    from .server.cli import add_serve_parser  # argparse only: FastAPI loads when `serve` runs
+
+    add_serve_parser(sub)
+
     lst = sub.add_parser("drafters", help="list registered drafters and the plugins providing them")
     lst.add_argument("--json", action="store_true", help="print JSON")
     return parser
@@ -427,6 +431,10 @@ def main(argv: Sequence[str] | None = None) -> int:
             return _distill(args)
         if args.command == "train-heads":
             return _train_heads(args)
+        if args.command == "serve":
+            from .server.cli import serve
+
+            return serve(args)
         return _drafters(args)
     except SpecdraftError as exc:
         print(f"specdraft: error: {exc}", file=sys.stderr)
