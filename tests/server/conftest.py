@@ -1,0 +1,232 @@
+"""The server's fixtures: uvicorn in a background thread of the test process, and a fake decoder.
+
+``serve(app)`` (the ``serve`` fixture) runs an app on a socket bound to a free port of 127.0.0.1 and yields its base
+URL; the server stops when the ``with`` block ends. ``FakeDecoder`` follows the engine's
+streaming API (``stream_ids`` -> a ``Stream`` of bursts, ``close``, ``QueueFull``, ``num_running``
+/ ``num_waiting``) without a model, so the HTTP layer's tests take milliseconds; the real
+model's tests are in ``test_server_e2e.py``.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import socket
+import threading
+import time
+from dataclasses import dataclass, field
+
+import pytest
+
+pytest.importorskip("fastapi", reason="the server's tests need pip install 'specdraft[serve]'")
+pytest.importorskip("openai", reason="the server's tests talk to it with the openai client")
+
+import uvicorn  # noqa: E402
+
+from specdraft.errors import ConfigError, DrafterError, QueueFull  # noqa: E402
+from specdraft.types import GenerationResult, GenerationStats  # noqa: E402
+
+
+@contextlib.contextmanager
+def serve(app, timeout: float = 30.0):
+    """Run ``app`` with uvicorn in a background thread; yields ``http://127.0.0.1:PORT``."""
+    sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+    sock.bind(("127.0.0.1", 0))
+    server = uvicorn.Server(uvicorn.Config(app, log_level="warning", timeout_graceful_shutdown=2))
+    thread = threading.Thread(target=server.run, kwargs={"sockets": [sock]}, daemon=True, name="uvicorn")
+    thread.start()
+    deadline = time.monotonic() + timeout
+    while not server.started:
+        assert thread.is_alive() and time.monotonic() < deadline, "uvicorn did not start"
+        time.sleep(0.01)
+    try:
+        yield f"http://127.0.0.1:{sock.getsockname()[1]}"
+    finally:
+        server.should_exit = True
+        thread.join(timeout)
+        sock.close()
+
+
+def wait_for(condition, timeout: float = 30.0, interval: float = 0.02) -> bool:
+    """Poll ``condition()`` until it is true (True) or ``timeout`` seconds pass (False)."""
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if condition():
+            return True
+        time.sleep(interval)
+    return bool(condition())
+
+
+# -- a decoder without a model, following the engine's streaming API ------------------------
+
+
+@dataclass
+class StreamChunk:
+    text: str
+    token_ids: list[int]
+
+
+@dataclass
+class FakeTarget:
+    name: str = "fake-model"
+    max_context: int = 64
+
+
+@dataclass
+class FakeDrafter:
+    name: str = "fake-drafter"
+
+
+class FakeStream:
+    """Token ``i`` of the output is ``100 + (prompt length + i) % 50``, written `` t<id>``; bursts of
+    up to 3 tokens every ``decoder.delay`` seconds, once the request has a place in the batch."""
+
+    def __init__(self, decoder: "FakeDecoder", prompt_ids: list[int], max_new_tokens: int, stop) -> None:
+        self.decoder, self.max_new_tokens = decoder, max_new_tokens
+        self.stops = [stop] if isinstance(stop, str) else list(stop or ())
+        self.prompt_tokens = len(prompt_ids)
+        self.result: GenerationResult | None = None
+        self.tokens: list[int] = []
+        self.text = ""
+        self.closed = threading.Event()
+        self.admitted = threading.Event()
+
+    def __iter__(self):
+        return self
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
+
+    def _finish(self, reason: str) -> None:
+        if self.result is None:
+            stats = GenerationStats(prompt_tokens=self.prompt_tokens, new_tokens=len(self.tokens),
+                                    drafts=len(self.tokens) // 3, drafted_tokens=len(self.tokens),
+                                    accepted_tokens=2 * (len(self.tokens) // 3),
+                                    target_passes=-(-len(self.tokens) // 3),
+                                    drafted_per_position=[3, 2], accepted_per_position=[2, 1])
+            self.result = GenerationResult(list(self.tokens), self.text, reason, stats)
+            self.decoder._leave(self)
+
+    def __next__(self) -> StreamChunk:
+        while not self.admitted.wait(0.01):
+            if self.closed.is_set():
+                break
+        if self.closed.is_set() or self.result is not None:
+            self._finish("aborted")
+            raise StopIteration
+        if self.closed.wait(self.decoder.delay):
+            self._finish("aborted")
+            raise StopIteration
+        if self.decoder.fail:
+            self.decoder.fail = False
+            self._finish("aborted")
+            raise DrafterError("drafter 'fake-drafter' failed while drafting: RuntimeError: boom")
+        burst = []
+        while len(burst) < 3 and len(self.tokens) < self.max_new_tokens:
+            token = 100 + (self.prompt_tokens + len(self.tokens)) % 50
+            self.tokens.append(token)
+            burst.append(token)
+        text = "".join(f" t{t}" for t in burst)
+        self.text += text
+        for s in self.stops:
+            if s in self.text:
+                cut = self.text.index(s)
+                text = text[: max(0, len(text) - (len(self.text) - cut))]
+                self.text = self.text[:cut]
+                self._finish("stop")
+                return StreamChunk(text, burst)
+        if len(self.tokens) >= self.max_new_tokens:
+            self._finish("length")
+        return StreamChunk(text, burst)
+
+    def close(self) -> None:
+        self.closed.set()
+        self.decoder.closed += 1
+        self._finish("aborted")
+
+
+class FakeDecoder:
+    """Bytes of the prompt as token ids; the chat template is ``role: content`` lines."""
+
+    def __init__(self, max_batch: int = 4, max_waiting: int | None = 4, delay: float = 0.005) -> None:
+        self.target, self.drafter = FakeTarget(), FakeDrafter()
+        self.max_batch, self.max_waiting, self.delay = max_batch, max_waiting, delay
+        self.running: list[FakeStream] = []
+        self.waiting: list[FakeStream] = []
+        self.fail = False  # the next burst raises DrafterError
+        self.closed = 0  # close() calls
+        self.calls: list[dict] = []  # stream_ids' arguments
+        self._lock = threading.Lock()
+
+    @property
+    def num_running(self) -> int:
+        return len(self.running)
+
+    @property
+    def num_waiting(self) -> int:
+        return len(self.waiting)
+
+    def encode(self, prompt: str, raw: bool = False) -> list[int]:
+        assert raw, "completions tokenize the prompt raw"
+        return list(prompt.encode())
+
+    def encode_chat(self, messages: list[dict]) -> list[int]:
+        return list("".join(f"{m['role']}: {m['content']}\n" for m in messages).encode())
+
+    def stream_ids(self, prompt_ids, max_new_tokens=128, temperature=0.0, top_k=0, top_p=1.0, seed=None,
+                   stop=None, *, min_p=0.0, repetition_penalty=1.0, presence_penalty=0.0,
+                   frequency_penalty=0.0) -> FakeStream:
+        self.calls.append(dict(prompt_ids=list(prompt_ids), max_new_tokens=max_new_tokens, temperature=temperature,
+                               top_k=top_k, top_p=top_p, seed=seed, stop=stop, min_p=min_p,
+                               repetition_penalty=repetition_penalty, presence_penalty=presence_penalty,
+                               frequency_penalty=frequency_penalty))
+        if not 0 <= temperature <= 100:
+            raise ConfigError(f"invalid sampling settings: temperature: must be from 0 to 100 (got {temperature})")
+        if len(prompt_ids) >= self.target.max_context:
+            raise ConfigError(f"prompt 0 has {len(prompt_ids)} tokens but the model's context holds "
+                              f"{self.target.max_context}; shorten it to at most {self.target.max_context - 1} tokens")
+        stream = FakeStream(self, list(prompt_ids), max_new_tokens, stop)
+        with self._lock:
+            if len(self.running) < self.max_batch:
+                self.running.append(stream)
+                stream.admitted.set()
+            elif self.max_waiting is not None and len(self.waiting) >= self.max_waiting:
+                raise QueueFull(f"{len(self.waiting)} requests already wait for the engine; retry later")
+            else:
+                self.waiting.append(stream)
+        return stream
+
+    def _leave(self, stream: FakeStream) -> None:
+        with self._lock:
+            if stream in self.running:
+                self.running.remove(stream)
+            if stream in self.waiting:
+                self.waiting.remove(stream)
+            while self.waiting and len(self.running) < self.max_batch:
+                admitted = self.waiting.pop(0)
+                self.running.append(admitted)
+                admitted.admitted.set()
+
+
+@pytest.fixture(name="serve")
+def serve_fixture():
+    """``with serve(app) as url``: the app on a free port of 127.0.0.1 (see :func:`serve`)."""
+    return serve
+
+
+@pytest.fixture(name="wait_for")
+def wait_for_fixture():
+    return wait_for
+
+
+@pytest.fixture
+def make_fake_decoder():
+    """``make_fake_decoder(max_batch=4, max_waiting=4, delay=0.005)``: a :class:`FakeDecoder`."""
+    return FakeDecoder
+
+
+@pytest.fixture
+def fake_decoder():
+    return FakeDecoder()
