@@ -1,10 +1,10 @@
 """The server's fixtures: uvicorn in a background thread of the test process, and a fake decoder.
 
-``serve(app)`` (the ``serve`` fixture) runs an app on a socket bound to a free port of 127.0.0.1 and yields its base
-URL; the server stops when the ``with`` block ends. ``FakeDecoder`` follows the engine's
-streaming API (``stream_ids`` -> a ``Stream`` of bursts, ``close``, ``QueueFull``, ``num_running``
-/ ``num_waiting``) without a model, so the HTTP layer's tests take milliseconds; the real
-model's tests are in ``test_server_e2e.py``.
+``serve(app)`` (the ``serve`` fixture) runs an app on a socket bound to a free port of 127.0.0.1
+and yields its base URL; the server stops when the ``with`` block ends. ``FakeDecoder`` follows
+the engine's streaming API (``stream_ids`` -> a ``Stream`` of bursts, ``close``, ``QueueFull``,
+``num_running`` / ``num_waiting``) without a model, so the HTTP layer's tests take milliseconds;
+the real model's tests are in ``test_server_e2e.py``.
 """
 
 from __future__ import annotations
@@ -210,13 +210,13 @@ class FakeDecoder:
                 admitted.admitted.set()
 
 
-@pytest.fixture(name="serve")
+@pytest.fixture(name="serve", scope="session")
 def serve_fixture():
     """``with serve(app) as url``: the app on a free port of 127.0.0.1 (see :func:`serve`)."""
     return serve
 
 
-@pytest.fixture(name="wait_for")
+@pytest.fixture(name="wait_for", scope="session")
 def wait_for_fixture():
     return wait_for
 

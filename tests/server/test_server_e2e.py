@@ -1,0 +1,301 @@
+"""The server on the real default model, through the official openai client over HTTP.
+
+Greedy answers equal the decoder's offline ``generate`` (completions: the raw prompt; chat: the
+chat template with the prompt as the user's message), streamed or not, alone or among 16
+concurrent clients; a closed stream frees its sequence; metrics move; every bad request gets
+its status and a one-line message; and ``specdraft serve`` itself answers out of the box.
+"""
+
+from __future__ import annotations
+
+import os
+import queue
+import signal
+import subprocess
+import sys
+import threading
+from pathlib import Path
+
+import httpx
+import openai
+import pytest
+
+import specdraft
+from specdraft import SpeculativeDecoder
+from specdraft.server import create_app
+from specdraft.types import Draft
+
+pytestmark = [pytest.mark.server, pytest.mark.e2e]
+
+PROMPTS = [
+    "The days of the week are Monday, Tuesday, Wednesday,",
+    "def fibonacci(n):\n    \"\"\"Return the n-th Fibonacci number.\"\"\"\n",
+    "Name three colours of the rainbow.",
+    "Water boils at",
+]
+
+
+@pytest.fixture(scope="module")
+def decoder():
+    return SpeculativeDecoder.from_pretrained(drafter="prompt-lookup")
+
+
+@pytest.fixture(scope="module")
+def url(decoder, serve):
+    with serve(create_app(decoder)) as base:
+        yield base
+
+
+@pytest.fixture(scope="module")
+def client(url):
+    return openai.OpenAI(base_url=f"{url}/v1", api_key="unused", max_retries=0, timeout=120)
+
+
+@pytest.fixture(scope="module")
+def model(decoder):
+    return decoder.target.name
+
+
+def sibling(decoder, **kwargs) -> SpeculativeDecoder:
+    """Another decoder (its own engine) on the same loaded model."""
+    kwargs.setdefault("drafter", "prompt-lookup")
+    return SpeculativeDecoder(decoder.model, decoder.tokenizer, target_name=decoder.target.name, **kwargs)
+
+
+def offline(decoder, prompt: str, max_tokens: int, raw: bool):
+    return decoder.generate(prompt, max_new_tokens=max_tokens, raw=raw)[0]
+
+
+def check_spec_decode(info: dict, completion_tokens: int) -> None:
+    assert set(info) == {"drafted_tokens", "accepted_tokens", "acceptance_rate", "tokens_per_target_pass",
+                         "drafts", "target_passes"}
+    assert 0 <= info["accepted_tokens"] <= info["drafted_tokens"] and 0 <= info["acceptance_rate"] <= 1
+    assert 1 <= info["target_passes"] <= completion_tokens and info["drafts"] <= info["target_passes"]
+
+
+def test_models_and_health(url, client, model):
+    assert [m.id for m in client.models.list()] == [model]
+    assert httpx.get(f"{url}/health").json() == {"status": "ok"}
+
+
+@pytest.mark.parametrize("prompt", PROMPTS[:2])
+def test_greedy_completions_equal_offline_generate(client, decoder, model, prompt):
+    expected = offline(decoder, prompt, 16, raw=True)
+    r = client.completions.create(model=model, prompt=prompt, max_tokens=16, temperature=0)
+    assert r.choices[0].text == expected.text
+    assert r.choices[0].finish_reason == {"eos": "stop", "stop": "stop", "length": "length"}[expected.finish_reason]
+    assert r.usage.completion_tokens == len(expected.token_ids) and r.usage.prompt_tokens == len(
+        decoder.encode(prompt, raw=True))
+    check_spec_decode(r.model_extra["spec_decode"], r.usage.completion_tokens)
+    chunks = list(client.completions.create(model=model, prompt=prompt, max_tokens=16, temperature=0, stream=True,
+                                            stream_options={"include_usage": True}))
+    assert "".join(c.choices[0].text for c in chunks if c.choices) == expected.text
+    assert chunks[-1].usage.completion_tokens == len(expected.token_ids)
+    check_spec_decode(chunks[-1].model_extra["spec_decode"], len(expected.token_ids))
+
+
+def test_greedy_chat_equals_offline_generate(client, decoder, model):
+    prompt = PROMPTS[2]
+    expected = offline(decoder, prompt, 20, raw=False)  # the chat template, the prompt as the user's message
+    messages = [{"role": "user", "content": prompt}]
+    r = client.chat.completions.create(model=model, messages=messages, max_tokens=20, temperature=0)
+    assert r.choices[0].message.content == expected.text and r.choices[0].message.role == "assistant"
+    assert r.usage.prompt_tokens == len(decoder.encode(prompt))
+    chunks = list(client.chat.completions.create(model=model, messages=messages, max_completion_tokens=20,
+                                                 temperature=0, stream=True))
+    assert chunks[0].choices[0].delta.role == "assistant"
+    assert "".join(c.choices[0].delta.content or "" for c in chunks) == expected.text
+    assert chunks[-1].choices[0].finish_reason == r.choices[0].finish_reason
+
+
+def test_16_concurrent_streaming_clients(client, decoder, model):
+    """Mixed lengths, greedy and seeded sampling, completions and chat, all at once."""
+    jobs = []
+    for i in range(16):
+        prompt, max_tokens, chat = PROMPTS[i % 4], 8 + (i * 5) % 17, i % 3 == 0
+        sampling = {"temperature": 0} if i % 2 == 0 else {"temperature": 0.8, "top_p": 0.95, "seed": i}
+        jobs.append((prompt, max_tokens, chat, sampling))
+    results: dict[int, tuple[str, str, int]] = {}
+    errors: list[BaseException] = []
+
+    def run(i: int) -> None:
+        prompt, max_tokens, chat, sampling = jobs[i]
+        try:
+            if chat:
+                chunks = list(client.chat.completions.create(
+                    model=model, messages=[{"role": "user", "content": prompt}], max_tokens=max_tokens, stream=True,
+                    stream_options={"include_usage": True}, **sampling))
+                text = "".join(c.choices[0].delta.content or "" for c in chunks if c.choices)
+            else:
+                chunks = list(client.completions.create(model=model, prompt=prompt, max_tokens=max_tokens,
+                                                        stream=True, stream_options={"include_usage": True},
+                                                        **sampling))
+                text = "".join(c.choices[0].text for c in chunks if c.choices)
+            reason = [c.choices[0].finish_reason for c in chunks if c.choices][-1]
+            results[i] = (text, reason, chunks[-1].usage.completion_tokens)
+        except BaseException as exc:  # noqa: BLE001 - reported below
+            errors.append(exc)
+
+    threads = [threading.Thread(target=run, args=(i,)) for i in range(16)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(300)
+    assert not errors and len(results) == 16
+    for i, (prompt, max_tokens, chat, sampling) in enumerate(jobs):
+        text, reason, completion_tokens = results[i]
+        if sampling["temperature"] == 0:
+            expected = offline(decoder, prompt, max_tokens, raw=not chat)
+            assert text == expected.text, i
+            assert completion_tokens == len(expected.token_ids), i
+        assert (reason == "length" and completion_tokens == max_tokens) or (
+            reason == "stop" and completion_tokens <= max_tokens), (i, reason, completion_tokens)
+    assert decoder.num_running == 0 and decoder.num_waiting == 0
+
+
+def test_a_closed_stream_frees_its_sequence(client, decoder, model, wait_for):
+    stream = client.completions.create(model=model, prompt="Count from one to one thousand: one, two,",
+                                       max_tokens=500, temperature=0, stream=True)
+    next(iter(stream))
+    assert decoder.num_running == 1
+    stream.close()
+    assert wait_for(lambda: decoder.num_running == 0, timeout=60)
+
+
+def test_metrics_move(url, client, model):
+    def value(text: str, name: str) -> float:
+        return sum(float(line.rsplit(" ", 1)[1]) for line in text.splitlines()
+                   if line.startswith(name + "{") or line.startswith(name + " "))
+
+    before = httpx.get(f"{url}/metrics").text
+    r = client.completions.create(model=model, prompt=PROMPTS[0], max_tokens=12, temperature=0)
+    after = httpx.get(f"{url}/metrics").text
+    assert value(after, "specdraft:generation_tokens_total") - value(before, "specdraft:generation_tokens_total") \
+        == r.usage.completion_tokens
+    assert value(after, "specdraft:prompt_tokens_total") - value(before, "specdraft:prompt_tokens_total") \
+        == r.usage.prompt_tokens
+    for name in ("specdraft:spec_decode_num_draft_tokens_total", "specdraft:spec_decode_num_accepted_tokens_total",
+                 "specdraft:spec_decode_num_drafts_total"):
+        key = {"specdraft:spec_decode_num_draft_tokens_total": "drafted_tokens",
+               "specdraft:spec_decode_num_accepted_tokens_total": "accepted_tokens",
+               "specdraft:spec_decode_num_drafts_total": "drafts"}[name]
+        assert value(after, name) - value(before, name) == r.model_extra["spec_decode"][key], name
+    assert value(after, "specdraft:e2e_request_latency_seconds_count") \
+        == value(before, "specdraft:e2e_request_latency_seconds_count") + 1
+    assert value(after, "specdraft:request_success_total") == value(before, "specdraft:request_success_total") + 1
+    assert "specdraft:num_requests_running" in after and "specdraft:time_to_first_token_seconds_bucket" in after
+
+
+def one_line_error(caught) -> dict:
+    body = caught.value.body
+    assert body["message"] and "\n" not in body["message"] and "Traceback" not in body["message"]
+    return body
+
+
+def test_bad_requests_get_their_status_and_one_line(client, model, decoder):
+    cases = [
+        (openai.BadRequestError, dict(prompt="Hi", temperature=-0.5), "temperature"),
+        (openai.BadRequestError, dict(prompt="Hi", n=2), "n=1"),
+        (openai.BadRequestError, dict(prompt="Hi", logprobs=1), "logprobs"),
+        (openai.BadRequestError, dict(prompt="Hi " * 9000), "context"),  # longer than the context
+        (openai.NotFoundError, dict(prompt="Hi", model="gpt-4o"), "gpt-4o"),
+    ]
+    for error, kwargs, says in cases:
+        with pytest.raises(error) as caught:
+            client.completions.create(**{"model": model, "max_tokens": 4, **kwargs})
+        assert says in one_line_error(caught)["message"], kwargs
+    with pytest.raises(openai.BadRequestError) as caught:
+        client.chat.completions.create(model=model, messages=[{"role": "user", "content": "Hi"}], top_p=7)
+    assert "top_p" in one_line_error(caught)["message"]
+    assert decoder.num_running == 0 and decoder.num_waiting == 0
+
+
+def test_api_key(decoder, model, serve):
+    with serve(create_app(decoder, api_key="sesame")) as base:
+        for key in ("wrong", None):
+            headers = {"Authorization": f"Bearer {key}"} if key else {}
+            r = httpx.post(f"{base}/v1/completions", json={"model": model, "prompt": "Hi", "max_tokens": 2},
+                           headers=headers)
+            assert r.status_code == 401 and "\n" not in r.json()["error"]["message"]
+        good = openai.OpenAI(base_url=f"{base}/v1", api_key="sesame", max_retries=0, timeout=120)
+        assert good.completions.create(model=model, prompt="Hi", max_tokens=2, temperature=0).usage.completion_tokens
+
+
+def test_queue_full_is_429(decoder, model, serve, wait_for):
+    busy = sibling(decoder, max_batch=1, max_waiting=1)
+    with serve(create_app(busy)) as base:
+        client = openai.OpenAI(base_url=f"{base}/v1", api_key="x", max_retries=0, timeout=120)
+        long = dict(model=model, prompt="Count from one to one thousand: one, two,", max_tokens=400, temperature=0,
+                    stream=True)
+        running = client.completions.create(**long)
+        next(iter(running))  # it holds the one place in the batch
+        waiting = client.completions.create(**long)  # submitted: it waits
+        assert wait_for(lambda: (busy.num_running, busy.num_waiting) == (1, 1))
+        with pytest.raises(openai.RateLimitError) as caught:
+            client.completions.create(model=model, prompt="Hi", max_tokens=2)
+        assert caught.value.status_code == 429 and "retry" in one_line_error(caught)["message"]
+        running.close()
+        waiting.close()
+        assert wait_for(lambda: busy.num_running + busy.num_waiting == 0, timeout=60)
+        assert client.completions.create(model=model, prompt="Hi", max_tokens=2).usage.completion_tokens == 2
+
+
+class ExplodingDrafter(specdraft.Drafter):
+    """Drafts nothing; raises in the round after ``armed`` is set."""
+
+    api_version = 2
+    name = "exploding"
+    armed = False
+
+    def propose(self, ctx, k):
+        if self.armed:
+            self.armed = False
+            raise RuntimeError("boom")
+        return Draft.empty(ctx.batch_size, device=ctx.device)
+
+
+def test_a_failing_drafter_is_500_naming_it_and_the_server_goes_on(decoder, model, serve):
+    drafter = ExplodingDrafter(ExplodingDrafter.Options(), decoder.target)
+    failing = sibling(decoder, drafter=drafter)
+    with serve(create_app(failing)) as base:
+        client = openai.OpenAI(base_url=f"{base}/v1", api_key="x", max_retries=0, timeout=120)
+        drafter.armed = True
+        with pytest.raises(openai.InternalServerError) as caught:
+            client.completions.create(model=model, prompt=PROMPTS[3], max_tokens=8, temperature=0)
+        assert "exploding" in one_line_error(caught)["message"]
+        drafter.armed = True  # in a stream: an error event, then [DONE]
+        with pytest.raises(openai.APIError, match="exploding"):
+            list(client.completions.create(model=model, prompt=PROMPTS[3], max_tokens=8, temperature=0, stream=True))
+        r = client.completions.create(model=model, prompt=PROMPTS[3], max_tokens=8, temperature=0)
+        assert r.choices[0].text == offline(decoder, PROMPTS[3], 8, raw=True).text
+
+
+def test_specdraft_serve_out_of_the_box(tmp_path):
+    """The real command: loads the default model, prints its ready line, answers, stops on Ctrl-C."""
+    script = Path(sys.executable).with_name("specdraft")
+    command = [str(script)] if script.exists() else [sys.executable, "-m", "specdraft.cli"]
+    log = (tmp_path / "stderr.txt").open("w")
+    proc = subprocess.Popen([*command, "serve", "--drafter", "prompt-lookup", "--port", "0", "--max-batch", "2"],
+                            stdout=subprocess.PIPE, stderr=log, text=True, env={**os.environ, "PYTHONUNBUFFERED": "1"})
+    lines: queue.Queue = queue.Queue()
+    threading.Thread(target=lambda: [lines.put(line) for line in proc.stdout], daemon=True).start()
+    try:
+        try:
+            ready = lines.get(timeout=180)
+        except queue.Empty:
+            pytest.fail(f"no ready line; stderr: {(tmp_path / 'stderr.txt').read_text()[-2000:]}")
+        assert ready.startswith("specdraft: serving ") and " with drafter prompt-lookup on http://127.0.0.1:" in ready
+        base = ready.rsplit(" ", 1)[1].strip()
+        models = httpx.get(f"{base}/v1/models", timeout=30).json()["data"]
+        client = openai.OpenAI(base_url=f"{base}/v1", api_key="x", max_retries=0, timeout=120)
+        r = client.completions.create(model=models[0]["id"], prompt=PROMPTS[0], max_tokens=8, temperature=0)
+        assert r.usage.completion_tokens == 8 and r.choices[0].text
+    finally:
+        proc.send_signal(signal.SIGINT)  # Ctrl-C: uvicorn shuts down, then the CLI exits 130 as for generate
+        try:
+            assert proc.wait(timeout=30) == 130
+        finally:
+            if proc.poll() is None:
+                proc.kill()
+            log.close()
+    assert "Traceback" not in (tmp_path / "stderr.txt").read_text()
