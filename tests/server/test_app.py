@@ -167,8 +167,9 @@ def test_bad_chat_requests(server, body, param, says):
 
 
 def test_not_json_unknown_paths_and_methods(server):
-    r = raw_post(server, "/v1/completions", b"{not json")
-    assert r.status_code == 400 and "JSON" in error_of(r)["message"]
+    for body, says in [(b"{not json", "not valid JSON"), (b"", "empty"), (b"[1]", "JSON object")]:
+        r = raw_post(server, "/v1/completions", body)
+        assert r.status_code == 400 and says in error_of(r)["message"], body
     r = httpx.get(f"{server}/v1/engines")
     assert r.status_code == 404 and error_of(r)["code"] == "not_found"
     r = httpx.get(f"{server}/v1/completions")
@@ -315,3 +316,10 @@ def test_concurrent_streams_each_get_their_own_text(client, fake_decoder):
     for t in threads:
         t.join(30)
     assert out == {i: "".join(f" t{100 + (i + 1 + j) % 50}" for j in range(5 + i)) for i in range(10)}
+
+
+def test_json_is_read_whatever_the_content_type(server):
+    """``curl -d`` sends application/x-www-form-urlencoded unless told otherwise."""
+    r = httpx.post(f"{server}/v1/completions", content=b'{"prompt": "Hi", "max_tokens": 2}',
+                   headers={"content-type": "application/x-www-form-urlencoded"})
+    assert r.status_code == 200 and r.json()["usage"]["completion_tokens"] == 2

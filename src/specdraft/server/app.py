@@ -20,6 +20,7 @@ import time
 from typing import Any, AsyncIterator
 
 import anyio
+from pydantic import ValidationError
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, Response, StreamingResponse
@@ -48,6 +49,7 @@ from .protocol import (
     ErrorResponse,
     ModelCard,
     ModelList,
+    OpenAIBaseModel,
     SamplingRequest,
     SpecDecodeInfo,
     UsageInfo,
@@ -168,10 +170,7 @@ def create_app(decoder, *, model_name: str | None = None, api_key: str | None = 
 
     @app.exception_handler(RequestValidationError)
     async def _invalid_body(request: Request, exc: RequestValidationError):
-        errors = _BodyErrors(exc)
-        locs = [e["loc"] for e in errors.errors() if e["loc"]]
-        param = ".".join(str(p) for p in locs[0]) if locs else None
-        return error_response(APIError(400, f"invalid request: {describe_validation_error(errors)}", param=param))
+        return error_response(_invalid(_BodyErrors(exc)))
 
     @app.exception_handler(StarletteHTTPException)
     async def _http_error(request: Request, exc: StarletteHTTPException):
@@ -343,9 +342,9 @@ def create_app(decoder, *, model_name: str | None = None, api_key: str | None = 
         return ModelList(data=[card]).model_dump()
 
     @app.post("/v1/completions")
-    async def completions(body: CompletionRequest, request: Request):
+    async def completions(request: Request):
         try:
-            return await complete(body, request)
+            return await complete(await _parse(request, CompletionRequest), request)
         except Exception as exc:
             return error_response(exc)
 
@@ -374,9 +373,9 @@ def create_app(decoder, *, model_name: str | None = None, api_key: str | None = 
                                   spec_decode=SpecDecodeInfo.from_stats(result.stats)).model_dump()
 
     @app.post("/v1/chat/completions")
-    async def chat_completions(body: ChatCompletionRequest, request: Request):
+    async def chat_completions(request: Request):
         try:
-            return await chat(body, request)
+            return await chat(await _parse(request, ChatCompletionRequest), request)
         except Exception as exc:
             return error_response(exc)
 
@@ -409,6 +408,34 @@ def create_app(decoder, *, model_name: str | None = None, api_key: str | None = 
                                       spec_decode=SpecDecodeInfo.from_stats(result.stats)).model_dump()
 
     return app
+
+
+def _invalid(exc) -> APIError:
+    """A 400 from pydantic's errors (``exc.errors()``), naming the first parameter at fault."""
+    locs = [e["loc"] for e in exc.errors() if e["loc"]]
+    param = ".".join(str(p) for p in locs[0]) if locs else None
+    return APIError(400, f"invalid request: {describe_validation_error(exc)}", param=param)
+
+
+async def _parse(request: Request, model: type[OpenAIBaseModel]):
+    """The request's JSON body as ``model``, whatever its content type (curl's ``-d`` sends
+    form-encoded); APIError (400) for an empty body, bad JSON, or invalid parameters."""
+    raw = await request.body()
+    if not raw.strip():
+        raise APIError(400, "the request body is empty; send the parameters as a JSON object")
+    try:
+        data = json.loads(raw)
+    except json.JSONDecodeError as exc:
+        raise APIError(400, f"the request body is not valid JSON: {exc.msg} (at character {exc.pos})") from None
+    except UnicodeDecodeError:
+        raise APIError(400, "the request body is not valid JSON: it is not UTF-8 text") from None
+    if not isinstance(data, dict):
+        kind = {list: "an array", str: "a string", type(None): "null"}.get(type(data), "a number or boolean")
+        raise APIError(400, f"the request body must be a JSON object of parameters, got {kind}")
+    try:
+        return model.model_validate(data)
+    except ValidationError as exc:
+        raise _invalid(exc) from None
 
 
 def _completion_prompt(prompt) -> str | list[int]:

@@ -7,6 +7,7 @@ without the ``serve`` extra, ``serve`` says in one line what to install.
 from __future__ import annotations
 
 import argparse
+import copy
 import importlib.util
 import os
 import socket
@@ -121,7 +122,10 @@ def serve(args) -> int:
                 if not self.should_exit:
                     print(ready, flush=True)
 
-        config = uvicorn.Config(app, timeout_graceful_shutdown=GRACEFUL_SHUTDOWN_S, log_level="info")
+        log_config = copy.deepcopy(uvicorn.config.LOGGING_CONFIG)  # the server's own errors print like uvicorn's
+        log_config["loggers"]["specdraft"] = {"handlers": ["default"], "level": "INFO", "propagate": False}
+        config = uvicorn.Config(app, timeout_graceful_shutdown=GRACEFUL_SHUTDOWN_S, log_level="info",
+                                log_config=log_config)
         Server(config).run(sockets=[sock])
     finally:
         sock.close()
