@@ -323,3 +323,47 @@ def test_json_is_read_whatever_the_content_type(server):
     r = httpx.post(f"{server}/v1/completions", content=b'{"prompt": "Hi", "max_tokens": 2}',
                    headers={"content-type": "application/x-www-form-urlencoded"})
     assert r.status_code == 200 and r.json()["usage"]["completion_tokens"] == 2
+
+
+def test_serve_without_the_extra_says_what_to_install(monkeypatch, capsys):
+    import importlib.util
+
+    from specdraft.cli import main
+
+    find_spec = importlib.util.find_spec
+    monkeypatch.setattr(importlib.util, "find_spec", lambda name, *a: None if name == "uvicorn" else find_spec(name, *a))
+    assert main(["serve"]) == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and "pip install 'specdraft[serve]'" in err and "uvicorn" in err
+
+
+@pytest.mark.parametrize("args, says", [
+    (["--spec-length", "0"], "spec_length"),
+    (["--max-batch", "0"], "--max-batch"),
+    (["--max-waiting", "-1"], "--max-waiting"),
+    (["--drafter", "nope"], "nope"),
+    (["--port", "70000"], "--port"),
+])
+def test_serve_checks_its_arguments_before_loading_the_model(args, says, capsys, monkeypatch):
+    from specdraft import decoder
+    from specdraft.cli import main
+
+    monkeypatch.setattr(decoder.SpeculativeDecoder, "from_pretrained", None)  # never reached
+    assert main(["serve", *args]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith("specdraft: error: ") and err.count("\n") == 1 and says in err
+
+
+def test_serve_says_when_the_port_is_taken(capsys, monkeypatch):
+    import socket
+
+    from specdraft import decoder
+    from specdraft.cli import main
+
+    monkeypatch.setattr(decoder.SpeculativeDecoder, "from_pretrained", None)
+    with socket.socket() as taken:
+        taken.bind(("127.0.0.1", 0))
+        taken.listen()
+        assert main(["serve", "--port", str(taken.getsockname()[1])]) == 2
+    err = capsys.readouterr().err
+    assert "cannot listen on 127.0.0.1:" in err and "--port" in err and err.count("\n") == 1
