@@ -124,6 +124,7 @@ def serve(args) -> int:
 
         log_config = copy.deepcopy(uvicorn.config.LOGGING_CONFIG)  # the server's own errors print like uvicorn's
         log_config["loggers"]["specdraft"] = {"handlers": ["default"], "level": "INFO", "propagate": False}
+        log_config["handlers"]["access"]["stream"] = "ext://sys.stderr"  # stdout: only the ready line
         config = uvicorn.Config(app, timeout_graceful_shutdown=GRACEFUL_SHUTDOWN_S, log_level="info",
                                 log_config=log_config)
         Server(config).run(sockets=[sock])
