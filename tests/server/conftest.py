@@ -13,7 +13,7 @@ import contextlib
 import socket
 import threading
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 import pytest
 

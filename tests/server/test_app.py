@@ -367,3 +367,18 @@ def test_serve_says_when_the_port_is_taken(capsys, monkeypatch):
         assert main(["serve", "--port", str(taken.getsockname()[1])]) == 2
     err = capsys.readouterr().err
     assert "cannot listen on 127.0.0.1:" in err and "--port" in err and err.count("\n") == 1
+
+
+def test_a_waiting_request_whose_client_leaves_leaves_the_queue(serve, wait_for, make_fake_decoder):
+    decoder = make_fake_decoder(max_batch=1, max_waiting=2, delay=0.05)
+    with serve(create_app(decoder)) as url:
+        client = openai.OpenAI(base_url=f"{url}/v1", api_key="x", max_retries=0, timeout=30)
+        running = client.completions.create(model="fake-model", prompt="Hi", max_tokens=60, stream=True)
+        waiting = client.chat.completions.create(model="fake-model", messages=[{"role": "user", "content": "Hi"}],
+                                                 max_tokens=50, stream=True)
+        assert (decoder.num_running, decoder.num_waiting) == (1, 1)
+        waiting.close()  # before it got a single token
+        assert wait_for(lambda: decoder.num_waiting == 0, timeout=5)
+        assert decoder.num_running == 1
+        running.close()
+        assert wait_for(lambda: decoder.num_running == 0, timeout=5)

@@ -20,16 +20,17 @@ import time
 from typing import Any, AsyncIterator
 
 import anyio
-from pydantic import ValidationError
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, Response, StreamingResponse
+from prometheus_client import CONTENT_TYPE_LATEST
+from pydantic import ValidationError
 from starlette.concurrency import run_in_threadpool
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from .. import __version__
 from ..errors import ConfigError, DrafterError, QueueFull, SpecdraftError, describe_validation_error
-from .metrics import CONTENT_TYPE_LATEST, ServerMetrics
+from .metrics import ServerMetrics
 from .protocol import (
     CHAT_DEFAULT_MAX_TOKENS,
     COMPLETION_DEFAULT_MAX_TOKENS,
@@ -133,6 +134,24 @@ class _APIKeyMiddleware:
                 await error.response()(scope, receive, send)
                 return
         await self.app(scope, receive, send)
+
+
+class _EventStreamResponse(StreamingResponse):
+    """Server-sent events; ``on_exit()`` runs however the response ends. A client that goes away
+    cancels the sending, and the events' generator may then sit unfinished at a ``yield`` (or
+    never have started), where no ``finally`` of its own runs soon."""
+
+    media_type = "text/event-stream"
+
+    def __init__(self, content, on_exit) -> None:
+        super().__init__(content, headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
+        self.on_exit = on_exit
+
+    async def __call__(self, scope, receive, send) -> None:
+        try:
+            await super().__call__(scope, receive, send)
+        finally:
+            self.on_exit()
 
 
 _END = object()
@@ -285,9 +304,16 @@ def create_app(decoder, *, model_name: str | None = None, api_key: str | None = 
     def event_stream(stream, started: float, make_chunk, opening: list[dict], include_usage: bool):
         """Server-sent events of ``stream``: ``make_chunk(text=..., finish_reason=..., ...)`` builds a
         chunk; the stream ends with ``data: [DONE]``, after an error event if it failed."""
+        settled = []  # non-empty once the request finished, failed or was abandoned
+
+        def abandon() -> None:
+            """The client went away (or stopped reading) before the end: free the sequence now."""
+            if not settled:
+                settled.append(True)
+                stream.close()
+                finished(started, stream.result, aborted=True)
 
         async def events():
-            done = False
             try:
                 for payload in opening:
                     yield sse(payload)
@@ -299,7 +325,7 @@ def create_app(decoder, *, model_name: str | None = None, api_key: str | None = 
                     if chunk.text:
                         yield sse(chunk_dict(make_chunk(text=chunk.text)))
                 result = stream.result
-                done = True
+                settled.append(True)
                 finished(started, result)
                 info = SpecDecodeInfo.from_stats(result.stats)
                 reason = FINISH_REASONS.get(result.finish_reason, result.finish_reason)
@@ -308,18 +334,13 @@ def create_app(decoder, *, model_name: str | None = None, api_key: str | None = 
                     yield sse(chunk_dict(make_chunk(text=None, usage=usage_of(stream, result), spec_decode=info,
                                                     no_choices=True)))
             except Exception as exc:  # after the response started: one error event, then [DONE]
-                done = True
-                stream.close()
-                finished(started, stream.result, aborted=True)
+                abandon()
                 yield sse(error_body(exc))
-            finally:  # the client went away (cancelled) or stopped reading: free the sequence now
-                if not done:
-                    stream.close()
-                    finished(started, stream.result, aborted=True)
+            finally:  # cancelled while reading the stream
+                abandon()
             yield "data: [DONE]\n\n"
 
-        return StreamingResponse(events(), media_type="text/event-stream",
-                                 headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
+        return _EventStreamResponse(events(), on_exit=abandon)
 
     def error_body(exc: BaseException) -> dict:
         error = as_api_error(exc)
