@@ -340,7 +340,7 @@ def test_serve_without_the_extra_says_what_to_install(monkeypatch, capsys):
 @pytest.mark.parametrize("args, says", [
     (["--spec-length", "0"], "spec_length"),
     (["--max-batch", "0"], "--max-batch"),
-    (["--max-waiting", "-1"], "--max-waiting"),
+    (["--max-waiting", "0"], "--max-waiting"),
     (["--drafter", "nope"], "nope"),
     (["--port", "70000"], "--port"),
 ])

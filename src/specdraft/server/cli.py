@@ -47,7 +47,8 @@ def add_serve_parser(subparsers) -> argparse.ArgumentParser:
     p.add_argument("--max-batch", type=int, default=8, metavar="N",
                    help="requests decoded together in one batch (default: 8)")
     p.add_argument("--max-waiting", type=int, default=64, metavar="N",
-                   help="requests that may wait for a place in the batch; more get HTTP 429 (default: 64)")
+                   help="requests that may wait for a place in the batch (new ones wait until the engine's "
+                        "next step); more get HTTP 429 (default: 64)")
     p.add_argument("--api-key", default=os.environ.get("SPECDRAFT_API_KEY") or None, metavar="KEY",
                    help="require `Authorization: Bearer KEY` on /v1 requests (default: $SPECDRAFT_API_KEY, "
                         "else no key)")
@@ -93,8 +94,8 @@ def serve(args) -> int:
     check_spec_length(args.spec_length)
     if args.max_batch < 1:
         raise ConfigError("--max-batch must be >= 1")
-    if args.max_waiting < 0:
-        raise ConfigError("--max-waiting must be >= 0 (0: requests beyond --max-batch get 429 at once)")
+    if args.max_waiting < 1:  # a new request waits until the engine's next step takes it in
+        raise ConfigError("--max-waiting must be >= 1: every request waits for the engine's next step")
     get_registry().validate_options(args.drafter, dict(args.drafter_options))
     sock = _bind(args.host, args.port)
     try:
