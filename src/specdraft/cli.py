@@ -255,7 +255,7 @@ def _generate(args) -> int:
         drafter_options=dict(args.drafter_options), dtype=args.dtype, device=args.device,
         adaptive=not args.fixed_spec_length, compile=args.compile, quantize=args.quantize,
     )
-    from .verifier import GenerationInterrupted
+    from .engine import GenerationInterrupted
 
     try:
         result = decoder.generate(prompt, max_new_tokens=args.max_new_tokens, seed=args.seed, stop=args.stop,

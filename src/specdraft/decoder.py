@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import operator
-import threading
 from typing import Any, Mapping, Sequence
 
 from pydantic import ValidationError
@@ -125,8 +124,9 @@ class SpeculativeDecoder:
     Output is token-identical to plain greedy decoding at temperature 0 and distributed
     exactly as plain sampling from the target otherwise.
 
-    Thread-safe: calls from several threads take turns on the one model (each gets its own
-    output); batch prompts into one call to run them together.
+    Continuous batching: every call (from any thread) submits its prompts to one engine, which
+    runs up to ``max_batch`` sequences together, admitting waiting ones as others finish; each
+    caller gets exactly its own output. ``stream()`` yields text as tokens are accepted.
 
     >>> dec = SpeculativeDecoder.from_pretrained(drafter="ngram")      # doctest: +SKIP
     >>> dec.generate("Name three colours.", max_new_tokens=32)[0].text  # doctest: +SKIP
@@ -144,13 +144,19 @@ class SpeculativeDecoder:
         target_name: str = "",
         compile: bool | None = None,
         quantize: str | None = None,
+        max_batch: int = 8,
+        max_waiting: int | None = None,
     ) -> None:
         from .drafters.base import Drafter
+        from .engine import Engine, EngineLoop
         from .plugins import get_registry
         from .runner import default_compile, load_runner
-        from .verifier import Verifier
 
         check_spec_length(spec_length)
+        if not _is_int(max_batch) or not 1 <= max_batch <= 1024:
+            raise ConfigError(f"max_batch must be an integer from 1 to 1024 (got {max_batch!r})")
+        if max_waiting is not None and (not _is_int(max_waiting) or max_waiting < 0):
+            raise ConfigError(f"max_waiting must be an integer >= 0, or None for no limit (got {max_waiting!r})")
         if compile is not None and not isinstance(compile, bool):
             raise ConfigError(f"compile must be True, False or None (the device's default), got {compile!r}")
         self.model = model.eval()
@@ -166,8 +172,9 @@ class SpeculativeDecoder:
         else:
             self.drafter = get_registry().create(str(drafter), drafter_options, self.target)
         self.spec_length = spec_length
-        self._verifier = Verifier(self.runner, self.drafter, spec_length, self.target, adaptive=adaptive)
-        self._lock = threading.Lock()
+        self.engine = Engine(self.runner, self.drafter, self.target, spec_length, adaptive=adaptive,
+                             max_batch=max_batch, max_waiting=max_waiting)
+        self._loop = EngineLoop(self.engine)
 
     @classmethod
     def from_pretrained(
@@ -182,30 +189,49 @@ class SpeculativeDecoder:
         *,
         compile: bool | None = None,
         quantize: str | None = None,
+        max_batch: int = 8,
+        max_waiting: int | None = None,
     ) -> "SpeculativeDecoder":
         """Load ``target`` (None = SmolLM2-135M-Instruct, offline; else hub id, folder or .gguf).
 
         ``spec_length`` is the most tokens drafted per round; with ``adaptive`` (the default)
         each round drafts as many of those as pay off given the measured acceptance and
-        verify costs (see ``specdraft.verifier.adaptive``); ``adaptive=False`` always asks for
+        verify costs (see ``specdraft.engine.policy``); ``adaptive=False`` always asks for
         ``spec_length``.
 
         ``compile`` runs the target through torch.compile (and CUDA graphs on a GPU), one graph
         per pass width; None takes the device's default (:func:`specdraft.runner.default_compile`).
         ``quantize="int8"`` (or ``"int4"``, CPU only) makes the target weight-only int8 (int4):
         speculative output then equals plain decoding of that quantized model.
+
+        ``max_batch``: sequences decoded together (each holds a row of the KV cache); more wait
+        and join as others finish. ``max_waiting``: with ``stream()``, at most this many requests
+        wait (QueueFull beyond; None: no limit).
         """
         from .models import load_target
 
         model, tokenizer, name = load_target(target, dtype=dtype, device=device)
         return cls(model, tokenizer, drafter, spec_length, drafter_options, adaptive=adaptive, target_name=name,
-                   compile=compile, quantize=quantize)
+                   compile=compile, quantize=quantize, max_batch=max_batch, max_waiting=max_waiting)
 
     def warm_up(self, rows: int = 1) -> None:
         """Compile (or capture) the target's passes of every width a round can use, for ``rows``
         sequences, now rather than during the first generations; free when not compiled."""
-        with self._lock:
+        with self._loop.step_lock:
+            if self.engine.has_work():
+                raise ConfigError("warm_up() needs an idle decoder; call it before generating")
             self.runner.warm_up(rows, range(1, self.spec_length + 2))
+            self.engine.reset_cache()
+
+    @property
+    def num_running(self) -> int:
+        """Sequences being decoded now."""
+        return self.engine.num_running
+
+    @property
+    def num_waiting(self) -> int:
+        """Sequences waiting for a free slot."""
+        return self.engine.num_waiting
 
     @property
     def runner_info(self) -> dict:
@@ -265,13 +291,117 @@ class SpeculativeDecoder:
         frequency_penalty: float = 0.0,
     ) -> list[GenerationResult]:
         """Generate from token ids (one list per sequence); no chat template is applied."""
-        sampling, stops = check_generation_args(
-            max_new_tokens, dict(temperature=temperature, top_k=top_k, top_p=top_p, min_p=min_p,
-                                 repetition_penalty=repetition_penalty, presence_penalty=presence_penalty,
-                                 frequency_penalty=frequency_penalty), seed, stop)
+        from .engine import GenerationInterrupted, Stream
+
+        seqs = self._sequences(prompt_ids, max_new_tokens, seed, stop, dict(
+            temperature=temperature, top_k=top_k, top_p=top_p, min_p=min_p, repetition_penalty=repetition_penalty,
+            presence_penalty=presence_penalty, frequency_penalty=frequency_penalty))
+        streams = [Stream(self._loop, s, self.tokenizer) for s in seqs]
+        self._loop.submit(seqs, limit=False)
+        try:
+            for stream in streams:
+                for _ in stream:
+                    pass
+        except KeyboardInterrupt:  # Ctrl-C: stop this call's sequences, keep what they generated
+            for stream in streams:
+                stream.close()
+            from .engine.stream import result_of
+            from .engine.verify import output_text
+
+            results = []
+            for s in seqs:
+                reason = s.finish_reason if s.finish_reason not in (None, "aborted") else "interrupted"
+                text = None if self.tokenizer is None else output_text(self.tokenizer, s.new_tokens, reason, s.stop)
+                results.append(result_of(s, text))
+                results[-1].finish_reason = reason
+            raise GenerationInterrupted(results) from None
+        except BaseException:
+            for stream in streams:
+                stream.close()
+            raise
+        results = [stream.result for stream in streams]
+        if any(r.finish_reason == "interrupted" for r in results):  # a drafter's KeyboardInterrupt
+            raise GenerationInterrupted(results)
+        return results
+
+    def stream(
+        self,
+        prompt: str,
+        max_new_tokens: int = 128,
+        temperature: float = 0.0,
+        top_k: int = 0,
+        top_p: float = 1.0,
+        seed: int | None = None,
+        stop: str | Sequence[str] | None = None,
+        raw: bool = False,
+        *,
+        min_p: float = 0.0,
+        repetition_penalty: float = 1.0,
+        presence_penalty: float = 0.0,
+        frequency_penalty: float = 0.0,
+    ):
+        """Generate for one prompt, yielding text as tokens are accepted (several per step).
+
+        Returns a :class:`~specdraft.engine.Stream`: iterate it for
+        :class:`~specdraft.engine.StreamChunk` bursts (``.text``, ``.token_ids``); the texts add
+        up to what :meth:`generate` returns, and ``stream.result`` has the whole result at the
+        end. Close it (or use ``with``) to stop early. Settings as for :meth:`generate`.
+        """
+        if self.tokenizer is None:
+            raise ConfigError("this decoder has no tokenizer; use stream_ids() with token ids")
+        text = check_prompts(prompt)
+        if len(text) != 1:
+            raise ConfigError("stream() takes one prompt; call it once per prompt")
+        return self.stream_ids(self.encode(text[0], raw=raw), max_new_tokens=max_new_tokens, temperature=temperature,
+                               top_k=top_k, top_p=top_p, seed=seed, stop=stop, min_p=min_p,
+                               repetition_penalty=repetition_penalty, presence_penalty=presence_penalty,
+                               frequency_penalty=frequency_penalty)
+
+    def stream_ids(
+        self,
+        prompt_ids: Sequence[int],
+        max_new_tokens: int = 128,
+        temperature: float = 0.0,
+        top_k: int = 0,
+        top_p: float = 1.0,
+        seed: int | None = None,
+        stop: str | Sequence[str] | None = None,
+        *,
+        min_p: float = 0.0,
+        repetition_penalty: float = 1.0,
+        presence_penalty: float = 0.0,
+        frequency_penalty: float = 0.0,
+    ):
+        """:meth:`stream` from token ids (one sequence); raises QueueFull when ``max_waiting``
+        requests already wait."""
+        from .engine import Stream
+
+        [seq] = self._sequences([prompt_ids], max_new_tokens, seed, stop, dict(
+            temperature=temperature, top_k=top_k, top_p=top_p, min_p=min_p, repetition_penalty=repetition_penalty,
+            presence_penalty=presence_penalty, frequency_penalty=frequency_penalty))
+        stream = Stream(self._loop, seq, self.tokenizer)
+        self._loop.submit([seq])
+        return stream
+
+    def encode_chat(self, messages: Sequence[Mapping[str, Any]]) -> list[int]:
+        """Token ids of a conversation (``[{"role": ..., "content": ...}, ...]``) through the chat
+        template, ending with the assistant's turn to speak."""
+        if self.tokenizer is None or not getattr(self.tokenizer, "chat_template", None):
+            raise ConfigError("this model has no chat template; use completions with a plain prompt")
+        try:
+            text = self.tokenizer.apply_chat_template(list(messages), add_generation_prompt=True, tokenize=False)
+        except Exception as exc:  # noqa: BLE001 - the template's own complaint, in one line
+            raise ConfigError(f"the chat template cannot render these messages: {exc}") from None
+        return self.tokenizer(text, add_special_tokens=False).input_ids
+
+    def _sequences(self, prompt_ids, max_new_tokens, seed, stop, sampling: dict):
+        from .engine.sequence import sequences_for
+
+        params, stops = check_generation_args(max_new_tokens, sampling, seed, stop)
+        if stops and self.tokenizer is None:
+            raise ConfigError("stop strings need a tokenizer to decode the output; this decoder has none")
         prompts = self._check_prompt_ids(prompt_ids)
-        with self._lock:  # one verifier, one cache: calls from several threads take turns
-            return self._verifier.generate(prompts, max_new_tokens, sampling, seed=seed, stop=stops)
+        return sequences_for(prompts, params, max_new_tokens, self.target.max_context, stops, seed)
 
     def _check_prompt_ids(self, prompt_ids) -> list[list[int]]:
         if isinstance(prompt_ids, (str, bytes)) or not hasattr(prompt_ids, "__len__") or len(prompt_ids) == 0:

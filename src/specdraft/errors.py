@@ -29,6 +29,10 @@ class PluginError(SpecdraftError):
     """A plugin failed to load, registered badly, or raised inside a hook."""
 
 
+class QueueFull(SpecdraftError):
+    """The engine's waiting queue is full: the request was not taken; retry later."""
+
+
 class DrafterError(SpecdraftError):
     """A drafter raised, or returned a draft that breaks the Draft contract."""
 

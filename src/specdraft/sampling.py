@@ -74,6 +74,84 @@ class SamplingParams(BaseModel):
         return self.repetition_penalty != 1.0 or self.presence_penalty != 0.0 or self.frequency_penalty != 0.0
 
 
+class RowSampling(tuple):
+    """Each row's own :class:`SamplingParams` (``RowSampling([params_0, params_1, ...])``): what a
+    batch of requests with different settings hands the pipeline. Every function below takes one
+    wherever it takes a :class:`SamplingParams`; the rows may also be repeated in blocks (``n``
+    consecutive logits rows per entry, as a drafter's ``[batch * m, vocab]`` reshape gives).
+
+    ``greedy`` is True when every row is greedy, ``penalized`` when any row is; other attributes
+    read through to the settings when all rows share them.
+    """
+
+    @property
+    def greedy(self) -> bool:
+        return all(p.greedy for p in self)
+
+    @property
+    def penalized(self) -> bool:
+        return any(p.penalized for p in self)
+
+    @property
+    def uniform(self) -> "SamplingParams | None":
+        """The settings every row shares, or None when rows differ."""
+        first = self[0] if len(self) else SamplingParams()
+        return first if all(p == first for p in self) else None
+
+    def __getattr__(self, name: str):
+        if name.startswith("_") or name not in SamplingParams.model_fields:
+            raise AttributeError(name)
+        shared = self.uniform
+        if shared is None:
+            raise AttributeError(f"rows have different sampling settings: read {name} per row (ctx.sampling[b].{name})")
+        return getattr(shared, name)
+
+    def rows(self, n: int) -> "RowSampling":
+        """The settings of ``n`` logits rows: each entry repeated ``n // len(self)`` times."""
+        if n == len(self):
+            return self
+        if not len(self) or n % len(self):
+            raise ValueError(f"{n} logits rows for the sampling settings of {len(self)} rows")
+        return RowSampling(p for p in self for _ in range(n // len(self)))
+
+
+Params = "SamplingParams | RowSampling"
+
+
+def _row_generators(generator, n: int) -> list:
+    """``generator`` (one, None, or a list per row, possibly repeated in blocks) for each of ``n`` rows."""
+    if generator is None or not isinstance(generator, (list, tuple)):
+        return [generator] * n
+    if not generator or n % len(generator):
+        raise ValueError(f"{n} rows for {len(generator)} generators")
+    return [g for g in generator for _ in range(n // len(generator))]
+
+
+def _per_row(fn, logits, params, counts):
+    """``fn(logits, params, counts)`` row by row when rows have different settings."""
+    import torch
+
+    if not isinstance(params, RowSampling):
+        return fn(logits, params, counts)
+    params = params.rows(logits.shape[0])
+    shared = params.uniform
+    if shared is not None:
+        return fn(logits, shared, counts)
+    return torch.cat([fn(logits[b : b + 1], p, None if counts is None else counts.row(b, logits.shape[0]))
+                      for b, p in enumerate(params)])
+
+
+def sample_rows(probs: "torch.Tensor", generator=None) -> "torch.Tensor":
+    """One token per row of ``probs # [batch, vocab]``; ``generator``: one, or one per row (each row
+    draws from its own, so a request's draws do not depend on its batchmates).  # [batch]"""
+    import torch
+
+    if not isinstance(generator, (list, tuple)):
+        return torch.multinomial(probs, 1, generator=generator).squeeze(1)
+    gens = _row_generators(generator, probs.shape[0])
+    return torch.cat([torch.multinomial(probs[b : b + 1], 1, generator=g).squeeze(1) for b, g in enumerate(gens)])
+
+
 @dataclass(frozen=True)
 class TokenCounts:
     """What the penalties read of each row's context, at one position or at several.
@@ -102,6 +180,16 @@ class TokenCounts:
         in_output = torch.zeros((batch, vocab), dtype=torch.float32)
         in_output.index_put_((rows[generated], ids[generated]), torch.ones(int(generated.sum())), accumulate=True)
         return cls(in_context.to(device), in_output.to(device))
+
+    def row(self, b: int, n: int | None = None) -> "TokenCounts":
+        """Row ``b``'s counts (batch dim kept), for ``n`` logits rows (rows repeated in blocks)."""
+        batch = self.in_context.shape[0]
+        b = b // ((n or batch) // batch)
+        return TokenCounts(self.in_context[b : b + 1], self.in_output[b : b + 1])
+
+    def select(self, index) -> "TokenCounts":
+        """The counts of the rows ``index`` (a slice, a list or a long tensor of rows)."""
+        return TokenCounts(self.in_context[index], self.in_output[index])
 
     def plus(self, tokens: "torch.Tensor") -> "TokenCounts":
         """The counts after every row generated ``tokens # [batch, n]`` more (drafts so far)."""
@@ -132,13 +220,15 @@ def compute_dtype(dtype: "torch.dtype") -> "torch.dtype":
     return torch.promote_types(dtype, torch.float32)
 
 
-def penalize(logits: "torch.Tensor", params: SamplingParams, counts: TokenCounts | None) -> "torch.Tensor":
+def penalize(logits: "torch.Tensor", params: Params, counts: TokenCounts | None) -> "torch.Tensor":
     """Steps 1-2 of the pipeline; ``logits # [..., vocab]`` (the same leading shape as ``counts``),
     returned in :func:`compute_dtype`. Unchanged (but upcast) when no penalty is on, or when
     ``counts`` is None: a drafter that does not pass its context drafts from unpenalized
     distributions, which stays exact (only the target's must be right) but is accepted less."""
     import torch
 
+    if isinstance(params, RowSampling):
+        return _per_row(penalize, logits, params, counts)
     logits = logits.to(compute_dtype(logits.dtype))
     if not params.penalized or counts is None:
         return logits
@@ -152,7 +242,7 @@ def penalize(logits: "torch.Tensor", params: SamplingParams, counts: TokenCounts
     return logits
 
 
-def process_logits(logits: "torch.Tensor", params: SamplingParams, counts: TokenCounts | None = None) -> "torch.Tensor":
+def process_logits(logits: "torch.Tensor", params: Params, counts: TokenCounts | None = None) -> "torch.Tensor":
     """The whole pipeline but the softmax, for sampling settings (temperature > 0).
 
     ``logits # [..., vocab]`` -> ``# [..., vocab]`` in float32 or wider; filtered tokens are -inf.
@@ -163,6 +253,8 @@ def process_logits(logits: "torch.Tensor", params: SamplingParams, counts: Token
     """
     import torch
 
+    if isinstance(params, RowSampling):
+        return _per_row(process_logits, logits, params, counts)
     logits = penalize(logits, params, counts) / params.temperature
     vocab = logits.shape[-1]
     if 0 < params.top_k < vocab:
@@ -183,15 +275,17 @@ def process_logits(logits: "torch.Tensor", params: SamplingParams, counts: Token
     return logits
 
 
-def greedy_tokens(logits: "torch.Tensor", params: SamplingParams, counts: TokenCounts | None = None) -> "torch.Tensor":
+def greedy_tokens(logits: "torch.Tensor", params: Params, counts: TokenCounts | None = None) -> "torch.Tensor":
     """Greedy decoding's choice ``# [...]``: the argmax of the penalized logits ``# [..., vocab]``
     (of the logits as they are when no penalty is on, so ties break as plain decoding's do)."""
+    if isinstance(params, RowSampling):
+        return _per_row(greedy_tokens, logits, params, counts)
     if not params.penalized:
         return logits.argmax(-1)
     return penalize(logits, params, counts).argmax(-1)
 
 
-def logits_to_probs(logits: "torch.Tensor", params: SamplingParams, counts: TokenCounts | None = None) -> "torch.Tensor":
+def logits_to_probs(logits: "torch.Tensor", params: Params, counts: TokenCounts | None = None) -> "torch.Tensor":
     """The sampling distribution: ``logits # [..., vocab]`` -> ``# [..., vocab]``, rows summing to 1,
     filtered tokens exactly 0, in float32 or wider whatever the logits' dtype.
 
@@ -200,19 +294,23 @@ def logits_to_probs(logits: "torch.Tensor", params: SamplingParams, counts: Toke
     """
     import torch
 
+    if isinstance(params, RowSampling):
+        return _per_row(logits_to_probs, logits, params, counts)
     if params.greedy:
         return torch.nn.functional.one_hot(greedy_tokens(logits, params, counts),
                                            logits.shape[-1]).to(compute_dtype(logits.dtype))
     return process_logits(logits, params, counts).softmax(-1)
 
 
-def restrict(probs: "torch.Tensor", params: SamplingParams) -> "torch.Tensor":
+def restrict(probs: "torch.Tensor", params: Params) -> "torch.Tensor":
     """The pipeline's filters (top-k, top-p, min-p) applied to a distribution ``probs # [..., vocab]``
     that is already a mixture (a copy gate's), renormalized; greedy settings return it as it is.
 
     A drafter that mixes its processed distribution with something else restricts the mixture
     this way, so it never drafts a token the filters would give probability 0.
     """
+    if isinstance(params, RowSampling):
+        return _per_row(lambda x, p, _: restrict(x, p), probs, params, None)
     if params.greedy:
         return probs
     plain = params.model_copy(update={"temperature": 1.0, "repetition_penalty": 1.0, "presence_penalty": 0.0,
@@ -220,17 +318,15 @@ def restrict(probs: "torch.Tensor", params: SamplingParams) -> "torch.Tensor":
     return process_logits(probs.log(), plain).softmax(-1)
 
 
-def draw(logits: "torch.Tensor", params: SamplingParams, generator: "torch.Generator | None" = None,
-         counts: TokenCounts | None = None):
+def draw(logits: "torch.Tensor", params: Params, generator=None, counts: TokenCounts | None = None):
     """One draft token per row from ``logits # [batch, vocab]``, the way drafters must draw it.
 
     Returns ``(tokens # [batch], probs # [batch, vocab] | None)``: the greedy choice and None
     when greedy, else a sample from ``logits_to_probs(logits, params, counts)`` and those
-    probabilities (what the drafter reports as ``Draft.probs``).
+    probabilities (what the drafter reports as ``Draft.probs``; a greedy row among sampled ones
+    gets its one-hot). ``generator``: one, or one per row (``ctx.generators``).
     """
-    import torch
-
     if params.greedy:
         return greedy_tokens(logits, params, counts), None
     probs = logits_to_probs(logits, params, counts)
-    return torch.multinomial(probs, 1, generator=generator).squeeze(1), probs
+    return sample_rows(probs, generator), probs

@@ -185,7 +185,7 @@ def check_drafter(
 
     from .decoder import SpeculativeDecoder
     from .sampling import SamplingParams
-    from .verifier import check_draft
+    from .engine import check_draft
 
     vocab = model.get_output_embeddings().weight.shape[0]
     prompts = repetitive_prompts(vocab)

@@ -11,7 +11,7 @@ from typing import TYPE_CHECKING, Any, Sequence
 if TYPE_CHECKING:  # pragma: no cover
     import torch
 
-    from .sampling import SamplingParams, TokenCounts
+    from .sampling import RowSampling, SamplingParams, TokenCounts
 
 
 @dataclass(frozen=True)
@@ -42,9 +42,11 @@ class TargetInfo:
 class DraftContext:
     """Everything a drafter sees in one round.
 
-    ``token_ids[b]`` is prompt + accepted output of sequence ``b``: the drafter proposes
-    what comes after its last token. Rows whose ``active[b]`` is False have finished;
-    a drafter may skip them (their proposals are ignored).
+    Row ``b`` is the sequence ``seq_ids[b]``: ``token_ids[b]`` is its prompt + accepted output,
+    and the drafter proposes what comes after its last token. Rows are the sequences running
+    this round, in an order that changes as sequences join and leave: keep per-sequence state
+    by ``seq_ids[b]`` (see :class:`~specdraft.Drafter`). Rows whose ``active[b]`` is False have
+    finished (only drafters of API version 1 see such rows); a drafter may skip them.
     """
 
     token_ids: list[list[int]]  # [batch][seq_len_b]
@@ -52,8 +54,17 @@ class DraftContext:
     active: list[bool]  # [batch]
     vocab_size: int
     device: Any
-    sampling: "SamplingParams"
-    generator: "torch.Generator | None" = None  # use it for any randomness (seeded runs)
+    #: each row's sampling settings (a :class:`~specdraft.sampling.RowSampling`, which every
+    #: function of ``specdraft.sampling`` takes; ``.greedy`` is True when every row is greedy)
+    sampling: "RowSampling | SamplingParams"
+    #: one generator for the whole round (drafters that draw batch-wide tensors)
+    generator: "torch.Generator | None" = None
+    #: each row's own generator, reseeded every round from its seed and length: draw row ``b``'s
+    #: tokens from ``generators[b]`` (``specdraft.sampling.draw`` takes the list) and a seeded
+    #: request's output does not depend on what else shares its batch
+    generators: list = field(default_factory=list)
+    #: each row's sequence id, stable while the sequence runs  # [batch]
+    seq_ids: list[int] = field(default_factory=list)
     #: set before ``on_verified``: how many of each row's proposed tokens were verified (the
     #: verifier may trim a draft to its adaptive length or to what is left of the budget)
     num_verified: list[int] = field(default_factory=list)
@@ -121,11 +132,13 @@ class Draft:
 class GenerationStats:
     """Per-request speculation metrics.
 
-    Times of a batched call are the batch's: every row of it reports the same clock.
+    Times are the sequence's own: ``total_time_s`` from submission to its last token, drafting and
+    verifying the steps it took part in (shared with its batchmates), prefill its own.
     """
 
     prompt_tokens: int = 0
     new_tokens: int = 0
+    drafts: int = 0  # rounds that drafted at least one token
     drafted_tokens: int = 0
     accepted_tokens: int = 0
     target_passes: int = 0  # verify passes (the prompt's prefill is not counted)
@@ -158,6 +171,7 @@ class GenerationStats:
     def record_round(self, num_drafted: int, num_accepted: int) -> None:
         """Count one verify pass in which ``num_drafted`` tokens were checked and ``num_accepted`` kept."""
         self.target_passes += 1
+        self.drafts += num_drafted > 0
         self.drafted_tokens += num_drafted
         self.accepted_tokens += num_accepted
         if len(self.drafted_per_position) < num_drafted:
@@ -176,5 +190,7 @@ class GenerationResult:
 
     token_ids: list[int]
     text: str | None
-    finish_reason: str  # "eos" | "length" (max_new_tokens or the model's context) | "stop" | "interrupted" (Ctrl-C)
+    #: "eos" | "length" (max_new_tokens or the model's context) | "stop" | "interrupted" (Ctrl-C)
+    #: | "aborted" (the caller closed its stream)
+    finish_reason: str
     stats: GenerationStats

@@ -139,7 +139,7 @@ def test_cli_bench_writes_the_finished_prompts_on_ctrl_c(questions, tiny_target,
     """`specdraft bench` + Ctrl-C in the verifier (GenerationInterrupted) on the third prompt: results
     of the first two are written, one note on stderr, exit status 130."""
     from specdraft.cli import main
-    from specdraft.verifier import GenerationInterrupted
+    from specdraft.engine import GenerationInterrupted
 
     model, tokenizer = tiny_target
     monkeypatch.setattr("specdraft.models.load_target", lambda *a, **k: (model, tokenizer, "tiny"))

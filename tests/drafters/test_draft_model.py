@@ -135,11 +135,19 @@ def test_draft_cache_equals_a_fresh_prefill(tiny_model, draft_dir, saved, same):
     """After rollbacks (different draft) or catch-ups (same model), the cache is a fresh prefill."""
     dec = _decoder(tiny_model, saved(tiny_model, "same2") if same else draft_dir, k=4, adaptive=False)
     prompt = repetitive_prompts(64)[0]
-    dec.generate_ids([prompt], max_new_tokens=21)
     drafter = dec.drafter
-    fed = drafter._fed[0]
+    seen, leave = {}, drafter.on_leave
+
+    def on_leave(seq_id):  # the sequence's state as it leaves (then it is dropped)
+        seen["fed"] = list(drafter._fed[seq_id])
+        seen["length"] = int(drafter.runner.lengths[drafter._slots.slot[seq_id]])
+        leave(seq_id)
+
+    drafter.on_leave = on_leave
+    dec.generate_ids([prompt], max_new_tokens=21)
+    fed = seen["fed"]
     assert len(fed) > len(prompt)
-    assert drafter.runner.lengths.tolist() == [len(fed)]
+    assert seen["length"] == len(fed)
     fresh = load_runner(drafter.model)
     fresh.reset(1, len(fed))
     fresh.forward(torch.tensor([fed]))

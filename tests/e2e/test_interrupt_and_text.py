@@ -6,8 +6,8 @@ import pytest
 
 from specdraft import SpeculativeDecoder, hookimpl
 from specdraft.drafters.prompt_lookup import PromptLookupDrafter
-from specdraft.verifier import GenerationInterrupted
-from specdraft.verifier.engine import INCOMPLETE, output_text
+from specdraft.engine import GenerationInterrupted
+from specdraft.engine.verify import INCOMPLETE, output_text
 
 pytestmark = pytest.mark.e2e
 

@@ -42,20 +42,32 @@ class HeadOptions(LearntDrafterOptions):
 class Drafter(ABC):
     """Base class of every drafter, built-in or third-party.
 
-    Lifecycle, driven by the verifier:
+    Lifecycle, driven by the engine (API version 2, ``api_version = 2``):
 
     1. ``__init__(options, target)`` once, with the drafter's own validated ``Options``
        and a :class:`~specdraft.TargetInfo` describing the target model; it ends by
-       calling ``reset()``, so per-request state exists from the start.
-    2. ``reset()`` at the start of every ``generate`` call (a new batch of requests).
-    3. each round: ``propose(ctx, k)`` returns up to ``k`` tokens per row, the target
-       verifies them, then ``on_verified(ctx, num_accepted)`` reports how many of each
-       row's tokens were accepted (``ctx.token_ids`` already includes them, plus the
+       calling ``reset()``.
+    2. ``on_join(seq_id, prompt)`` when a sequence joins the running batch (any step), and
+       ``on_leave(seq_id)`` when it leaves (finished, aborted or failed): keep per-sequence
+       state in a dict keyed by ``seq_id`` and drop it there.
+    3. each round: ``propose(ctx, k)`` returns up to ``k`` tokens per row for the running
+       sequences (row ``b`` is sequence ``ctx.seq_ids[b]``; rows change order between rounds),
+       the target verifies them, then ``on_verified(ctx, num_accepted)`` reports how many of
+       each row's tokens were accepted (``ctx.token_ids`` already includes them, plus the
        target's correction or bonus token).
 
-    A drafter keeps whatever per-row state it likes between calls, keyed by row index;
-    ``ctx.token_ids[b]`` always holds the full, authoritative sequence.
+    ``ctx.token_ids[b]`` always holds the full, authoritative sequence, so a stateless drafter
+    (prompt lookup) needs none of the hooks: it only declares ``api_version = 2``.
+
+    API version 1 (the default, for drafters written before continuous batching): state keyed
+    by row index, forgotten at ``reset()``. The engine still runs such a drafter exactly, but in
+    waves: a wave of sequences starts together after a ``reset()``, rows keep their index until
+    the whole wave has finished (finished rows stay with ``active[b] = False``), and nothing
+    joins meanwhile. Declare version 2 to have sequences join and leave at every step.
     """
+
+    #: 1: per-row state, run in waves (see above); 2: per-sequence state (``ctx.seq_ids``)
+    api_version: ClassVar[int] = 1
 
     #: Options this drafter accepts (pydantic, ``extra="forbid"`` so typos fail loudly).
     Options: ClassVar[type[BaseModel]] = NoOptions
@@ -85,15 +97,64 @@ class Drafter(ABC):
 
         ``hidden_states[b]  # [n_b, hidden_size]`` are the target's last-layer hidden states
         (after its final norm: what its LM head reads) at the next ``n_b`` positions of row
-        ``b``. Called after the prompt's prefill (the prompt's positions but the last) and
-        after every verify pass, before ``on_verified`` (the positions of the tokens that
-        round committed). At every ``propose`` the drafter has therefore seen the states of
+        ``b``. Called after the prompts' prefill of the sequences that joined this step (the
+        prompt's positions but the last; other rows get ``n_b = 0``) and after every verify
+        pass, before ``on_verified`` (the positions of the tokens that round committed). At every ``propose`` the drafter has therefore seen the states of
         positions ``0 .. len(ctx.token_ids[b]) - 2``: all but the last token, whose state
         the target has not computed yet (its logits would be the next token's).
         """
 
+    def on_join(self, seq_id: int, prompt: list[int]) -> None:  # noqa: B027
+        """API version 2: sequence ``seq_id`` with token ids ``prompt`` joins the running batch."""
+
+    def on_leave(self, seq_id: int) -> None:  # noqa: B027
+        """API version 2: sequence ``seq_id`` has left the batch; forget its state."""
+
     def reset(self) -> None:  # noqa: B027
-        """Forget all per-request state (called at the start of every generate call)."""
+        """Forget all state (at construction; for API version 1, before every wave of sequences)."""
+
+
+def row_ids(ctx: DraftContext) -> list[int]:
+    """Each row's sequence id (row indices for a context built by hand, without ids)."""
+    return list(ctx.seq_ids) if ctx.seq_ids else list(range(ctx.batch_size))
+
+
+def generators(ctx: DraftContext):
+    """Each row's own generator (``ctx.generators``), or the round's one for a context built by hand."""
+    return list(ctx.generators) if ctx.generators else ctx.generator
+
+
+class SequenceSlots:
+    """Rows of a drafter's own runner cache, one per sequence while it runs (reused after it leaves).
+
+    >>> slots = SequenceSlots()
+    >>> slots.join(7), slots.join(9), slots.leave(7), slots.join(4), slots.of([4, 9])
+    (0, 1, None, 0, [0, 1])
+    """
+
+    def __init__(self) -> None:
+        self.slot: dict[int, int] = {}
+        self.free: list[int] = []
+        self.size = 0  # rows ever used: the runner needs this many
+
+    def join(self, seq_id: int) -> int:
+        if seq_id in self.slot:
+            return self.slot[seq_id]
+        if self.free:
+            s = self.free.pop(0)
+        else:
+            s, self.size = self.size, self.size + 1
+        self.slot[seq_id] = s
+        return s
+
+    def leave(self, seq_id: int) -> None:
+        s = self.slot.pop(seq_id, None)
+        if s is not None:
+            self.free.append(s)
+            self.free.sort()
+
+    def of(self, seq_ids) -> list[int]:
+        return [self.slot[i] for i in seq_ids]
 
 
 class DraftChain:

@@ -21,7 +21,7 @@ from typing import Sequence
 
 import torch
 
-from ..sampling import TokenCounts, logits_to_probs, penalize, restrict
+from ..sampling import TokenCounts, logits_to_probs, penalize, restrict, sample_rows
 
 
 class CopyGate(torch.nn.Module):
@@ -158,7 +158,7 @@ class CopyDrafting:
             confidence, token = mixed.max(-1)
             return token, None, confidence
         mixed = restrict(copy_mixture(logits_to_probs(full, sampling, counts), gate, copy_ids), sampling)
-        return torch.multinomial(mixed, 1, generator=generator).squeeze(1), mixed, None
+        return sample_rows(mixed, generator), mixed, None
 
 
 def copy_table(ids: torch.Tensor, gate: CopyGate) -> tuple[torch.Tensor, torch.Tensor]:

@@ -18,7 +18,8 @@ from pydantic import Field
 
 from ..errors import ConfigError, DrafterError, ModelLoadError
 from ..types import Draft, DraftContext, TargetInfo
-from .base import DraftChain, Drafter, LearntDrafterOptions, draw_scored, model_runner
+from .base import (DraftChain, Drafter, LearntDrafterOptions, SequenceSlots, draw_scored, generators, model_runner,
+                   row_ids)
 
 LLAMA_1B = "meta-llama/Llama-3.2-1B-Instruct"
 
@@ -63,7 +64,12 @@ def check_vocabulary(model, target: TargetInfo, draft_name: str) -> int:
 
 
 class DraftModelDrafter(Drafter):
-    """Autoregressive drafting with a smaller model that shares the target's tokenizer."""
+    """Autoregressive drafting with a smaller model that shares the target's tokenizer.
+
+    Each running sequence holds a row of the draft's own cache (:class:`SequenceSlots`).
+    """
+
+    api_version = 2
 
     class Options(LearntDrafterOptions):
         model: str | None = Field(None, description="hub id, local folder or .gguf file of the draft model "
@@ -113,15 +119,27 @@ class DraftModelDrafter(Drafter):
         super().__init__(options, target)
 
     def reset(self) -> None:
-        self._fed: list[list[int]] = []  # per row: the tokens whose keys/values the draft cache holds
+        self._fed: dict[int, list[int]] = {}  # sequence id -> the tokens whose keys/values its cache row holds
+        self._slots = SequenceSlots()
+        self.runner.reset(1, 256)
 
-    def _sync(self, ctx: DraftContext) -> list[list[int]]:
+    def on_join(self, seq_id: int, prompt: list[int]) -> None:
+        self._fed[seq_id] = []
+        slot = self._slots.join(seq_id)
+        self.runner.reserve(len(prompt) + 64, rows=self._slots.size)
+        self.runner.set_lengths([0], slots=[slot])
+
+    def on_leave(self, seq_id: int) -> None:
+        self._fed.pop(seq_id, None)
+        self._slots.leave(seq_id)
+
+    def _sync(self, ctx: DraftContext, seq_ids: list[int]) -> list[list[int]]:
         """Roll the cache back to the still-valid prefix of each row; return what is still to feed."""
-        if len(self._fed) != ctx.batch_size:  # a new generate call
-            self._fed = [[] for _ in range(ctx.batch_size)]
-            self.runner.reset(ctx.batch_size, max(len(t) for t in ctx.token_ids) + 64)
+        for seq_id, tokens in zip(seq_ids, ctx.token_ids):
+            if seq_id not in self._fed:  # a context built without on_join (by hand)
+                self.on_join(seq_id, tokens)
         pending, keep = [], []
-        for fed, tokens in zip(self._fed, ctx.token_ids):
+        for fed, tokens in zip((self._fed[i] for i in seq_ids), ctx.token_ids):
             limit = min(len(fed), len(tokens) - 1)
             n = limit if fed[:limit] == tokens[:limit] else 0  # the common case, compared in C
             while n < limit and fed[n] == tokens[n]:
@@ -129,14 +147,15 @@ class DraftModelDrafter(Drafter):
             del fed[n:]
             keep.append(n)
             pending.append(tokens[n:])
-        self.runner.set_lengths(keep)
+        self.runner.set_lengths(keep, slots=self._slots.of(seq_ids))
         return pending
 
     def propose(self, ctx: DraftContext, k: int) -> Draft:
         import torch
 
         device = self.model.device
-        pending = self._sync(ctx)
+        seq_ids = row_ids(ctx)
+        pending = self._sync(ctx, seq_ids)
         highest = max((max(p) for p in pending if p), default=0)
         if highest >= self.embedding_rows:
             raise DrafterError(
@@ -151,9 +170,9 @@ class DraftModelDrafter(Drafter):
             feed[b, : len(p)] = torch.tensor(p)
         # with a copy gate the head returns its own logits [..., N]: the mixture works in that space
         with self.model.lm_head.unscattered() if self.copier is not None else nullcontext():
-            return self._draft(ctx, k, pending, feed.to(device))
+            return self._draft(ctx, k, pending, feed.to(device), seq_ids)
 
-    def _draft(self, ctx: DraftContext, k: int, pending: list[list[int]], feed) -> Draft:
+    def _draft(self, ctx: DraftContext, k: int, pending: list[list[int]], feed, seq_ids: list[int]) -> Draft:
         import torch
 
         from .copy_gate import drafted_rows
@@ -162,30 +181,33 @@ class DraftModelDrafter(Drafter):
         # only each row's last fed position needs logits: on a lazy prefill of a long prompt, logits
         # (and the head's scatter into the full vocabulary) at every position cost a third of the pass
         last = torch.tensor([[len(p) - 1] for p in pending], device=device)  # [batch, 1]
-        logits, hidden = self.runner.forward(feed, logits_at=last, hidden=gated, advance=[len(p) for p in pending])
+        slots = self._slots.of(seq_ids)
+        fed_rows = [self._fed[i] for i in seq_ids]
+        logits, hidden = self.runner.forward(feed, logits_at=last, hidden=gated, advance=[len(p) for p in pending],
+                                             slots=slots)
         step_logits = logits[:, 0]  # [batch, vocab_d]
         step_hidden = hidden.gather(1, last[..., None].expand(-1, -1, hidden.shape[-1]))[:, 0] if gated else None
-        for fed, p in zip(self._fed, pending):
+        for fed, p in zip(fed_rows, pending):
             fed.extend(p)
 
         chain = DraftChain(ctx.batch_size, device, self.options.min_confidence, ctx.sampling.greedy)
         fed_now = []  # tokens fed below, copied to the host once at the end (one copy per round, not per step)
         for i in range(k):
             if self.copier is None:  # [batch], [batch, vocab] | None, [batch] | None
-                drawn = draw_scored(self._to_target_vocab(step_logits), ctx.sampling, ctx.generator, chain.scored,
+                drawn = draw_scored(self._to_target_vocab(step_logits), ctx.sampling, generators(ctx), chain.scored,
                                     ctx.counts_after(chain.tokens))
             else:
                 drawn = self.copier.draw(step_logits, step_hidden, drafted_rows(ctx.token_ids, chain.tokens),
-                                         ctx.sampling, ctx.generator, ctx.counts_after(chain.tokens))
+                                         ctx.sampling, generators(ctx), ctx.counts_after(chain.tokens))
             token = drawn[0]
             if not chain.add(*drawn):
                 break
             if i + 1 < k:
-                logits, hidden = self.runner.forward(token[:, None], hidden=gated)
+                logits, hidden = self.runner.forward(token[:, None], hidden=gated, slots=slots)
                 step_logits, step_hidden = logits[:, -1], (hidden[:, -1] if gated else None)
                 fed_now.append(token)
         if fed_now:
-            for fed, tokens in zip(self._fed, torch.stack(fed_now, 1).tolist()):
+            for fed, tokens in zip(fed_rows, torch.stack(fed_now, 1).tolist()):
                 fed.extend(tokens)
         return chain.draft()
 

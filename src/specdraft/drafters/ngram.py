@@ -8,7 +8,7 @@ from typing import Iterable, Sequence
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
 from ..types import Draft, DraftContext
-from .base import Drafter
+from .base import Drafter, row_ids
 
 FNV_OFFSET_BASIS = 0xCBF29CE484222325
 FNV_PRIME = 0x100000001B3
@@ -106,9 +106,11 @@ class NGramPredictor:
 class NGramDrafter(Drafter):
     """Drafts by chaining an :class:`NGramPredictor` seeded with the prompt.
 
-    Each row has its own predictor; it is fed the prompt on first sight and then every
+    Each sequence has its own predictor; it is fed the prompt on first sight and then every
     accepted token (including the target's correction/bonus token) before each proposal.
     """
+
+    api_version = 2
 
     class Options(BaseModel):
         model_config = ConfigDict(extra="forbid")
@@ -123,20 +125,23 @@ class NGramDrafter(Drafter):
             return self
 
     def reset(self) -> None:
-        self._rows: dict[int, tuple[NGramPredictor, int]] = {}
+        self._seqs: dict[int, tuple[NGramPredictor, int]] = {}  # sequence id -> (predictor, tokens fed)
 
-    def _sync(self, row: int, tokens: list[int]) -> NGramPredictor:
-        predictor, seen = self._rows.get(row, (None, 0))
+    def on_leave(self, seq_id: int) -> None:
+        self._seqs.pop(seq_id, None)
+
+    def _sync(self, seq_id: int, tokens: list[int]) -> NGramPredictor:
+        predictor, seen = self._seqs.get(seq_id, (None, 0))
         if predictor is None:
             o = self.options
             predictor = NGramPredictor(o.min_order, o.max_order, o.history)
         predictor.extend(tokens[seen:])
-        self._rows[row] = (predictor, len(tokens))
+        self._seqs[seq_id] = (predictor, len(tokens))
         return predictor
 
     def propose(self, ctx: DraftContext, k: int) -> Draft:
         rows = [
-            self._sync(b, tokens).predict(k) if ctx.active[b] else []
-            for b, tokens in enumerate(ctx.token_ids)
+            self._sync(seq_id, tokens).predict(k) if ctx.active[b] else []
+            for b, (seq_id, tokens) in enumerate(zip(row_ids(ctx), ctx.token_ids))
         ]
         return Draft.from_lists(rows, device=ctx.device)

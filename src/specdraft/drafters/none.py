@@ -9,5 +9,7 @@ from .base import Drafter
 class NoDrafter(Drafter):
     """Plain autoregressive decoding through the same engine and cache (the baseline)."""
 
+    api_version = 2  # stateless
+
     def propose(self, ctx: DraftContext, k: int) -> Draft:
         return Draft.empty(ctx.batch_size, device=ctx.device)

@@ -57,6 +57,8 @@ def lookup(tokens: Sequence[int], k: int, min_ngram: int = 1, max_ngram: int = 3
 class PromptLookupDrafter(Drafter):
     """Prompt lookup decoding (Saxena, 2023) over prompt + output, per row."""
 
+    api_version = 2  # stateless: reads ctx.token_ids only
+
     class Options(BaseModel):
         model_config = ConfigDict(extra="forbid")
         min_ngram: int = Field(1, ge=1, description="shortest trailing n-gram to look up")

@@ -136,19 +136,61 @@ class TransformersRunner(RunnerBase):
     def warm_up(self, rows: int, widths) -> None:
         """Nothing to compile."""
 
-    def reserve(self, max_len: int) -> None:
-        self.cache.reserve(max_len)
-
     @property
     def lengths(self) -> torch.Tensor:
         return torch.tensor(self.cache.lengths, dtype=torch.long, device=self.device)
 
-    def set_lengths(self, lengths, bound: int | None = None) -> None:
-        values = lengths.tolist() if isinstance(lengths, torch.Tensor) else list(lengths)
-        self.cache.lengths = [int(n) for n in values]
+    def set_lengths(self, lengths, bound: int | None = None, slots=None) -> None:
+        values = [int(n) for n in (lengths.tolist() if isinstance(lengths, torch.Tensor) else list(lengths))]
+        if slots is None:
+            self.cache.lengths = values
+        else:
+            for s, n in zip(slots, values):
+                self.cache.lengths[int(s)] = n
+
+    def reserve(self, max_len: int, rows: int | None = None) -> None:
+        self.cache.reserve(max_len)
+        if rows is not None and rows > len(self.cache.lengths):
+            extra = rows - len(self.cache.lengths)
+            self.cache.lengths += [0] * extra
+            for layer in self.cache.layers:
+                if layer.is_initialized:
+                    for name in ("keys", "values"):
+                        old = getattr(layer, name)
+                        setattr(layer, name, torch.cat([old, old.new_zeros((extra, *old.shape[1:]))]))
 
     def forward(self, tokens: torch.Tensor, logits_at: torch.Tensor | None = None, hidden: bool = False,
-                advance=None) -> tuple[torch.Tensor, torch.Tensor | None]:
+                advance=None, slots=None) -> tuple[torch.Tensor, torch.Tensor | None]:
+        slots = None if slots is None else [int(s) for s in slots]
+        if slots is None or slots == list(range(len(self.cache.lengths))):
+            return self._forward(tokens, logits_at, hidden, advance)
+        # a subset of the rows: run on a gathered copy of their buffers, then write it back
+        everyone = self.cache.lengths
+        index = torch.tensor(slots, device=tokens.device)
+        full = {}
+        for layer in self.cache.layers:
+            if layer.is_initialized:
+                full[id(layer)] = (layer.keys, layer.values)
+                layer.keys, layer.values = layer.keys[index], layer.values[index]
+        self.cache.lengths = [everyone[s] for s in slots]
+        try:
+            return self._forward(tokens, logits_at, hidden, advance)
+        finally:
+            for layer in self.cache.layers:
+                keys, values = full.get(id(layer), (None, None))
+                if keys is None or keys.shape[2] < layer.keys.shape[2]:  # first pass, or the buffers grew
+                    shape = (len(everyone), *layer.keys.shape[1:])
+                    new_keys, new_values = layer.keys.new_zeros(shape), layer.values.new_zeros(shape)
+                    if keys is not None:
+                        new_keys[:, :, : keys.shape[2]], new_values[:, :, : keys.shape[2]] = keys, values
+                    keys, values = new_keys, new_values
+                keys[index], values[index] = layer.keys, layer.values
+                layer.keys, layer.values = keys, values
+            for s, n in zip(slots, self.cache.lengths):
+                everyone[s] = n
+            self.cache.lengths = everyone
+
+    def _forward(self, tokens, logits_at, hidden, advance):
         before = list(self.cache.lengths)
         width = tokens.shape[1]
         position_ids, mask = self.cache.prepare(width, tokens.device, self.model.dtype)

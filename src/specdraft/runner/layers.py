@@ -54,12 +54,14 @@ class LayerStack(nn.Module):
         a = self.args
         return KVCache(a.n_layers, slots, a.n_kv_heads, max_len, a.head_dim, self.dtype, self.device)
 
-    def forward(self, x: torch.Tensor, cache: KVCache, advance: torch.Tensor | None = None) -> torch.Tensor:
-        """``x # [B, W, dim]`` after each row's stored positions (every slot of ``cache``, in order)
-        -> the last block's output ``[B, W, dim]``. Lengths grow by ``W``, or by ``advance # [B]``."""
-        out = run_blocks(self.layers, x, cache, None, self.rope_inv_freq, self.args.sliding_window,
+    def forward(self, x: torch.Tensor, cache: KVCache, advance: torch.Tensor | None = None,
+                rows: torch.Tensor | None = None) -> torch.Tensor:
+        """``x # [B, W, dim]`` after each row's stored positions (the cache slots ``rows # [B]``;
+        None: every slot, in order) -> the last block's output ``[B, W, dim]``. Lengths grow by
+        ``W``, or by ``advance # [B]``."""
+        out = run_blocks(self.layers, x, cache, rows, self.rope_inv_freq, self.args.sliding_window,
                          block_fn=self.block_fn)
-        cache.advance(None, x.shape[1] if advance is None else advance)
+        cache.advance(rows, x.shape[1] if advance is None else advance)
         return out
 
 
@@ -78,27 +80,30 @@ class LayerRunner(ModelRunner):
     def cuda_graphs(self) -> bool:
         return False
 
-    def forward(self, x: torch.Tensor, advance=None) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, advance=None, slots=None) -> torch.Tensor:
         """Run ``x # [rows, W, dim]`` (the stack's dtype and device) after each row's stored positions.
 
         Returns the last block's output ``[rows, W, dim]``. Each row's length grows by ``W``, or
-        by ``advance[b]`` (a list or long tensor ``[rows]``) when rows carry padding.
+        by ``advance[b]`` (a list or long tensor ``[rows]``) when rows carry padding. ``slots``:
+        the cache rows the pass runs on (default: every row, in order), as for a model runner.
         """
         rows, width, dim = x.shape
         if advance is not None:
             advance = _as_lengths(advance, x.device)
+        slots = self._slots(slots, rows)
+        rows_t = None if slots is None else _as_lengths(slots, x.device)
         bucket = width_bucket(width) if self.compiled else None
         if bucket is None:  # eager: any width
-            return self.model(x, self.cache, advance=advance)
+            return self.model(x, self.cache, advance=advance, rows=rows_t)
         if bucket > width:  # pad; the padding's keys land past each row's new length
             x = torch.cat([x, x.new_zeros(rows, bucket - width, dim)], dim=1)
             if advance is None:
                 advance = torch.full((rows,), width, dtype=torch.long, device=x.device)
-        key = (rows, bucket, advance is None)
+        key = (rows, bucket, advance is None, rows_t is None)
         start = None if key in self._seen else time.perf_counter()
         self.model.block_fn = self._compiled_block
         try:
-            out = self.model(x, self.cache, advance=advance)
+            out = self.model(x, self.cache, advance=advance, rows=rows_t)
         finally:
             self.model.block_fn = run_block
         if start is not None:

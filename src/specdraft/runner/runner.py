@@ -5,6 +5,10 @@
     logits, hidden = runner.forward(tokens)                         # tokens [2, W] -> logits [2, W, vocab]
     runner.set_lengths([40, 37])                                    # rollback: write the lengths
 
+A pass may run a subset of the cache's rows (``slots``, a long tensor of row indices): a
+continuous-batching engine gives each sequence a row (a slot) for its lifetime and runs the
+slots of the running sequences only; ``set_lengths(..., slots=)`` writes those rows' lengths.
+
 Every row of a pass has ``W`` tokens (right-pad shorter rows and pass ``advance``, each row's own
 count: the padding is written past the row's length, so it is never attended to and the next
 pass overwrites it). The lengths live on the device (:attr:`lengths`); nothing that changes per
@@ -87,7 +91,8 @@ class ModelRunner(RunnerBase):
 
             self._compiled_block = block
         self._seen: set[tuple] = set()
-        self._bound = 0  # no row holds more tokens than this (known on the host, no copy needed)
+        # per row, an upper bound of its length known on the host (no copy needed): the span
+        self._bounds: list[int] = []
 
     @property
     def cuda_graphs(self) -> bool:
@@ -104,20 +109,26 @@ class ModelRunner(RunnerBase):
             self._graphs.clear()  # they hold the old buffers
         else:
             cache.reset()
-        self._bound = 0
+        self._bounds = [0] * rows
 
-    def reserve(self, max_len: int) -> None:
-        """Room for ``max_len`` tokens per row, keeping what is stored (grows by doubling, rarely)."""
+    def reserve(self, max_len: int, rows: int | None = None) -> None:
+        """Room for ``max_len`` tokens per row (and ``rows`` rows), keeping what is stored (grows
+        by doubling, rarely)."""
         need = max_len + WIDTH_BUCKETS[-1]
         old = self.cache
-        if old.max_len >= need:
+        rows = old.slots if rows is None else max(rows, old.slots)
+        if old.max_len >= need and old.slots >= rows:
             return
-        need = max(-(-need // CAPACITY_STEP) * CAPACITY_STEP, 2 * old.max_len)
-        new = self.model.new_cache(old.slots, need)
+        if old.max_len < need:
+            need = max(-(-need // CAPACITY_STEP) * CAPACITY_STEP, 2 * old.max_len)
+        else:
+            need = old.max_len
+        new = self.model.new_cache(rows, need)
         for dst, src in zip(new.keys + new.values, old.keys + old.values):
-            dst[:, :, : src.shape[2]] = src
-        new.lengths.copy_(old.lengths)
+            dst[: src.shape[0], :, : src.shape[2]] = src
+        new.lengths[: old.slots].copy_(old.lengths)
         self.cache = new
+        self._bounds += [0] * (rows - len(self._bounds))
         self._graphs.clear()
 
     @property
@@ -125,17 +136,25 @@ class ModelRunner(RunnerBase):
         """Each row's stored token count, on the device.  # [rows]"""
         return self.cache.lengths
 
-    def set_lengths(self, lengths, bound: int | None = None) -> None:
+    def set_lengths(self, lengths, bound: int | None = None, slots=None) -> None:
         """Rollback (or any length change): row ``b`` keeps its first ``lengths[b]`` tokens.
 
         ``lengths`` a list (or a long tensor [rows]); ``bound``, an upper bound of them, lets a
-        device tensor through without a copy to the host (default: its max, read from it)."""
+        device tensor through without a copy to the host (default: its max, read from it).
+        ``slots`` (a list of row indices): set those rows' lengths only."""
         if isinstance(lengths, torch.Tensor):
-            self._bound = int(lengths.max()) if bound is None else bound
+            values = [int(lengths.max()) if bound is None else bound] * lengths.shape[0]
         else:
             lengths = list(lengths)
-            self._bound = max(lengths, default=0)
-        self.cache.lengths.copy_(_as_lengths(lengths, self.cache.device))
+            values = [int(n) for n in lengths]
+        if slots is None:
+            self._bounds = values
+            self.cache.lengths.copy_(_as_lengths(lengths, self.cache.device))
+            return
+        slots = [int(s) for s in slots]
+        for s, n in zip(slots, values):
+            self._bounds[s] = n
+        self.cache.lengths[_as_lengths(slots, self.cache.device)] = _as_lengths(lengths, self.cache.device)
 
     def warm_up(self, rows: int, widths) -> None:
         """Compile every width bucket that passes of ``widths`` tokens use (rows ``rows``); the cache is emptied."""
@@ -151,41 +170,58 @@ class ModelRunner(RunnerBase):
     # -- the forward ---------------------------------------------------------------------
 
     def forward(self, tokens: torch.Tensor, logits_at: torch.Tensor | None = None, hidden: bool = False,
-                advance=None) -> tuple[torch.Tensor, torch.Tensor | None]:
+                advance=None, slots=None) -> tuple[torch.Tensor, torch.Tensor | None]:
         """Run ``tokens # [rows, W]`` (long, on the device) after each row's stored tokens.
 
         Returns ``(logits, hidden)``: logits ``[rows, W, vocab]``, or ``[rows, N, vocab]`` at the
         indices ``logits_at # [rows, N]`` into ``0..W-1``; with ``hidden``, the final-norm hidden
         states ``[rows, W, dim]`` (else None). Each row's length grows by ``W``, or by
         ``advance[b]`` (a list or long tensor ``[rows]``) when rows carry padding.
+        ``slots`` (a list of distinct row indices, one per row of ``tokens``): the cache rows the
+        pass runs on (default: every row, in order).
         """
         with attention_backends(tokens.device):
-            return self._forward(tokens, logits_at, hidden, advance)
+            return self._forward(tokens, logits_at, hidden, advance, self._slots(slots, tokens.shape[0]))
 
-    def _forward(self, tokens, logits_at, hidden, advance):
+    def _slots(self, slots, rows: int) -> list[int] | None:
+        """``slots`` as a list, or None when they are every row of the cache in order (no gather)."""
+        if slots is None:
+            return None
+        slots = [int(s) for s in slots]
+        if len(slots) != rows:
+            raise ValueError(f"{len(slots)} slots for a pass of {rows} rows")
+        return None if slots == list(range(self.cache.slots)) else slots
+
+    def _forward(self, tokens, logits_at, hidden, advance, slots):
         rows, width = tokens.shape
         if advance is not None:
             advance = _as_lengths(advance, tokens.device)
         bucket = width_bucket(width) if self.compiled else None
-        span = span_for(self._bound + (bucket or width), self.cache.max_len)
-        if self._bound + width > self.cache.max_len - WIDTH_BUCKETS[-1]:
-            raise ValueError(f"KV cache overflow: {self._bound} + {width} tokens > {self.cache.max_len} positions; "
+        used = range(len(self._bounds)) if slots is None else slots
+        bound = max((self._bounds[s] for s in used), default=0)
+        span = span_for(bound + (bucket or width), self.cache.max_len)
+        if bound + width > self.cache.max_len - WIDTH_BUCKETS[-1]:
+            raise ValueError(f"KV cache overflow: {bound} + {width} tokens > {self.cache.max_len} positions; "
                              "reserve() first")
-        self._bound += width
+        for s in used:
+            self._bounds[s] += width
+        rows_t = None if slots is None else _as_lengths(slots, tokens.device)
         if bucket is None:  # eager: any width
             self.model.block_fn = run_block
-            out = self.model(tokens, self.cache, logits_at=logits_at, return_hidden=hidden, advance=advance, span=span)
+            out = self.model(tokens, self.cache, rows=rows_t, logits_at=logits_at, return_hidden=hidden,
+                             advance=advance, span=span)
             return out.logits, out.hidden
         if bucket > width:  # pad; the padding's keys land past each row's new length
             tokens = torch.cat([tokens, tokens.new_zeros(rows, bucket - width)], dim=1)
             if advance is None:
                 advance = torch.full((rows,), width, dtype=torch.long, device=tokens.device)
-        key = (rows, bucket, span, None if logits_at is None else tuple(logits_at.shape), hidden, advance is None)
+        key = (rows, bucket, span, None if logits_at is None else tuple(logits_at.shape), hidden, advance is None,
+               rows_t is None)
         start = time.perf_counter() if key not in self._seen else None
         if self.cuda_graphs:
-            logits, states = self._replay(key, tokens, logits_at, hidden, advance, span)
+            logits, states = self._replay(key, tokens, logits_at, hidden, advance, span, rows_t)
         else:
-            logits, states = self._compiled(tokens, logits_at, hidden, advance, span)
+            logits, states = self._compiled(tokens, logits_at, hidden, advance, span, rows_t)
         if start is not None:
             self._seen.add(key)
             self.compile_seconds += time.perf_counter() - start
@@ -195,42 +231,43 @@ class ModelRunner(RunnerBase):
             states = states[:, :width]
         return logits, states
 
-    def _compiled(self, tokens, logits_at, hidden, advance, span):
+    def _compiled(self, tokens, logits_at, hidden, advance, span, rows=None):
         self.model.block_fn = self._compiled_block
         try:
-            out = self.model(tokens, self.cache, logits_at=logits_at, return_hidden=hidden, advance=advance, span=span)
+            out = self.model(tokens, self.cache, rows=rows, logits_at=logits_at, return_hidden=hidden, advance=advance,
+                             span=span)
         finally:
             self.model.block_fn = run_block
         return out.logits, out.hidden
 
-    def _replay(self, key, tokens, logits_at, hidden, advance, span):
+    def _replay(self, key, tokens, logits_at, hidden, advance, span, rows):
         """The pass as a CUDA graph: captured on first use of ``key``, replayed on static buffers."""
         graph = self._graphs.get(key)
         if graph is None:
-            graph = self._capture(tokens, logits_at, hidden, advance, span)
+            graph = self._capture(tokens, logits_at, hidden, advance, span, rows)
             self._graphs[key] = graph
         cuda_graph, static_in, static_out = graph
-        for buf, value in zip(static_in, (tokens, logits_at, advance)):
+        for buf, value in zip(static_in, (tokens, logits_at, advance, rows)):
             if buf is not None:
                 buf.copy_(value)
         cuda_graph.replay()
         logits, states = static_out
         return logits.clone(), None if states is None else states.clone()
 
-    def _capture(self, tokens, logits_at, hidden, advance, span):
-        static_in = tuple(None if t is None else t.clone() for t in (tokens, logits_at, advance))
+    def _capture(self, tokens, logits_at, hidden, advance, span, rows):
+        static_in = tuple(None if t is None else t.clone() for t in (tokens, logits_at, advance, rows))
         saved = self.cache.lengths.clone()
         stream = torch.cuda.Stream(self.device)
         stream.wait_stream(torch.cuda.current_stream(self.device))
         with torch.cuda.stream(stream):  # warm up (compiles) outside the capture
             for _ in range(2):
                 self.cache.lengths.copy_(saved)
-                self._compiled(*static_in[:2], hidden, static_in[2], span)
+                self._compiled(*static_in[:2], hidden, static_in[2], span, static_in[3])
         torch.cuda.current_stream(self.device).wait_stream(stream)
         self.cache.lengths.copy_(saved)
         cuda_graph = torch.cuda.CUDAGraph()
         with torch.cuda.graph(cuda_graph):
-            static_out = self._compiled(static_in[0], static_in[1], hidden, static_in[2], span)
+            static_out = self._compiled(static_in[0], static_in[1], hidden, static_in[2], span, static_in[3])
         self.cache.lengths.copy_(saved)  # the capture did not run the pass; the replay will
         return cuda_graph, static_in, static_out
 

@@ -19,7 +19,7 @@ import torch
 
 from ...errors import ConfigError
 from ...types import Draft, DraftContext, TargetInfo
-from ..base import DraftChain, Drafter, HeadOptions, draw_scored, layer_runner
+from ..base import DraftChain, Drafter, HeadOptions, SequenceSlots, draw_scored, generators, layer_runner, row_ids
 from ..copy_gate import CopyDrafting, drafted_rows
 
 
@@ -28,6 +28,7 @@ class HeadDrafter(Drafter):
 
     kind: ClassVar[str] = ""
     needs_hidden_states = True
+    api_version = 2
     Options = HeadOptions
 
     def __init__(self, options: HeadOptions, target: TargetInfo) -> None:
@@ -46,22 +47,27 @@ class HeadDrafter(Drafter):
         super().__init__(options, target)
 
     def reset(self) -> None:
-        self._last: torch.Tensor | None = None  # [batch, H]: each row's newest target state
-        self._has: list[bool] = []  # whether row b has any state yet (a 1-token prompt has none)
+        self._newest: dict[int, torch.Tensor] = {}  # sequence id -> its newest target state [H]
+        self._last = torch.zeros((0, self.target.hidden_size), dtype=self.target.dtype, device=self.target.device)
+        self._has: list[bool] = []  # per row this round: whether it has any state yet (a 1-token prompt has none)
+
+    def on_leave(self, seq_id: int) -> None:
+        self._newest.pop(seq_id, None)
 
     def on_hidden_states(self, ctx: DraftContext, hidden_states: list[torch.Tensor]) -> None:
-        if self._last is None or self._last.shape[0] != len(hidden_states):
-            self._last = torch.zeros((len(hidden_states), self.target.hidden_size), dtype=self.target.dtype,
-                                     device=self.target.device)
-            self._has = [False] * len(hidden_states)
-        for b, h in enumerate(hidden_states):
+        for seq_id, h in zip(row_ids(ctx), hidden_states):
             if h.shape[0]:
-                self._last[b] = h[-1]
-                self._has[b] = True
+                self._newest[seq_id] = h[-1]
+
+    def _rows(self, ctx: DraftContext) -> None:
+        """This round's rows: ``_last # [batch, H]`` (zeros where a row has no state) and ``_has``."""
+        empty = torch.zeros(self.target.hidden_size, dtype=self.target.dtype, device=self.target.device)
+        ids = row_ids(ctx)
+        self._has = [i in self._newest for i in ids]
+        self._last = torch.stack([self._newest.get(i, empty) for i in ids])
 
     def _chain(self, ctx: DraftContext) -> DraftChain:
-        return DraftChain(ctx.batch_size, self._last.device if self._last is not None else ctx.device,
-                          self.options.min_confidence, ctx.sampling.greedy)
+        return DraftChain(ctx.batch_size, self._last.device, self.options.min_confidence, ctx.sampling.greedy)
 
     def _draw(self, feature: torch.Tensor, ctx: DraftContext, chain: DraftChain):
         """One token per row from the head's guess on ``feature # [batch, H]`` after ``chain``'s
@@ -69,9 +75,9 @@ class HeadDrafter(Drafter):
         confidence # [batch] | None)``."""
         counts = ctx.counts_after(chain.tokens)
         if self.copier is None:
-            return draw_scored(self.head(feature), ctx.sampling, ctx.generator, chain.scored, counts)
+            return draw_scored(self.head(feature), ctx.sampling, generators(ctx), chain.scored, counts)
         return self.copier.draw(self.head.small(feature), feature, drafted_rows(ctx.token_ids, chain.tokens),
-                                ctx.sampling, ctx.generator, counts)
+                                ctx.sampling, generators(ctx), counts)
 
     def _lengths(self, width: int) -> torch.Tensor:
         return torch.tensor([width if h else 0 for h in self._has], dtype=torch.long)
@@ -84,6 +90,7 @@ class MedusaDrafter(HeadDrafter):
 
     def propose(self, ctx: DraftContext, k: int) -> Draft:
         m = min(k, self.module.num_heads)
+        self._rows(ctx)
         chain = self._chain(ctx)
         features = self.module(self._last, m)  # [batch, m, H]
         # all heads at once, unless a guess depends on the ones before it (the copy gate's
@@ -91,7 +98,7 @@ class MedusaDrafter(HeadDrafter):
         if (self.copier is None or self.module.own_heads is not None) and not ctx.sampling.penalized:
             logits = self.module.logits(features, self.head)  # [batch, m, vocab]
             batch, _, vocab = logits.shape
-            drawn = draw_scored(logits.reshape(batch * m, vocab), ctx.sampling, ctx.generator, chain.scored)
+            drawn = draw_scored(logits.reshape(batch * m, vocab), ctx.sampling, generators(ctx), chain.scored)
             tokens, probs, confidence = (None if x is None else x.view(batch, m, *x.shape[1:]) for x in drawn)
             for i in range(m):
                 chain.add(*(None if x is None else x[:, i] for x in (tokens, probs, confidence)))
@@ -109,6 +116,7 @@ class MLPSpeculatorDrafter(HeadDrafter):
 
     def propose(self, ctx: DraftContext, k: int) -> Draft:
         m = min(k, self.module.num_stages)
+        self._rows(ctx)
         token = torch.tensor([row[-1] for row in ctx.token_ids], device=self._last.device)  # x_{L-1}
         state, chain = self._last, self._chain(ctx)
         for i in range(m):
@@ -137,63 +145,86 @@ class EagleDrafter(HeadDrafter):
     def __init__(self, options: HeadOptions, target: TargetInfo) -> None:
         super().__init__(options, target)
         self.runner = layer_runner(self.module.layer, self.module.llama_config, attention_norm=False)
+        self.runner.reset(1, 256)
 
     def reset(self) -> None:
         super().reset()
-        self._pairs: list[int] = []  # per row: cache entries made from true states
-        self._pending: list[list[torch.Tensor]] = []  # per row: states not yet fed
+        self._pairs: dict[int, int] = {}  # sequence id -> cache entries made from true states
+        self._pending: dict[int, list[torch.Tensor]] = {}  # sequence id -> states not yet fed
+        self._slots = SequenceSlots()  # sequence id -> its row of the layer's cache
+        if hasattr(self, "runner"):  # not yet while the base class's __init__ resets
+            self.runner.reset(1, 256)
+
+    def on_join(self, seq_id: int, prompt: list[int]) -> None:
+        self._pairs[seq_id], self._pending[seq_id] = 0, []
+        slot = self._slots.join(seq_id)
+        self.runner.reserve(len(prompt) + 64, rows=self._slots.size)
+        self.runner.set_lengths([0], slots=[slot])
+
+    def on_leave(self, seq_id: int) -> None:
+        super().on_leave(seq_id)
+        self._pairs.pop(seq_id, None)
+        self._pending.pop(seq_id, None)
+        self._slots.leave(seq_id)
 
     def on_hidden_states(self, ctx: DraftContext, hidden_states: list[torch.Tensor]) -> None:
         super().on_hidden_states(ctx, hidden_states)
-        if len(self._pending) != len(hidden_states):
-            self._pending = [[] for _ in hidden_states]
-            self._pairs = [0] * len(hidden_states)
-            self.runner.reset(len(hidden_states), max(len(t) for t in ctx.token_ids))
-        for pending, h in zip(self._pending, hidden_states):
+        for seq_id, tokens, h in zip(row_ids(ctx), ctx.token_ids, hidden_states):
+            if seq_id not in self._pending:  # a context built without on_join (by hand)
+                self.on_join(seq_id, tokens)
             if h.shape[0]:
-                pending.append(h)
+                self._pending[seq_id].append(h)
 
-    def _step(self, features: torch.Tensor, tokens: torch.Tensor, advance=None) -> torch.Tensor:
+    def _step(self, features: torch.Tensor, tokens: torch.Tensor, slots: list[int], advance=None) -> torch.Tensor:
         """Feed pairs ``(features # [B, n, H], tokens # [B, n])``; returns guessed next features ``[B, n, H]``.
         Each row's cache grows by ``n``, or by ``advance[b]`` (rows padded past their pairs)."""
-        return self.runner.forward(self.module.fc_in(features, self.target.embeddings(tokens)), advance=advance)
+        return self.runner.forward(self.module.fc_in(features, self.target.embeddings(tokens)), advance=advance,
+                                   slots=slots)
 
-    def _catch_up(self, ctx: DraftContext, counts: list[int]) -> torch.Tensor:
+    def _catch_up(self, ctx: DraftContext, ids: list[int], counts: list[int]) -> torch.Tensor:
         """Feed every row's pending true states; returns each row's newest guessed feature ``[batch, H]``."""
         batch, width, device = ctx.batch_size, max(counts), self._last.device
-        starts = [p + 1 for p in self._pairs]  # pair j is (f_j, x_{j+1})
+        pendings = [self._pending[i] for i in ids]
+        starts = [self._pairs[i] + 1 for i in ids]  # pair j is (f_j, x_{j+1})
         even = all(n == width for n in counts)  # the common case (one row, or rows in step): no padding
         if even:
-            features = torch.stack([torch.cat(p) for p in self._pending])
+            features = torch.stack([torch.cat(p) for p in pendings])
             tokens = torch.tensor([row[s : s + width] for row, s in zip(ctx.token_ids, starts)], device=device)
         else:
             features = torch.zeros((batch, width, self.target.hidden_size), dtype=self._last.dtype, device=device)
             tokens = torch.zeros((batch, width), dtype=torch.long)
-            for b, (pending, n) in enumerate(zip(self._pending, counts)):
+            for b, (pending, n) in enumerate(zip(pendings, counts)):
                 if n:
                     features[b, :n] = torch.cat(pending)
                     tokens[b, :n] = torch.tensor(ctx.token_ids[b][starts[b] : starts[b] + n])
             tokens = tokens.to(device)
-        for pending in self._pending:
+        for pending in pendings:
             pending.clear()
-        self._pairs = [p + n for p, n in zip(self._pairs, counts)]
-        out = self._step(features, tokens, None if even else counts)  # [batch, width, H]
+        for i, n in zip(ids, counts):
+            self._pairs[i] += n
+        out = self._step(features, tokens, self._slots.of(ids), None if even else counts)  # [batch, width, H]
         if even:
             return out[:, -1]
         return out[torch.arange(batch, device=device), torch.tensor([max(n - 1, 0) for n in counts], device=device)]
 
     def propose(self, ctx: DraftContext, k: int) -> Draft:
-        self.runner.set_lengths(self._pairs)  # forget last round's guessed features
+        ids = row_ids(ctx)
+        for seq_id, tokens in zip(ids, ctx.token_ids):
+            if seq_id not in self._pending:
+                self.on_join(seq_id, tokens)
+        self._rows(ctx)
+        slots = self._slots.of(ids)
+        self.runner.set_lengths([self._pairs[i] for i in ids], slots=slots)  # forget last round's guessed features
         self.runner.reserve(max(len(t) for t in ctx.token_ids) + k + 1)
-        counts = [sum(h.shape[0] for h in p) for p in self._pending]
+        counts = [sum(h.shape[0] for h in self._pending[i]) for i in ids]
         if max(counts) == 0:
             return Draft.empty(ctx.batch_size, self._last.device)
-        feature = self._catch_up(ctx, counts)
+        feature = self._catch_up(ctx, ids, counts)
         chain = self._chain(ctx)
         for i in range(k):
             drawn = self._draw(feature, ctx, chain)  # [batch], [batch, vocab], [batch]
             if not chain.add(*drawn):
                 break
             if i + 1 < k:  # the guessed pair: one position per row
-                feature = self._step(feature[:, None], drawn[0][:, None])[:, 0]
+                feature = self._step(feature[:, None], drawn[0][:, None], slots)[:, 0]
         return chain.draft(self._lengths(k))

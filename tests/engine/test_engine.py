@@ -126,7 +126,7 @@ def test_eos_inside_accepted_draft_stops_and_discards_the_rest(tiny_model):
     eos = reference[7]
     cut = reference.index(eos) + 1
     dec = SpeculativeDecoder(tiny_model, None, drafter=OracleDrafter({tuple(prompt): reference}), spec_length=4)
-    dec.target = dec._verifier.target = type(dec.target)(**{**dec.target.__dict__, "eos_token_ids": (eos,)})
+    dec.target = dec.engine.target = type(dec.target)(**{**dec.target.__dict__, "eos_token_ids": (eos,)})
     r = dec.generate_ids([prompt], max_new_tokens=30)[0]
     assert r.token_ids == reference[:cut] and r.finish_reason == "eos"
 
@@ -190,9 +190,9 @@ def test_adaptive_verifier_stops_verifying_hopeless_drafts(tiny_model):
 def test_seeded_sampling_with_adaptive_length_ignores_timings(tiny_model):
     dec = SpeculativeDecoder(tiny_model, None, drafter="prompt-lookup", spec_length=4)
     absurd = {1: 1.0, 2: 50.0, 3: 50.0, 4: 50.0, 5: 50.0}  # absurd costs must not matter
-    dec._verifier.policy.seconds = {w: deque([t] * 5, maxlen=5) for w, t in absurd.items()}
+    dec.engine.policy(4).seconds = {w: deque([t] * 5, maxlen=5) for w, t in absurd.items()}
     a = dec.generate_ids(repetitive_prompts(64), max_new_tokens=20, temperature=1.0, seed=3)
-    dec._verifier.policy.seconds = {}
+    dec.engine.policy(4).seconds = {}
     b = dec.generate_ids(repetitive_prompts(64), max_new_tokens=20, temperature=1.0, seed=3)
     assert [r.token_ids for r in a] == [r.token_ids for r in b]
 
@@ -221,7 +221,7 @@ def test_drafting_time_is_a_cost_sample_only_after_a_drafting_round(tiny_model):
     dec = SpeculativeDecoder(tiny_model, None, drafter="prompt-lookup", spec_length=2)
     ks = [2, 2, 0, 0, 1, 2, 0, 2, 2]
     policy = _ScriptedPolicy(ks)
-    dec._verifier.policy = policy
+    dec.engine.policies[1] = policy
     r = dec.generate_ids([prompt], max_new_tokens=40)[0]
     assert r.token_ids == plain_greedy(tiny_model, prompt, 40)
     measured = [d is not None for _, d in policy.observed[: len(ks)]]

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from specdraft.verifier.adaptive import AdaptiveDraftLength
+from specdraft.engine.policy import AdaptiveDraftLength
 
 
 def _observe(policy, rounds, drafted, accepted, width_seconds):

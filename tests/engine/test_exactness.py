@@ -21,7 +21,7 @@ from specdraft.testing import (
     sampled_joint_pvalue,
     tiny_llama,
 )
-from specdraft.verifier import rejection_sample
+from specdraft.engine import rejection_sample
 
 PROMPT = [3, 5, 3, 5, 3]
 

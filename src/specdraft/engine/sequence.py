@@ -1,0 +1,102 @@
+"""A request as the engine sees it: :class:`Sequence`, and its own random numbers."""
+
+from __future__ import annotations
+
+import enum
+import itertools
+import queue
+import random
+import time
+from dataclasses import dataclass, field
+from typing import Sequence as Seq
+
+import torch
+
+from ..sampling import SamplingParams
+from ..types import GenerationStats
+
+_ids = itertools.count()
+_MASK = 2**64 - 1
+
+
+def mix_seed(*values: int) -> int:
+    """A 64-bit seed from integers (splitmix64 over them): the same values give the same seed."""
+    z = 0x9E3779B97F4A7C15
+    for v in values:
+        z = (z ^ (v & _MASK)) * 0xBF58476D1CE4E5B9 & _MASK
+        z = (z ^ (z >> 27)) * 0x94D049BB133111EB & _MASK
+        z ^= z >> 31
+    return z
+
+
+class Status(enum.Enum):
+    WAITING = "waiting"
+    RUNNING = "running"
+    FINISHED = "finished"
+
+
+@dataclass(eq=False)
+class Sequence:
+    """One request: its tokens (prompt + output, the very list drafters see), its settings, its
+    own random numbers, its limits, and where its output goes (``events``, read by the caller).
+
+    Random numbers: every round the sequence's two generators are reseeded from its ``seed`` and
+    its length (one for its draft, one for its verification), so what it draws depends on
+    nothing but its own seed and tokens, never on what else shares the batch.
+    """
+
+    tokens: list[int]
+    sampling: SamplingParams
+    max_new_tokens: int
+    max_len: int  # prompt + output may not exceed this (the model's context, or less)
+    stop: tuple[str, ...] = ()
+    seed: int | None = None
+    id: int = field(default_factory=lambda: next(_ids))
+    prompt_len: int = 0
+    status: Status = Status.WAITING
+    finish_reason: str | None = None
+    error: BaseException | None = None
+    slot: int | None = None  # the target cache row it holds while running
+    cached: int = 0  # tokens whose keys and values the target cache holds (all but the last)
+    stats: GenerationStats = field(default_factory=GenerationStats)
+    events: "queue.SimpleQueue" = field(default_factory=queue.SimpleQueue)
+    submitted: float = field(default_factory=time.perf_counter)
+    aborted: bool = False
+
+    def __post_init__(self) -> None:
+        self.tokens = list(self.tokens)
+        self.prompt_len = self.prompt_len or len(self.tokens)
+        self.stats.prompt_tokens = self.prompt_len
+        self._seed = self.seed if self.seed is not None else random.SystemRandom().getrandbits(64)
+        self._generators: dict = {}
+
+    @property
+    def new_tokens(self) -> list[int]:
+        return self.tokens[self.prompt_len:]
+
+    @property
+    def fixed_draft_length(self) -> bool:
+        """Seeded sampling drafts a fixed length: a length chosen from timings or from its
+        batchmates' acceptance would change which random numbers it draws, so its output."""
+        return self.seed is not None and not self.sampling.greedy
+
+    def generator(self, kind: int, device) -> torch.Generator:
+        """This round's generator ``kind`` (0: drafting, 1: verification), reseeded from the seed
+        and the sequence's length."""
+        device = torch.device(device)
+        key = (kind, device)
+        gen = self._generators.get(key)
+        if gen is None:
+            gen = self._generators[key] = torch.Generator(device=device)
+        gen.manual_seed(mix_seed(self._seed, len(self.tokens), kind))
+        return gen
+
+
+def sequences_for(prompts: Seq[Seq[int]], sampling: SamplingParams, max_new_tokens: int, max_context: int,
+                  stop: Seq[str] = (), seed: int | None = None) -> list[Sequence]:
+    """One :class:`Sequence` per prompt of a call; a call's seed gives each prompt its own (its
+    index mixed in), so the same call gives the same outputs however it is batched."""
+    return [Sequence(tokens=list(p), sampling=sampling, max_new_tokens=max_new_tokens,
+                     max_len=min(max_context, len(p) + max_new_tokens), stop=tuple(stop),
+                     seed=None if seed is None else mix_seed(seed, i))
+            for i, p in enumerate(prompts)]

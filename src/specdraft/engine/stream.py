@@ -1,0 +1,94 @@
+"""A request's output as it is accepted: :class:`Stream`, and the text of its tokens so far."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Sequence as Seq
+
+from ..types import GenerationResult
+from .sequence import Sequence, Status
+from .verify import INCOMPLETE, output_text
+
+
+@dataclass
+class StreamChunk:
+    """One burst of a request's output: the tokens one step accepted (1..K+1) and the text they
+    complete (may be "": half a character, or what could still become a stop string, is held)."""
+
+    text: str
+    token_ids: list[int]
+
+
+class TextSoFar:
+    """Text deltas of a growing token list whose concatenation is exactly the final text
+    (:func:`~specdraft.engine.verify.output_text`): what could still change is held back."""
+
+    def __init__(self, tokenizer, stop: Seq[str] = ()) -> None:
+        self.tokenizer, self.stop = tokenizer, tuple(stop)
+        self.emitted = ""
+
+    def delta(self, tokens: list[int], finish_reason: str | None = None) -> str:
+        if self.tokenizer is None:
+            return ""
+        if finish_reason is not None:
+            text = output_text(self.tokenizer, tokens, finish_reason, self.stop)
+        else:
+            text = self.tokenizer.decode(tokens, skip_special_tokens=True).rstrip(INCOMPLETE)
+            if self.stop:  # never past a stop string, and its start may be at the end: hold that back
+                hits = [i for i in (text.find(s) for s in self.stop) if i >= 0]
+                text = text[: min(hits)] if hits else text[: max(0, len(text) - max(len(s) for s in self.stop) + 1)]
+        if not text.startswith(self.emitted):  # a tokenizer's clean-up changed earlier text: wait
+            return ""
+        out, self.emitted = text[len(self.emitted):], text
+        return out
+
+
+class Stream:
+    """Iterate to get a request's output burst by burst (:class:`StreamChunk`); ``result`` holds the
+    :class:`~specdraft.GenerationResult` once it has finished. ``close()`` (or leaving a ``with``
+    block) stops the request at once if it is still running. Iteration raises the request's error
+    (a :class:`~specdraft.errors.DrafterError` naming the drafter, say) if it failed."""
+
+    def __init__(self, loop, seq: Sequence, tokenizer) -> None:
+        self._loop, self.seq = loop, seq
+        self._text = TextSoFar(tokenizer, seq.stop)
+        self._tokenizer = tokenizer
+        self.result: GenerationResult | None = None
+        self._done = False
+
+    @property
+    def prompt_tokens(self) -> int:
+        return self.seq.prompt_len
+
+    def __iter__(self) -> "Stream":
+        return self
+
+    def __next__(self) -> StreamChunk:
+        seq = self.seq
+        while not self._done:
+            kind, tokens = seq.events.get()
+            if kind == "tokens":
+                return StreamChunk(self._text.delta(seq.new_tokens), tokens)
+            self._done = True  # "done"
+            if seq.error is not None:
+                raise seq.error
+            rest = self._text.delta(seq.new_tokens, seq.finish_reason)
+            self.result = result_of(seq, self._text.emitted if self._tokenizer is not None else None)
+            if rest:
+                return StreamChunk(rest, [])
+        raise StopIteration
+
+    def close(self) -> None:
+        """Stop the request if it is still running (its slot is freed before the next step)."""
+        if self.seq.status is not Status.FINISHED:
+            self._loop.abort(self.seq)
+
+    def __enter__(self) -> "Stream":
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
+
+
+def result_of(seq: Sequence, text: str | None) -> GenerationResult:
+    return GenerationResult(token_ids=seq.new_tokens, text=text, finish_reason=seq.finish_reason, stats=seq.stats)
