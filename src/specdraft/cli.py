@@ -132,6 +132,7 @@ def build_parser() -> argparse.ArgumentParser:
     gen.add_argument("--seed", type=int, default=None, help="seed for reproducible sampling, 0 to 2**64 - 1")
     gen.add_argument("--stop", action="append", default=[], metavar="STR", help="stop string (repeatable)")
     gen.add_argument("--raw", action="store_true", help="do not apply the chat template")
+    gen.add_argument("--stream", action="store_true", help="print the text as it is generated")
     gen.add_argument("--stats", action="store_true", help="print speculation metrics to stderr")
     gen.add_argument("--dtype", default=None, help="float32 (CPU default), bfloat16 (GPU default), float16, float64")
     gen.add_argument("--device", default=None, help="cpu, cuda, cuda:1, ... (default: cuda if available)")
@@ -257,14 +258,27 @@ def _generate(args) -> int:
     )
     from .engine import GenerationInterrupted
 
-    try:
-        result = decoder.generate(prompt, max_new_tokens=args.max_new_tokens, seed=args.seed, stop=args.stop,
-                                  raw=args.raw, **sampling)[0]
-    except GenerationInterrupted as stopped:  # Ctrl-C: keep what was generated
-        print(stopped.results[0].text, flush=True)
-        print("specdraft: interrupted", file=sys.stderr)
-        return 130
-    print(result.text)
+    settings = dict(max_new_tokens=args.max_new_tokens, seed=args.seed, stop=args.stop, raw=args.raw, **sampling)
+    if args.stream:
+        stream = decoder.stream(prompt, **settings)
+        try:
+            for chunk in stream:
+                print(chunk.text, end="", flush=True)
+        except KeyboardInterrupt:  # Ctrl-C: what was printed stays
+            stream.close()
+            print(flush=True)
+            print("specdraft: interrupted", file=sys.stderr)
+            return 130
+        print(flush=True)
+        result = stream.result
+    else:
+        try:
+            result = decoder.generate(prompt, **settings)[0]
+        except GenerationInterrupted as stopped:  # Ctrl-C: keep what was generated
+            print(stopped.results[0].text, flush=True)
+            print("specdraft: interrupted", file=sys.stderr)
+            return 130
+        print(result.text)
     if args.stats:
         print(format_stats(result.stats, decoder.drafter.name or args.drafter, args.spec_length, decoder.runner_info),
               file=sys.stderr)

@@ -223,6 +223,16 @@ class SpeculativeDecoder:
             self.runner.warm_up(rows, range(1, self.spec_length + 2))
             self.engine.reset_cache()
 
+    def close(self) -> None:
+        """Stop every request and the engine's thread (a later call raises)."""
+        self._loop.stop()
+
+    def __enter__(self) -> "SpeculativeDecoder":
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
+
     @property
     def num_running(self) -> int:
         """Sequences being decoded now."""

@@ -16,8 +16,10 @@ round. A round where nobody drafted anything is a plain one-token decoding step.
 
 from __future__ import annotations
 
+import atexit
 import threading
 import time
+import weakref
 from collections import deque
 
 import torch
@@ -79,7 +81,9 @@ class Engine:
     def add(self, sequences: list[Sequence], limit: bool = True) -> None:
         """Queue ``sequences``; QueueFull (none queued) when ``limit`` and the waiting queue is full."""
         with self.lock:
-            if limit and self.max_waiting is not None and len(self.waiting) + len(sequences) > self.max_waiting:
+            # requests a free slot will take at the next step do not count as waiting
+            queued = len(self.waiting) + len(sequences) - len(self.free_slots)
+            if limit and self.max_waiting is not None and queued > self.max_waiting:
                 raise QueueFull(f"the server is busy: {len(self.waiting)} requests are waiting (at most "
                                 f"{self.max_waiting}); retry later")
             self.waiting.extend(sequences)
@@ -418,14 +422,28 @@ class EngineLoop:
         self.wake = threading.Condition()
         self.step_lock = threading.Lock()  # held while a step runs (warm-up waits for it)
         self._thread: threading.Thread | None = None
+        self._stopping = False
+        _LOOPS.add(self)
 
     def submit(self, sequences: list[Sequence], limit: bool = True) -> None:
-        self.engine.add(sequences, limit=limit)
         with self.wake:
+            if self._stopping:
+                raise SpecdraftError("this decoder has been closed")
+            self.engine.add(sequences, limit=limit)
             if self._thread is None or not self._thread.is_alive():
                 self._thread = threading.Thread(target=self._run, name="specdraft-engine", daemon=True)
                 self._thread.start()
             self.wake.notify()
+
+    def stop(self, timeout: float = 10.0) -> None:
+        """Abort everything, then end the thread (after its current step)."""
+        with self.wake:
+            self._stopping = True
+            for seq in list(self.engine.waiting) + list(self.engine.running):
+                self.engine.abort(seq)
+            self.wake.notify()
+        if self._thread is not None and self._thread is not threading.current_thread():
+            self._thread.join(timeout)
 
     def abort(self, seq: Sequence) -> None:
         self.engine.abort(seq)
@@ -435,10 +453,22 @@ class EngineLoop:
     def _run(self) -> None:
         while True:
             with self.wake:
-                while not self.engine.has_work():
+                while not self.engine.has_work() and not self._stopping:
                     self.wake.wait()
+                if self._stopping and not self.engine.running:
+                    return
             with self.step_lock:
                 self.engine.step()
+
+
+#: every loop, stopped at interpreter exit: a thread still inside torch then would abort the process
+_LOOPS: "weakref.WeakSet[EngineLoop]" = weakref.WeakSet()
+
+
+@atexit.register
+def _stop_loops() -> None:
+    for loop in list(_LOOPS):
+        loop.stop(timeout=5.0)
 
 
 __all__ = ["Engine", "EngineLoop"]

@@ -1,0 +1,166 @@
+"""Continuous batching: sequences join and leave between steps, each with its own settings."""
+
+from __future__ import annotations
+
+import threading
+
+import pytest
+import torch
+
+from specdraft import Drafter, SpeculativeDecoder
+from specdraft.engine.sequence import Sequence
+from specdraft.errors import DrafterError
+from specdraft.sampling import SamplingParams
+from specdraft.testing import SIGNIFICANCE as ALPHA
+from specdraft.testing import (chi_square_pvalue, exact_joint_distribution, plain_greedy, random_heads,
+                               repetitive_prompts, tiny_llama)
+
+BUILTINS = ["ngram", "prompt-lookup", "none", "draft-model", "medusa", "eagle", "mlp-speculator"]
+
+
+@pytest.fixture(scope="module")
+def options(tiny_model, tmp_path_factory):
+    """Drafter options that make every built-in run on the tiny target."""
+    draft = tmp_path_factory.mktemp("draft")
+    tiny_llama(vocab_size=64, seed=7, layers=1).save_pretrained(draft)
+    out = {"draft-model": {"model": str(draft), "dtype": "float64", "min_confidence": 0.0}}
+    for kind in ("medusa", "eagle", "mlp-speculator"):
+        path = tmp_path_factory.mktemp(kind)
+        random_heads(kind, tiny_model, path)
+        out[kind] = {"heads": str(path), "min_confidence": 0.0}
+    return out
+
+
+def _mixed_prompts():
+    """Prompts of different lengths; with different budgets they finish at different steps."""
+    base = repetitive_prompts(64)
+    return [base[0], base[1][:5], base[2] + base[3], [7], base[3][:9], base[1]]
+
+
+@pytest.mark.parametrize("drafter", BUILTINS)
+def test_greedy_parity_as_sequences_join_and_leave(tiny_model, options, drafter):
+    prompts, budgets = _mixed_prompts(), [5, 17, 3, 11, 24, 8]
+    dec = SpeculativeDecoder(tiny_model, None, drafter=drafter, spec_length=3, drafter_options=options.get(drafter),
+                             max_batch=2)
+    joins = []
+    dec.drafter.on_join = (lambda join: lambda seq_id, prompt: joins.append(dec.num_running) or join(seq_id, prompt))(
+        dec.drafter.on_join)
+    streams = [dec.stream_ids(p, max_new_tokens=n) for p, n in zip(prompts, budgets)]
+    for s in streams:
+        for _ in s:
+            pass
+    for p, n, s in zip(prompts, budgets, streams):
+        assert s.result.token_ids == plain_greedy(tiny_model, p, n)
+    assert len(joins) == len(prompts) and max(joins) >= 2  # newcomers joined a running batch
+    assert dec.engine.free_slots == [0, 1] and not dec.engine.running
+
+
+def test_a_thousand_short_requests_leave_every_pool_full(tiny_model, options):
+    dec = SpeculativeDecoder(tiny_model, None, drafter="draft-model", spec_length=2,
+                             drafter_options=options["draft-model"], max_batch=4)
+    prompts = [repetitive_prompts(64, seed=i % 7)[i % 4][: 3 + i % 11] for i in range(1000)]
+    results = dec.generate_ids(prompts, max_new_tokens=2)
+    assert all(len(r.token_ids) == 2 for r in results)
+    assert dec.engine.free_slots == [0, 1, 2, 3] and not dec.engine.running and not dec.engine.waiting
+    slots = dec.drafter._slots
+    assert not slots.slot and not dec.drafter._fed and sorted(slots.free) == list(range(slots.size)) and slots.size <= 4
+
+
+def test_sampling_is_exact_per_sequence_with_mixed_settings_in_one_batch(small_vocab_model, tmp_path):
+    """Each setting's first two tokens ~ the target's exact joint under that setting (chi-square,
+    ALPHA), with greedy and three sampling settings sharing every batch, and a sampling draft model."""
+    tiny_llama(vocab_size=16, seed=5, layers=1).save_pretrained(tmp_path)
+    settings = [SamplingParams(temperature=1.0), SamplingParams(temperature=0.7, top_k=5),
+                SamplingParams(temperature=1.3, top_p=0.8, min_p=0.05), SamplingParams()]
+    prompt, n = [3, 5, 3, 5, 3], 4000
+    dec = SpeculativeDecoder(small_vocab_model, None, drafter="draft-model", spec_length=3, max_batch=64,
+                             drafter_options={"model": str(tmp_path), "dtype": "float64", "min_confidence": 0.0})
+    seqs = [Sequence(tokens=prompt, sampling=settings[i % 4], max_new_tokens=2, max_len=64, seed=i)
+            for i in range(4 * n)]
+    from specdraft.engine import Stream
+
+    streams = [Stream(dec._loop, s, None) for s in seqs]
+    dec._loop.submit(seqs, limit=False)
+    for s in streams:
+        for _ in s:
+            pass
+    greedy = plain_greedy(small_vocab_model, prompt, 2)
+    for i, params in enumerate(settings):
+        mine = [s.result for s in streams[i::4]]
+        if params.greedy:
+            assert all(r.token_ids == greedy for r in mine)
+            continue
+        exact = exact_joint_distribution(small_vocab_model, prompt, params)
+        counts = torch.zeros_like(exact)
+        for r in mine:
+            counts[tuple(r.token_ids)] += 1
+        assert sum(r.stats.drafted_tokens for r in mine) > n / 2  # the drafts were really tested
+        assert chi_square_pvalue(counts, exact) > ALPHA, params
+
+
+def test_a_seeded_request_does_not_depend_on_its_batchmates(tiny_model):
+    dec = SpeculativeDecoder(tiny_model, None, drafter="ngram", spec_length=3, max_batch=4)
+    prompt = repetitive_prompts(64)[0]
+    alone = dec.generate_ids([prompt], max_new_tokens=24, temperature=0.9, seed=11)[0].token_ids
+    others = [dec.stream_ids(p, max_new_tokens=n, temperature=t) for p, n, t in
+              zip(repetitive_prompts(64, seed=3), [5, 30, 12], [0.0, 1.0, 0.5])]
+    together = dec.generate_ids([prompt], max_new_tokens=24, temperature=0.9, seed=11)[0].token_ids
+    for s in others:
+        for _ in s:
+            pass
+    assert together == alone
+
+
+def test_a_closed_stream_frees_its_slot_at_once(tiny_model):
+    dec = SpeculativeDecoder(tiny_model, None, drafter="ngram", spec_length=3, max_batch=2)
+    stream = dec.stream_ids(repetitive_prompts(64)[0], max_new_tokens=200)
+    next(stream)
+    stream.close()
+    later = dec.generate_ids([repetitive_prompts(64)[1]], max_new_tokens=4)[0]  # runs after the abort
+    assert later.finish_reason == "length"
+    assert dec.engine.free_slots == [0, 1] and stream.seq.finish_reason == "aborted"
+
+
+class FailingDrafter(Drafter):
+    """Raises for sequences whose prompt starts with token 13."""
+
+    api_version = 2
+
+    def propose(self, ctx, k):
+        if any(t[0] == 13 for t in ctx.token_ids):
+            raise RuntimeError("no drafts for 13")
+        from specdraft import Draft
+
+        return Draft.empty(ctx.batch_size)
+
+
+def test_a_failing_drafter_fails_only_its_requests(tiny_model):
+    dec = SpeculativeDecoder(tiny_model, None, drafter=FailingDrafter(None, None), spec_length=2, max_batch=1)
+    bad = dec.stream_ids([13, 4, 5], max_new_tokens=5)
+    good = dec.stream_ids([12, 4, 5], max_new_tokens=5)  # waits for the slot: another batch
+    with pytest.raises(DrafterError, match="FailingDrafter.*no drafts for 13"):
+        list(bad)
+    assert sum(len(c.token_ids) for c in good) == 5
+    assert good.result.token_ids == plain_greedy(tiny_model, [12, 4, 5], 5)
+
+
+def test_threads_feed_one_engine_and_batch_together(tiny_model):
+    dec = SpeculativeDecoder(tiny_model, None, drafter="prompt-lookup", spec_length=3, max_batch=8)
+    sizes = []
+    step = dec.engine.step
+    dec.engine.step = lambda: sizes.append(dec.engine.num_running) or step()
+    prompts = repetitive_prompts(64, seed=5)
+    got = [None] * 4
+    barrier = threading.Barrier(4)
+
+    def work(t):
+        barrier.wait()
+        got[t] = dec.generate_ids([prompts[t]], max_new_tokens=30)[0].token_ids
+
+    threads = [threading.Thread(target=work, args=(t,)) for t in range(4)]
+    for th in threads:
+        th.start()
+    for th in threads:
+        th.join()
+    assert got == [plain_greedy(tiny_model, p, 30) for p in prompts]
+    assert max(sizes) > 1  # several callers' sequences ran in one step
