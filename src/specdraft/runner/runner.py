@@ -24,6 +24,7 @@ cut off before they are returned.
 
 from __future__ import annotations
 
+import threading
 import time
 import weakref
 from typing import Any
@@ -79,15 +80,18 @@ class ModelRunner(RunnerBase):
         if self.compiled:
             import torch._dynamo
 
-            # one graph per (rows, width bucket) shape; the default limit of 8 would fall back to eager
-            torch._dynamo.config.cache_size_limit = max(torch._dynamo.config.cache_size_limit, 64)
             compiled = torch.compile(run_block, fullgraph=True, dynamic=False)
 
-            def block(layer, x, cos, sin, mask, keys, values, *rest):
-                # one graph for every span: the span dimension is symbolic, the rest static
+            def block(layer, x, cos, sin, mask, keys, values, slot, positions, gather):
+                _raise_recompile_limits()
+                # one graph for every span and every batch of two or more rows (continuous batching
+                # changes the batch every few steps): those dimensions are symbolic, the rest static
                 for t, dim in ((mask, 3), (keys, 2), (values, 2)):
                     torch._dynamo.mark_dynamic(t, dim)
-                return compiled(layer, x, cos, sin, mask, keys, values, *rest)
+                if x.shape[0] > 1 and gather:  # a subset of the slots (all of them: the cache's own shape)
+                    for t in (x, cos, sin, mask, slot, positions):
+                        torch._dynamo.maybe_mark_dynamic(t, 0)
+                return compiled(layer, x, cos, sin, mask, keys, values, slot, positions, gather)
 
             self._compiled_block = block
         self._seen: set[tuple] = set()
@@ -270,6 +274,20 @@ class ModelRunner(RunnerBase):
             static_out = self._compiled(static_in[0], static_in[1], hidden, static_in[2], span, static_in[3])
         self.cache.lengths.copy_(saved)  # the capture did not run the pass; the replay will
         return cuda_graph, static_in, static_out
+
+
+_THREAD = threading.local()
+
+
+def _raise_recompile_limits() -> None:
+    """Room for a graph per width bucket and batch kind (one row, a subset of the slots, all of
+    them), shared by every runner in the process: the default limit of 8 would fail (fullgraph).
+    Dynamo's settings are per thread, and passes run on the engine's thread: set them there."""
+    if not getattr(_THREAD, "limits", False):
+        config = torch._dynamo.config
+        config.cache_size_limit = max(config.cache_size_limit, 256)
+        config.accumulated_cache_size_limit = max(config.accumulated_cache_size_limit, 1024)
+        _THREAD.limits = True
 
 
 def _version(tensor: torch.Tensor) -> int | None:
