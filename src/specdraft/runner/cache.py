@@ -44,6 +44,15 @@ class KVCache:
     def device(self) -> torch.device:
         return self.lengths.device
 
+    def narrow(self, start: int, rows: int) -> "KVCache":
+        """Slots ``start .. start + rows - 1`` as a cache of their own: views, so what a pass writes
+        (keys, values, lengths) lands in this cache, with no gather of the rows' buffers."""
+        view = KVCache.__new__(KVCache)
+        view.keys = [k[start : start + rows] for k in self.keys]
+        view.values = [v[start : start + rows] for v in self.values]
+        view.lengths = self.lengths[start : start + rows]
+        return view
+
     # -- lengths: the only state that changes per step -------------------------------------
 
     def starts(self, rows: torch.Tensor | None) -> torch.Tensor:

@@ -88,8 +88,8 @@ class ModelRunner(RunnerBase):
                 # changes the batch every few steps): those dimensions are symbolic, the rest static
                 for t, dim in ((mask, 3), (keys, 2), (values, 2)):
                     torch._dynamo.mark_dynamic(t, dim)
-                if x.shape[0] > 1 and gather:  # a subset of the slots (all of them: the cache's own shape)
-                    for t in (x, cos, sin, mask, slot, positions):
+                if x.shape[0] > 1:  # keys and values have the batch's rows, or (gather) every slot
+                    for t in (x, cos, sin, mask, slot, positions) + (() if gather else (keys, values)):
                         torch._dynamo.maybe_mark_dynamic(t, 0)
                 return compiled(layer, x, cos, sin, mask, keys, values, slot, positions, gather)
 
@@ -209,10 +209,13 @@ class ModelRunner(RunnerBase):
                              "reserve() first")
         for s in used:
             self._bounds[s] += width
+        cache, first = self.cache, None
+        if slots is not None and slots == list(range(slots[0], slots[0] + len(slots))):  # a run: views, no gather
+            cache, first, slots = self.cache.narrow(slots[0], len(slots)), slots[0], None
         rows_t = None if slots is None else _as_lengths(slots, tokens.device)
         if bucket is None:  # eager: any width
             self.model.block_fn = run_block
-            out = self.model(tokens, self.cache, rows=rows_t, logits_at=logits_at, return_hidden=hidden,
+            out = self.model(tokens, cache, rows=rows_t, logits_at=logits_at, return_hidden=hidden,
                              advance=advance, span=span)
             return out.logits, out.hidden
         if bucket > width:  # pad; the padding's keys land past each row's new length
@@ -220,12 +223,12 @@ class ModelRunner(RunnerBase):
             if advance is None:
                 advance = torch.full((rows,), width, dtype=torch.long, device=tokens.device)
         key = (rows, bucket, span, None if logits_at is None else tuple(logits_at.shape), hidden, advance is None,
-               rows_t is None)
+               rows_t is None, first)
         start = time.perf_counter() if key not in self._seen else None
         if self.cuda_graphs:
-            logits, states = self._replay(key, tokens, logits_at, hidden, advance, span, rows_t)
+            logits, states = self._replay(key, tokens, logits_at, hidden, advance, span, rows_t, cache)
         else:
-            logits, states = self._compiled(tokens, logits_at, hidden, advance, span, rows_t)
+            logits, states = self._compiled(tokens, logits_at, hidden, advance, span, rows_t, cache)
         if start is not None:
             self._seen.add(key)
             self.compile_seconds += time.perf_counter() - start
@@ -235,20 +238,20 @@ class ModelRunner(RunnerBase):
             states = states[:, :width]
         return logits, states
 
-    def _compiled(self, tokens, logits_at, hidden, advance, span, rows=None):
+    def _compiled(self, tokens, logits_at, hidden, advance, span, rows=None, cache=None):
         self.model.block_fn = self._compiled_block
         try:
-            out = self.model(tokens, self.cache, rows=rows, logits_at=logits_at, return_hidden=hidden, advance=advance,
+            out = self.model(tokens, self.cache if cache is None else cache, rows=rows, logits_at=logits_at, return_hidden=hidden, advance=advance,
                              span=span)
         finally:
             self.model.block_fn = run_block
         return out.logits, out.hidden
 
-    def _replay(self, key, tokens, logits_at, hidden, advance, span, rows):
+    def _replay(self, key, tokens, logits_at, hidden, advance, span, rows, cache):
         """The pass as a CUDA graph: captured on first use of ``key``, replayed on static buffers."""
         graph = self._graphs.get(key)
         if graph is None:
-            graph = self._capture(tokens, logits_at, hidden, advance, span, rows)
+            graph = self._capture(tokens, logits_at, hidden, advance, span, rows, cache)
             self._graphs[key] = graph
         cuda_graph, static_in, static_out = graph
         for buf, value in zip(static_in, (tokens, logits_at, advance, rows)):
@@ -258,7 +261,7 @@ class ModelRunner(RunnerBase):
         logits, states = static_out
         return logits.clone(), None if states is None else states.clone()
 
-    def _capture(self, tokens, logits_at, hidden, advance, span, rows):
+    def _capture(self, tokens, logits_at, hidden, advance, span, rows, cache):
         static_in = tuple(None if t is None else t.clone() for t in (tokens, logits_at, advance, rows))
         saved = self.cache.lengths.clone()
         stream = torch.cuda.Stream(self.device)
@@ -266,12 +269,12 @@ class ModelRunner(RunnerBase):
         with torch.cuda.stream(stream):  # warm up (compiles) outside the capture
             for _ in range(2):
                 self.cache.lengths.copy_(saved)
-                self._compiled(*static_in[:2], hidden, static_in[2], span, static_in[3])
+                self._compiled(*static_in[:2], hidden, static_in[2], span, static_in[3], cache)
         torch.cuda.current_stream(self.device).wait_stream(stream)
         self.cache.lengths.copy_(saved)
         cuda_graph = torch.cuda.CUDAGraph()
         with torch.cuda.graph(cuda_graph):
-            static_out = self._compiled(static_in[0], static_in[1], hidden, static_in[2], span, static_in[3])
+            static_out = self._compiled(static_in[0], static_in[1], hidden, static_in[2], span, static_in[3], cache)
         self.cache.lengths.copy_(saved)  # the capture did not run the pass; the replay will
         return cuda_graph, static_in, static_out
 
