@@ -2,7 +2,8 @@
 
 ``check_drafter`` is the conformance suite: run any drafter through it with a small
 model (see :func:`tiny_llama`) and it checks the Draft contract, rollback after partial
-acceptance, and greedy parity with plain decoding::
+acceptance, greedy parity with plain decoding (in one batch, and as sequences join and leave
+a running batch), and that sampling follows the target's distribution::
 
     from specdraft.testing import check_drafter, tiny_llama
     check_drafter("my-drafter", tiny_llama())
@@ -158,6 +159,120 @@ def recorded_proposals(decoder):
         del decoder.drafter.propose
 
 
+def continuous_requests(vocab_size: int) -> list[tuple[list[int], int, str]]:
+    """The requests :func:`check_continuous_batching` runs: ``(prompt, max_new_tokens, kind)`` with
+    ``kind`` ``"greedy"``, ``"penalized"`` (greedy, penalties on) or ``"sampled"`` (:data:`PIPELINE`);
+    prompts of 1 to 17 tokens and budgets of 3 to 19, so sequences finish at different steps."""
+    base = repetitive_prompts(vocab_size)
+    return [
+        (base[0], 13, "greedy"), (base[2], 13, "greedy"), (base[1][:5], 13, "greedy"),  # one generate call
+        (base[3], 3, "greedy"), (base[2] + base[3], 19, "greedy"), (base[1], 9, "penalized"),
+        (base[0][:6], 6, "sampled"), (base[1][:3], 11, "greedy"),
+    ]
+
+
+def check_continuous_batching(
+    drafter: str | Any,
+    model,
+    drafter_options: Mapping[str, Any] | None = None,
+    spec_length: int = 3,
+    max_batch: int = 2,
+    timeout: float = 600.0,
+) -> None:
+    """The drafter under continuous batching; raises ``AssertionError`` describing the first violation.
+
+    A decoder with ``max_batch`` slots gets the 8 requests of :func:`continuous_requests` from two
+    threads at once: one thread makes a ``generate_ids`` call of three prompts, the other opens a
+    stream per request, each with its own ``max_new_tokens`` and settings. So sequences join a
+    running batch, leave it early, change rows between rounds, and share rounds with a penalized
+    and a sampled batchmate (``ctx.sampling`` then differs between rows). Each greedy request must
+    equal plain greedy decoding (:func:`plain_greedy`; :func:`naive_penalized_greedy` with the
+    penalties on), and every proposal must be a valid Draft.
+
+    An API-version-2 drafter must have seen sequences join mid-flight; a version-1 drafter runs
+    in waves (rows keep their sequence until the wave has finished) and must be exact all the same.
+    """
+    import threading
+
+    from .decoder import SpeculativeDecoder
+    from .engine import check_draft
+    from .sampling import SamplingParams
+
+    vocab = model.get_output_embeddings().weight.shape[0]
+    requests = continuous_requests(vocab)
+    penalized = SamplingParams(**{**PIPELINE, "temperature": 0.0})
+    settings = {"greedy": {}, "penalized": penalized.model_dump(), "sampled": dict(PIPELINE, seed=0)}
+    together, alone = requests[:3], requests[3:]
+    dec = SpeculativeDecoder(model, None, drafter=drafter, spec_length=spec_length, drafter_options=drafter_options,
+                             adaptive=False, max_batch=max_batch)
+    version = getattr(dec.drafter, "api_version", 1)
+    got: list = [None] * len(requests)
+    errors: list = []
+    start = threading.Barrier(2)
+
+    def call():  # one generate call: its sequences share the call's settings and budget
+        start.wait()
+        results = dec.generate_ids([p for p, _, _ in together], max_new_tokens=together[0][1])
+        for i, r in enumerate(results):
+            got[i] = r
+
+    def streams():  # a stream per request, each with its own budget and settings
+        start.wait()
+        opened = [dec.stream_ids(p, max_new_tokens=n, **settings[kind]) for p, n, kind in alone]
+        for i, stream in enumerate(opened, len(together)):
+            for _ in stream:
+                pass
+            got[i] = stream.result
+
+    def guarded(work):
+        try:
+            work()
+        except BaseException as exc:  # noqa: BLE001 - re-raised on the caller's thread
+            errors.append(exc)
+
+    try:
+        with recorded_proposals(dec) as proposals:
+            threads = [threading.Thread(target=guarded, args=(w,), daemon=True) for w in (call, streams)]
+            for th in threads:
+                th.start()
+            for th in threads:
+                th.join(timeout)
+            assert not any(th.is_alive() for th in threads), \
+                f"continuous batching (max_batch={max_batch}): requests still unfinished after {timeout:g} s"
+    finally:
+        dec.close()
+    if errors:
+        raise AssertionError(f"continuous batching (max_batch={max_batch}, K={spec_length}, drafter API version "
+                             f"{version}) failed: {type(errors[0]).__name__}: {errors[0]}") from errors[0]
+
+    who = repr(dec.drafter.name or type(dec.drafter).__name__)
+    for draft, ctx, kk in proposals:
+        check_draft(draft, ctx.batch_size, kk, vocab, who, model.device)
+    for i, ((prompt, n, kind), r) in enumerate(zip(requests, got)):
+        if kind == "sampled":
+            assert len(r.token_ids) == n or r.finish_reason == "eos", f"request {i} (sampled) ended early: {r}"
+            continue
+        expected = plain_greedy(model, prompt, n) if kind == "greedy" else naive_penalized_greedy(model, prompt, n,
+                                                                                                 penalized)
+        assert r.token_ids == expected, (
+            f"continuous batching (max_batch={max_batch}, K={spec_length}, drafter API version {version}): request "
+            f"{i} ({kind}, a {len(prompt)}-token prompt, max_new_tokens={n}) differs from plain greedy decoding\n"
+            f"  got      {r.token_ids}\n  expected {expected}")
+
+    rounds = [list(ctx.seq_ids) for _, ctx, _ in proposals]
+    seen: set[int] = set()
+    joined_mid_flight = False
+    for before, now in zip([[]] + rounds, rounds):
+        if version >= 2:
+            joined_mid_flight |= bool(set(now) & seen) and not set(now) <= seen
+        else:
+            assert now == before or not set(now) & seen, \
+                f"a version-1 drafter's rows changed within a wave: {before} then {now}"
+        seen |= set(now)
+    assert version < 2 or joined_mid_flight, \
+        f"continuous batching: no sequence joined a running batch (rounds' sequence ids: {rounds})"
+
+
 def check_drafter(
     drafter: str | Any,
     model,
@@ -173,6 +288,9 @@ def check_drafter(
       every K in ``spec_lengths`` -- which also covers rollback after partial acceptance --
       and equals a naive reference with the penalties on (:func:`naive_penalized_greedy`);
     * a second call on the same decoder gives the same output (``reset`` works);
+    * under continuous batching (:func:`check_continuous_batching`: two slots, eight requests
+      from two threads, joining and leaving at different steps, with different settings) every
+      greedy request still equals plain greedy decoding, for drafter API version 1 or 2;
     * sampling with every pipeline stage on (:data:`PIPELINE`: temperature, top-k, top-p,
       min-p, repetition, presence and frequency penalties; a prompt with repeats): the first
       two tokens of ``samples`` runs follow the target's exact joint distribution (chi-square
@@ -204,6 +322,7 @@ def check_drafter(
         assert again == got, f"K={k}: a second generate call on the same decoder gave different output"
 
     k = max(spec_lengths)
+    check_continuous_batching(drafter, model, drafter_options, spec_length=k)
     dec = SpeculativeDecoder(model, None, drafter=drafter, spec_length=k, drafter_options=drafter_options,
                              adaptive=False)
     n = max_new_tokens // 2

@@ -69,3 +69,20 @@ def test_the_suite_catches_a_drafter_that_misreports_its_distribution(tiny_model
                             honest=False)
     with pytest.raises(AssertionError, match="does not follow the target's distribution"):
         check_drafter(drafter, tiny_model, spec_lengths=(3,))
+
+
+def test_the_suite_catches_a_drafter_that_assumes_one_setting_per_batch(tiny_model):
+    """Reading ``ctx.sampling.temperature`` works while every row shares its settings; under
+    continuous batching a greedy request shares rounds with a sampled one and it raises."""
+    from specdraft import Draft, Drafter
+
+    class OneSettingDrafter(Drafter):
+        api_version = 2
+
+        def propose(self, ctx, k):
+            if ctx.sampling.temperature > 0:
+                return Draft.empty(ctx.batch_size)
+            return Draft.from_lists([t[-1:] for t in ctx.token_ids])
+
+    with pytest.raises(AssertionError, match="continuous batching.*rows have different sampling settings"):
+        check_drafter(OneSettingDrafter(None, None), tiny_model, spec_lengths=(3,), samples=0)
