@@ -50,7 +50,7 @@ def test_docs_exist_and_link_the_example_plugin():
     plugin_source = Path(__file__).resolve().parents[1] / "plugins/specdraft-adaptive-lookup/src/specdraft_adaptive_lookup/__init__.py"
     # every line of the tutorial's class skeleton up to `on_verified` is the real code
     for line in ['register("adaptive-lookup", AdaptiveLookupDrafter, aliases=("alookup",))',
-                 "want = min(k, self.lengths.setdefault(b, o.start))",
+                 "want = min(k, self.lengths.setdefault(seq_id, o.start))",
                  'start: int = Field(3, ge=1, description="draft length of a new sequence")']:
         assert line in tutorial and line in plugin_source.read_text()
     for page in ["getting-started.md", "algorithm.md", "cli.md"]:

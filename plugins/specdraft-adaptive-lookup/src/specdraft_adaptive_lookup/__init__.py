@@ -9,7 +9,9 @@ from specdraft.drafters.prompt_lookup import prompt_lookup
 
 
 class AdaptiveLookupDrafter(specdraft.Drafter):
-    """Prompt lookup with a per-row draft length that follows the acceptance it gets."""
+    """Prompt lookup with a per-sequence draft length that follows the acceptance it gets."""
+
+    api_version = 2  # state per sequence (ctx.seq_ids): sequences join and leave at any step
 
     class Options(BaseModel):
         model_config = ConfigDict(extra="forbid")
@@ -19,25 +21,28 @@ class AdaptiveLookupDrafter(specdraft.Drafter):
         max_length: int = Field(8, ge=1, description="longest draft it will grow to")
 
     def reset(self) -> None:
-        self.lengths: dict[int, int] = {}  # row -> current draft length
+        self.lengths: dict[int, int] = {}  # sequence id -> current draft length
+
+    def on_leave(self, seq_id: int) -> None:
+        self.lengths.pop(seq_id, None)  # the sequence has finished: forget it
 
     def propose(self, ctx: specdraft.DraftContext, k: int) -> specdraft.Draft:
         o = self.options
         rows = []
-        for b, tokens in enumerate(ctx.token_ids):
-            want = min(k, self.lengths.setdefault(b, o.start))
-            rows.append(prompt_lookup(tokens, want, o.min_ngram, o.max_ngram) if ctx.active[b] else [])
+        for seq_id, tokens in zip(ctx.seq_ids, ctx.token_ids):
+            want = min(k, self.lengths.setdefault(seq_id, o.start))
+            rows.append(prompt_lookup(tokens, want, o.min_ngram, o.max_ngram))
         return specdraft.Draft.from_lists(rows, device=ctx.device)
 
     def on_verified(self, ctx: specdraft.DraftContext, num_accepted: list[int]) -> None:
         # ctx.num_verified[b]: how many of row b's tokens the verifier checked (it may trim a draft)
-        for b, (verified, accepted) in enumerate(zip(ctx.num_verified, num_accepted)):
+        for seq_id, verified, accepted in zip(ctx.seq_ids, ctx.num_verified, num_accepted):
             if verified == 0:
                 continue
             if accepted == verified:
-                self.lengths[b] = min(self.lengths[b] + 2, self.options.max_length)
+                self.lengths[seq_id] = min(self.lengths[seq_id] + 2, self.options.max_length)
             else:
-                self.lengths[b] = max(self.lengths[b] - 1, 1)
+                self.lengths[seq_id] = max(self.lengths[seq_id] - 1, 1)
 
 
 @specdraft.hookimpl
