@@ -42,16 +42,20 @@ def test_greedy_parity_as_sequences_join_and_leave(tiny_model, options, drafter)
     prompts, budgets = _mixed_prompts(), [5, 17, 3, 11, 24, 8]
     dec = SpeculativeDecoder(tiny_model, None, drafter=drafter, spec_length=3, drafter_options=options.get(drafter),
                              max_batch=2)
-    joins = []
-    dec.drafter.on_join = (lambda join: lambda seq_id, prompt: joins.append(dec.num_running) or join(seq_id, prompt))(
-        dec.drafter.on_join)
+    joins = []  # at each join: how many running sequences had already been through a round
+
+    def on_join(seq_id, prompt, join=dec.drafter.on_join):
+        joins.append(sum(s.stats.target_passes > 0 for s in dec.engine.running))
+        join(seq_id, prompt)
+
+    dec.drafter.on_join = on_join
     streams = [dec.stream_ids(p, max_new_tokens=n) for p, n in zip(prompts, budgets)]
     for s in streams:
         for _ in s:
             pass
     for p, n, s in zip(prompts, budgets, streams):
         assert s.result.token_ids == plain_greedy(tiny_model, p, n)
-    assert len(joins) == len(prompts) and max(joins) >= 2  # newcomers joined a running batch
+    assert len(joins) == len(prompts) and max(joins) >= 1  # newcomers joined a batch mid-flight
     assert dec.engine.free_slots == [0, 1] and not dec.engine.running
 
 
