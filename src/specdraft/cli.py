@@ -14,6 +14,7 @@ from typing import Sequence
 
 from . import __version__
 from .errors import ConfigError, SpecdraftError
+from .cli_args import decoder_args, device_args, parse_option, runner_args
 from .models import TRAIN_DTYPES
 
 
@@ -22,18 +23,11 @@ SAMPLING_FLAGS = ("temperature", "top_k", "top_p", "min_p", "repetition_penalty"
                   "frequency_penalty")
 
 
-def _parse_option(text: str) -> tuple[str, str]:
-    key, sep, value = text.partition("=")
-    if not sep or not key.strip():
-        raise argparse.ArgumentTypeError(f"expected key=value, got {text!r}")
-    return key.strip(), value
-
-
 def _parse_drafter_option(text: str) -> tuple[str, str, str]:
     drafter, sep, option = text.partition(":")
     if not sep or not drafter.strip():
         raise argparse.ArgumentTypeError(f"expected DRAFTER:KEY=VALUE (for example draft-model:model=DIR), got {text!r}")
-    return (drafter.strip(), *_parse_option(option))
+    return (drafter.strip(), *parse_option(option))
 
 
 def _training_args(p: argparse.ArgumentParser, steps: int, steps_help: str, lr: float, head_tokens_help: str) -> None:
@@ -67,15 +61,6 @@ def _training_args(p: argparse.ArgumentParser, steps: int, steps_help: str, lr: 
     p.add_argument("--device", default=None)
 
 
-def _runner_args(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--compile", action=argparse.BooleanOptionalAction, default=None,
-                   help="torch.compile the target, one graph per pass width (CUDA graphs on a GPU); "
-                        "default: off (see docs/benchmarks.md)")
-    p.add_argument("--quantize", choices=["int8", "int4"], default=None,
-                   help="weight-only int8 (per channel) or int4 (per group of 32; CPU only) target: the quantized "
-                        "model is the one decoded, exactly")
-
-
 def _check_positive(args, *names: str) -> None:
     for name in names:
         if getattr(args, name) < 1:
@@ -105,14 +90,7 @@ def build_parser() -> argparse.ArgumentParser:
     gen = sub.add_parser("generate", help="generate text from a prompt",
                          description="Generate text; output equals plain decoding of the target.")
     gen.add_argument("prompt", help="the prompt (the user's message for chat models); '-' reads stdin")
-    gen.add_argument("--target", default=None, help="hub id, local folder or .gguf file (default: SmolLM2-135M-Instruct, offline)")
-    gen.add_argument("--drafter", default="ngram", help="drafter name (see `specdraft drafters`; default: ngram)")
-    gen.add_argument("--drafter-option", dest="drafter_options", action="append", type=_parse_option, default=[],
-                     metavar="KEY=VALUE", help="an option for the drafter (repeatable)")
-    gen.add_argument("--spec-length", type=int, default=4, metavar="K",
-                     help="most tokens drafted per round, 1 to 16 (default: 4)")
-    gen.add_argument("--fixed-spec-length", action="store_true",
-                     help="always draft K tokens instead of adapting to acceptance and verify cost")
+    decoder_args(gen)
     gen.add_argument("--max-new-tokens", type=int, default=128, metavar="N", help="default: 128")
     gen.add_argument("--temperature", type=float, default=0.0,
                      help="0 = greedy (default); else from 0.0001 to 100")
@@ -134,9 +112,7 @@ def build_parser() -> argparse.ArgumentParser:
     gen.add_argument("--raw", action="store_true", help="do not apply the chat template")
     gen.add_argument("--stream", action="store_true", help="print the text as it is generated")
     gen.add_argument("--stats", action="store_true", help="print speculation metrics to stderr")
-    gen.add_argument("--dtype", default=None, help="float32 (CPU default), bfloat16 (GPU default), float16, float64")
-    gen.add_argument("--device", default=None, help="cpu, cuda, cuda:1, ... (default: cuda if available)")
-    _runner_args(gen)
+    device_args(gen)
 
     bench = sub.add_parser("bench", help="benchmark drafters against plain decoding on Spec-Bench-style prompts",
                            description="Run plain decoding, each drafter and optional peers on every prompt, "
@@ -162,7 +138,7 @@ def build_parser() -> argparse.ArgumentParser:
     bench.add_argument("--target", default=None, help="as for generate (default: SmolLM2-135M-Instruct)")
     bench.add_argument("--dtype", default=None)
     bench.add_argument("--device", default=None)
-    _runner_args(bench)
+    runner_args(bench)
 
     dist = sub.add_parser("distill", help="train a compact draft model for a target from the target's own outputs",
                           description="Build a small draft (a few of the target's layers, its embeddings shared, "

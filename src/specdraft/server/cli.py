@@ -22,25 +22,15 @@ GRACEFUL_SHUTDOWN_S = 5
 
 def add_serve_parser(subparsers) -> argparse.ArgumentParser:
     """Register ``serve`` on the ``specdraft`` command's subparsers."""
-    from ..cli import _parse_option, _runner_args
+    from ..cli_args import decoder_args, device_args
 
     p = subparsers.add_parser(
         "serve", help="serve a model over an OpenAI-compatible HTTP API",
         description="Serve the target with speculative decoding over an OpenAI-compatible HTTP API "
                     "(/v1/completions, /v1/chat/completions, /v1/models, /health, /metrics); see docs/serving.md. "
                     "Needs pip install 'specdraft[serve]'.")
-    p.add_argument("--target", default=None,
-                   help="hub id, local folder or .gguf file (default: SmolLM2-135M-Instruct, offline)")
-    p.add_argument("--drafter", default="ngram", help="drafter name (see `specdraft drafters`; default: ngram)")
-    p.add_argument("--drafter-option", dest="drafter_options", action="append", type=_parse_option, default=[],
-                   metavar="KEY=VALUE", help="an option for the drafter (repeatable)")
-    p.add_argument("--spec-length", type=int, default=4, metavar="K",
-                   help="most tokens drafted per round, 1 to 16 (default: 4)")
-    p.add_argument("--fixed-spec-length", action="store_true",
-                   help="always draft K tokens instead of adapting to acceptance and verify cost")
-    p.add_argument("--dtype", default=None, help="float32 (CPU default), bfloat16 (GPU default), float16, float64")
-    p.add_argument("--device", default=None, help="cpu, cuda, cuda:1, ... (default: cuda if available)")
-    _runner_args(p)
+    decoder_args(p)
+    device_args(p)
     p.add_argument("--host", default="127.0.0.1",
                    help="address to listen on; 0.0.0.0 for every interface (default: 127.0.0.1)")
     p.add_argument("--port", type=int, default=8000, help="port to listen on; 0 = any free port (default: 8000)")

@@ -1,0 +1,41 @@
+"""Command-line options that several commands share (``generate``, ``bench``, ``serve``)."""
+
+from __future__ import annotations
+
+import argparse
+
+
+def parse_option(text: str) -> tuple[str, str]:
+    key, sep, value = text.partition("=")
+    if not sep or not key.strip():
+        raise argparse.ArgumentTypeError(f"expected key=value, got {text!r}")
+    return key.strip(), value
+
+
+def decoder_args(p: argparse.ArgumentParser) -> None:
+    """The target and its drafter: what every command that builds a decoder takes."""
+    p.add_argument("--target", default=None,
+                   help="hub id, local folder or .gguf file (default: SmolLM2-135M-Instruct, offline)")
+    p.add_argument("--drafter", default="ngram", help="drafter name (see `specdraft drafters`; default: ngram)")
+    p.add_argument("--drafter-option", dest="drafter_options", action="append", type=parse_option, default=[],
+                   metavar="KEY=VALUE", help="an option for the drafter (repeatable)")
+    p.add_argument("--spec-length", type=int, default=4, metavar="K",
+                   help="most tokens drafted per round, 1 to 16 (default: 4)")
+    p.add_argument("--fixed-spec-length", action="store_true",
+                   help="always draft K tokens instead of adapting to acceptance and verify cost")
+
+
+def device_args(p: argparse.ArgumentParser) -> None:
+    """Where and how the target runs: dtype, device, compile, quantize."""
+    p.add_argument("--dtype", default=None, help="float32 (CPU default), bfloat16 (GPU default), float16, float64")
+    p.add_argument("--device", default=None, help="cpu, cuda, cuda:1, ... (default: cuda if available)")
+    runner_args(p)
+
+
+def runner_args(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--compile", action=argparse.BooleanOptionalAction, default=None,
+                   help="torch.compile the target, one graph per pass width (CUDA graphs on a GPU); "
+                        "default: off (see docs/benchmarks.md)")
+    p.add_argument("--quantize", choices=["int8", "int4"], default=None,
+                   help="weight-only int8 (per channel) or int4 (per group of 32; CPU only) target: the quantized "
+                        "model is the one decoded, exactly")
