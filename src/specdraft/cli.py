@@ -177,6 +177,9 @@ def build_parser() -> argparse.ArgumentParser:
     from .server.cli import add_serve_parser  # argparse only: FastAPI loads when `serve` runs
 
     add_serve_parser(sub)
+    from .bench.serve_load import add_bench_serve_parser  # argparse only, like serve
+
+    add_bench_serve_parser(sub)
 
     lst = sub.add_parser("drafters", help="list registered drafters and the plugins providing them")
     lst.add_argument("--json", action="store_true", help="print JSON")
@@ -425,6 +428,10 @@ def main(argv: Sequence[str] | None = None) -> int:
             from .server.cli import serve
 
             return serve(args)
+        if args.command == "bench-serve":
+            from .bench.serve_load import bench_serve
+
+            return bench_serve(args)
         return _drafters(args)
     except SpecdraftError as exc:
         print(f"specdraft: error: {exc}", file=sys.stderr)

@@ -1,0 +1,532 @@
+"""``specdraft bench-serve``: ``specdraft serve`` under load from concurrent streaming clients.
+
+For each drafter (``none`` = plain decoding through the same engine) a ``specdraft serve``
+subprocess listens on a free port of 127.0.0.1 (or ``--url`` names a running server). At each
+concurrency C, C client threads send Spec-Bench prompts (first turn) as streaming chat
+completions at temperature 0, each client sending its next prompt when its answer ends, until
+``--num-prompts`` are answered. Levels run in turn, every drafter at one level before the next
+level, so a busy machine weighs on all drafters alike. Definitions, per drafter and level:
+
+* ``tokens_per_second`` = output tokens of all requests / wall time from the first request
+  sent to the last answer received; ``speedup`` = that / ``none``'s at the same concurrency;
+* ``ttft``: from sending a request to its first chunk with text; ``e2e``: to its last event;
+* ``itl`` (inter-token latency): a chunk carries several tokens (one burst of accepted tokens),
+  so each chunk after the first gives one sample, the time since the previous chunk divided by
+  the chunk's tokens. Those are counted by the target's tokenizer on the chunk's text and
+  scaled so that a request's chunks add up to its ``usage.completion_tokens``;
+* ``tokens_per_pass`` = output tokens / target passes (``spec_decode`` of the final chunk);
+* ``mismatches``: answers whose text differs from ``none``'s for the same prompt (greedy: 0).
+
+``--fixed-batch N`` also runs, in this process, N requests of mixed lengths (max_tokens drawn
+from --max-tokens/8 to 2 x --max-tokens) through one decoder per drafter twice: in waves of
+``--max-batch`` requests, each wave starting only when the previous one has completely finished
+(what a fixed-batch ``generate(prompts)`` did), and all N submitted at once (continuous
+batching: a request joins as soon as another leaves). Its figure is total output tokens / wall
+time of each.
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import importlib.util
+import json
+import os
+import platform
+import queue
+import random
+import signal
+import subprocess
+import sys
+import threading
+import time
+from contextlib import ExitStack, contextmanager
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Callable, Iterator
+
+from ..cli_args import parse_option, runner_args
+from ..errors import ConfigError, SpecdraftError
+from .harness import load_questions, split_method
+
+PLAIN = "none"
+#: seconds a server may take to load its model and answer /health
+START_TIMEOUT_S = 600
+#: seconds one request may take
+REQUEST_TIMEOUT_S = 900
+
+
+def _drafter_option(text: str) -> tuple[str, str, str]:
+    drafter, sep, option = text.partition(":")
+    if not sep or not drafter.strip():
+        raise argparse.ArgumentTypeError(f"expected DRAFTER:KEY=VALUE (for example draft-model:model=DIR), got {text!r}")
+    return (drafter.strip(), *parse_option(option))
+
+
+def add_bench_serve_parser(subparsers) -> argparse.ArgumentParser:
+    """Register ``bench-serve`` on the ``specdraft`` command's subparsers."""
+    p = subparsers.add_parser(
+        "bench-serve", help="load-test `specdraft serve`: concurrent streaming clients, per drafter",
+        description="Start `specdraft serve` for each drafter (or use --url), send Spec-Bench prompts from N "
+                    "concurrent streaming clients at each concurrency, and report throughput, time to first "
+                    "token, inter-token and end-to-end latency; write results.json and results.md.")
+    p.add_argument("--questions", required=True, metavar="FILE.jsonl",
+                   help="Spec-Bench schema: question_id, category, turns (the first turn is used)")
+    p.add_argument("--drafters", "--drafter", default=f"{PLAIN},prompt-lookup",
+                   help=f"comma-separated; '{PLAIN}' is plain decoding through the same engine; LABEL=DRAFTER "
+                        f"as for bench (default: {PLAIN},prompt-lookup)")
+    p.add_argument("--drafter-option", dest="drafter_options", action="append", type=_drafter_option, default=[],
+                   metavar="DRAFTER:KEY=VALUE", help="an option for one of the drafters (repeatable)")
+    p.add_argument("--spec-length", type=int, default=4, metavar="K", help="default: 4")
+    p.add_argument("--concurrency", default="1,4,16", help="comma-separated client counts (default: 1,4,16)")
+    p.add_argument("--num-prompts", type=int, default=None, metavar="N",
+                   help="requests per concurrency level (default: 2 x concurrency, at least 8)")
+    p.add_argument("--max-tokens", type=int, default=128, metavar="N", help="per request (default: 128)")
+    p.add_argument("--max-batch", type=int, default=8, metavar="N",
+                   help="the server's --max-batch, and the wave size of --fixed-batch (default: 8)")
+    p.add_argument("--fixed-batch", type=int, default=0, metavar="N",
+                   help="also compare fixed-batch waves with continuous batching on N mixed-length requests, "
+                        "in this process (0 = skip; default: 0)")
+    p.add_argument("--url", default=None,
+                   help="measure this running server (http://HOST:PORT) instead of starting one; --drafters then "
+                        "names its one drafter")
+    p.add_argument("--output", default="bench-serve-out", metavar="DIR", help="default: bench-serve-out")
+    p.add_argument("--target", default=None, help="as for serve (default: SmolLM2-135M-Instruct)")
+    p.add_argument("--dtype", default=None)
+    p.add_argument("--device", default=None)
+    runner_args(p)
+    return p
+
+
+# -- one streamed request ---------------------------------------------------------------------
+
+
+@dataclass
+class Request:
+    """One chat completion: what was sent, and when each part of the answer came."""
+
+    index: int  # the prompt's place in the list (same prompt, same index, for every drafter)
+    question_id: int
+    prompt: str
+    max_tokens: int
+    sent: float = 0.0
+    chunks: list[tuple[float, str]] = field(default_factory=list)  # (arrival, text) of chunks with text
+    done: float = 0.0
+    completion_tokens: int = 0
+    target_passes: int = 0
+    finish_reason: str | None = None
+    error: str | None = None
+
+    @property
+    def finished(self) -> bool:
+        return self.error is None and self.finish_reason is not None and self.done > 0
+
+    @property
+    def text(self) -> str:
+        return "".join(text for _, text in self.chunks)
+
+
+def send(client, url: str, req: Request) -> None:
+    """Stream ``req`` as a chat completion (temperature 0, usage included) and time its chunks."""
+    import httpx
+
+    body = {"messages": [{"role": "user", "content": req.prompt}], "max_tokens": req.max_tokens,
+            "temperature": 0, "stream": True, "stream_options": {"include_usage": True}}
+    req.sent = time.perf_counter()
+    try:
+        with client.stream("POST", f"{url}/v1/chat/completions", json=body) as response:
+            if response.status_code != 200:
+                req.error = f"HTTP {response.status_code}: {response.read().decode(errors='replace')[:300]}"
+                return
+            for line in response.iter_lines():
+                if not line.startswith("data: ") or line == "data: [DONE]":
+                    continue
+                now, event = time.perf_counter(), json.loads(line[6:])
+                if "error" in event:
+                    req.error = event["error"].get("message", "error")
+                for choice in event.get("choices") or []:
+                    if choice.get("delta", {}).get("content"):
+                        req.chunks.append((now, choice["delta"]["content"]))
+                    req.finish_reason = choice.get("finish_reason") or req.finish_reason
+                if event.get("usage"):
+                    req.completion_tokens = event["usage"]["completion_tokens"]
+                    req.target_passes = (event.get("spec_decode") or {}).get("target_passes", 0)
+    except httpx.HTTPError as exc:
+        req.error = f"{type(exc).__name__}: {exc}"
+    finally:
+        req.done = time.perf_counter()
+
+
+def run_level(url: str, requests: list[Request], concurrency: int) -> float:
+    """Send ``requests`` from ``concurrency`` client threads (each sends its next one when its answer
+    has ended); returns the wall time from the first request sent to the last answer."""
+    import httpx
+
+    jobs: queue.SimpleQueue = queue.SimpleQueue()
+    for req in requests:
+        jobs.put(req)
+
+    def client_loop() -> None:
+        with httpx.Client(timeout=REQUEST_TIMEOUT_S) as client:
+            while True:
+                try:
+                    req = jobs.get_nowait()
+                except queue.Empty:
+                    return
+                send(client, url, req)
+
+    threads = [threading.Thread(target=client_loop, daemon=True) for _ in range(concurrency)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    return max(r.done for r in requests) - min(r.sent for r in requests)
+
+
+# -- metrics ----------------------------------------------------------------------------------
+
+
+def _percentiles(values: list[float], scale: float = 1.0) -> dict:
+    import numpy as np
+
+    if not values:
+        return {"p50": None, "p90": None}
+    p50, p90 = np.percentile(values, [50, 90])
+    return {"p50": float(p50) * scale, "p90": float(p90) * scale}
+
+
+def inter_token_latencies(req: Request, count_tokens: Callable[[str], int]) -> list[float]:
+    """Seconds per token of each chunk after the first: the time since the previous chunk over the
+    chunk's tokens (the tokenizer's count, scaled to add up to ``completion_tokens``)."""
+    counts = [max(1, count_tokens(text)) for _, text in req.chunks]
+    scale = req.completion_tokens / sum(counts) if req.completion_tokens and counts else 1.0
+    return [(req.chunks[i][0] - req.chunks[i - 1][0]) / (counts[i] * scale) for i in range(1, len(req.chunks))]
+
+
+def summarize_level(drafter: str, concurrency: int, requests: list[Request], wall_s: float,
+                    count_tokens: Callable[[str], int]) -> dict:
+    ok = [r for r in requests if r.finished]
+    tokens = sum(r.completion_tokens for r in ok)
+    passes = sum(r.target_passes for r in ok)
+    return {
+        "drafter": drafter,
+        "concurrency": concurrency,
+        "requests": len(requests),
+        "finished": len(ok),
+        "output_tokens": tokens,
+        "wall_s": wall_s,
+        "tokens_per_second": tokens / wall_s if wall_s > 0 else 0.0,
+        "speedup": None,  # filled in against none's row
+        "ttft_ms": _percentiles([r.chunks[0][0] - r.sent for r in ok if r.chunks], 1e3),
+        "itl_ms": _percentiles([x for r in ok for x in inter_token_latencies(r, count_tokens)], 1e3),
+        "e2e_s": _percentiles([r.done - r.sent for r in ok]),
+        "tokens_per_pass": tokens / passes if passes else None,
+        "mismatches": None,  # filled in against none's row
+        "errors": sorted({r.error for r in requests if r.error}),
+        "records": [{"index": r.index, "question_id": r.question_id, "max_tokens": r.max_tokens,
+                     "completion_tokens": r.completion_tokens, "target_passes": r.target_passes,
+                     "chunks": len(r.chunks), "ttft_s": r.chunks[0][0] - r.sent if r.chunks else None,
+                     "e2e_s": r.done - r.sent, "finish_reason": r.finish_reason, "error": r.error, "text": r.text}
+                    for r in requests],
+    }
+
+
+def compare_with_plain(rows: list[dict]) -> None:
+    """Fill in each row's ``speedup`` and ``mismatches`` against ``none``'s row at its concurrency."""
+    plain = {r["concurrency"]: r for r in rows if r["drafter"] == PLAIN}
+    for row in rows:
+        base = plain.get(row["concurrency"])
+        if base is None:
+            continue
+        if base["tokens_per_second"]:
+            row["speedup"] = row["tokens_per_second"] / base["tokens_per_second"]
+        texts = {r["index"]: r["text"] for r in base["records"] if r["error"] is None}
+        row["mismatches"] = sum(1 for r in row["records"] if r["index"] in texts and r["text"] != texts[r["index"]])
+
+
+# -- servers ----------------------------------------------------------------------------------
+
+
+def _wait_healthy(url: str, proc: subprocess.Popen | None = None, timeout: float = START_TIMEOUT_S) -> None:
+    import httpx
+
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if proc is not None and proc.poll() is not None:
+            raise SpecdraftError(f"the server stopped (exit status {proc.returncode}) before answering /health")
+        try:
+            if httpx.get(f"{url}/health", timeout=5).status_code == 200:
+                return
+        except httpx.HTTPError:
+            pass
+        time.sleep(0.2)
+    raise SpecdraftError(f"{url}/health did not answer within {timeout:.0f} s")
+
+
+@contextmanager
+def start_server(args, label: str, drafter: str, options: dict[str, str], log_path: Path) -> Iterator[str]:
+    """``specdraft serve`` for ``drafter`` on a free port of 127.0.0.1, stderr to ``log_path``;
+    yields its URL once /health answers, and stops it (Ctrl-C, then kill) afterwards."""
+    command = [sys.executable, "-m", "specdraft.cli", "serve", "--host", "127.0.0.1", "--port", "0",
+               "--drafter", drafter, "--spec-length", str(args.spec_length), "--max-batch", str(args.max_batch),
+               "--max-waiting", str(max(64, *args.levels))]
+    command += [a for key, value in options.items() for a in ("--drafter-option", f"{key}={value}")]
+    for flag in ("target", "dtype", "device", "quantize"):
+        if getattr(args, flag) is not None:
+            command += [f"--{flag}", str(getattr(args, flag))]
+    if args.compile is not None:
+        command.append("--compile" if args.compile else "--no-compile")
+    log = open(log_path, "w")
+    proc = subprocess.Popen(command, stdout=subprocess.PIPE, stderr=log, text=True,
+                            env={**os.environ, "PYTHONUNBUFFERED": "1"})
+    try:
+        lines: queue.SimpleQueue = queue.SimpleQueue()
+
+        def read_stdout() -> None:  # the ready line, then None when the server exits
+            for line in proc.stdout:
+                lines.put(line)
+            lines.put(None)
+
+        threading.Thread(target=read_stdout, daemon=True).start()
+        try:
+            ready = lines.get(timeout=START_TIMEOUT_S)
+        except queue.Empty:
+            ready = None
+        if not ready or " on http://" not in ready:
+            proc.kill()
+            proc.wait()
+            tail = "".join(log_path.read_text().splitlines(keepends=True)[-5:]).strip()
+            raise SpecdraftError(f"`specdraft serve --drafter {drafter}` did not start (see {log_path}): {tail}")
+        url = ready.rsplit(" ", 1)[1].strip()
+        _wait_healthy(url, proc)
+        print(f"bench-serve: {label} serving on {url}", file=sys.stderr)
+        yield url
+    finally:
+        if proc.poll() is None:
+            proc.send_signal(signal.SIGINT)
+            try:
+                proc.wait(30)
+            except subprocess.TimeoutExpired:
+                proc.kill()
+                proc.wait()
+        log.close()
+
+
+# -- continuous batching against fixed-batch waves --------------------------------------------
+
+
+def _together(decoder, jobs: list[tuple[list[int], int]]) -> list:
+    """Submit every ``(prompt_ids, max_new_tokens)`` at once; wait for all; their results."""
+    streams = [decoder.stream_ids(ids, max_new_tokens=limit) for ids, limit in jobs]
+    for stream in streams:
+        for _ in stream:
+            pass
+    return [stream.result for stream in streams]
+
+
+def fixed_batch_comparison(args, questions: list[dict], methods: dict[str, str],
+                           options: dict[str, dict[str, str]]) -> dict:
+    """Waves of ``--max-batch`` (each after the previous has finished) against all at once."""
+    from ..decoder import SpeculativeDecoder
+    from ..models import load_target
+
+    model, tokenizer, name = load_target(args.target, dtype=args.dtype, device=args.device)
+    rng = random.Random(0)
+    low, high = max(1, args.max_tokens // 8), 2 * args.max_tokens
+    chosen = questions[:args.fixed_batch]
+    limits = [rng.randint(low, high) for _ in chosen]
+    rows = []
+    for label, drafter in methods.items():
+        decoder = SpeculativeDecoder(model, tokenizer, drafter=drafter, spec_length=args.spec_length,
+                                     drafter_options=options.get(label), compile=args.compile,
+                                     quantize=args.quantize, max_batch=args.max_batch)
+        jobs = [(decoder.encode(q["prompt"]), limit) for q, limit in zip(chosen, limits)]
+        with decoder:
+            decoder.warm_up(args.max_batch)
+            _together(decoder, [(ids, 4) for ids, _ in jobs[:args.max_batch]])  # warm-up, not counted
+            start = time.perf_counter()
+            waves = [r for i in range(0, len(jobs), args.max_batch) for r in _together(decoder, jobs[i:i + args.max_batch])]
+            waves_s = time.perf_counter() - start
+            start = time.perf_counter()
+            continuous = _together(decoder, jobs)
+            continuous_s = time.perf_counter() - start
+        tokens = sum(len(r.token_ids) for r in continuous)
+        rows.append({
+            "drafter": label,
+            "output_tokens": tokens,
+            "waves": {"time_s": waves_s, "tokens_per_second": sum(len(r.token_ids) for r in waves) / waves_s},
+            "continuous": {"time_s": continuous_s, "tokens_per_second": tokens / continuous_s},
+            "continuous_over_waves": waves_s / continuous_s,
+            "mismatches": sum(a.token_ids != b.token_ids for a, b in zip(waves, continuous)),
+        })
+    return {"requests": len(chosen), "max_batch": args.max_batch, "max_tokens": limits,
+            "max_tokens_range": [low, high], "model": name, "rows": rows}
+
+
+# -- report -----------------------------------------------------------------------------------
+
+
+def _fmt(value, spec: str = ".1f") -> str:
+    return "-" if value is None else f"{value:{spec}}"
+
+
+def _pair(d: dict, spec: str) -> str:
+    return f"{_fmt(d['p50'], spec)} / {_fmt(d['p90'], spec)}"
+
+
+def markdown(results: dict) -> str:
+    lines = ["# specdraft bench-serve", ""]
+    lines += [f"- {k}: {v}" for k, v in results["environment"].items()]
+    lines += ["", "## Streaming chat completions under load", "",
+              "| drafter | concurrency | finished | tokens/s | speedup | TTFT p50 / p90 (ms) | ITL p50 / p90 (ms) "
+              "| e2e p50 / p90 (s) | tokens/pass | mismatches |",
+              "|---|---|---|---|---|---|---|---|---|---|"]
+    for r in results["load"]:
+        speedup = "-" if r["speedup"] is None else f"{r['speedup']:.2f}x"
+        lines.append(f"| {r['drafter']} | {r['concurrency']} | {r['finished']}/{r['requests']} "
+                     f"| {r['tokens_per_second']:.1f} | {speedup} | {_pair(r['ttft_ms'], '.0f')} "
+                     f"| {_pair(r['itl_ms'], '.1f')} | {_pair(r['e2e_s'], '.2f')} | {_fmt(r['tokens_per_pass'], '.2f')} "
+                     f"| {_fmt(r['mismatches'], 'd')} |")
+    fixed = results.get("fixed_batch")
+    if fixed:
+        low, high = fixed["max_tokens_range"]
+        lines += ["", f"## Continuous batching against fixed-batch waves ({fixed['requests']} requests, max_tokens "
+                      f"{low} to {high}, batches of {fixed['max_batch']})", "",
+                  "| drafter | output tokens | waves: s | waves: tokens/s | continuous: s | continuous: tokens/s "
+                  "| continuous / waves | mismatches |", "|---|---|---|---|---|---|---|---|"]
+        for r in fixed["rows"]:
+            lines.append(f"| {r['drafter']} | {r['output_tokens']} | {r['waves']['time_s']:.1f} "
+                         f"| {r['waves']['tokens_per_second']:.1f} | {r['continuous']['time_s']:.1f} "
+                         f"| {r['continuous']['tokens_per_second']:.1f} | {r['continuous_over_waves']:.2f}x "
+                         f"| {r['mismatches']} |")
+    return "\n".join(lines) + "\n"
+
+
+def environment(args, model: str) -> dict:
+    from .. import __version__
+
+    cpu = platform.processor() or platform.machine()
+    try:
+        cpu = next(line.split(":", 1)[1].strip() for line in Path("/proc/cpuinfo").read_text().splitlines()
+                   if line.startswith("model name"))
+    except (OSError, StopIteration):
+        pass
+    return {
+        "date": datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%d %H:%M UTC"),
+        "model": model,
+        "machine": f"{cpu}, {os.cpu_count()} cores",
+        "server": args.url or f"specdraft serve --max-batch {args.max_batch} --spec-length {args.spec_length}"
+                              + (" --compile" if args.compile else "") + (f" --quantize {args.quantize}" if args.quantize else ""),
+        "questions": args.questions,
+        "max_tokens": args.max_tokens,
+        "load average": " ".join(f"{x:.2f}" for x in os.getloadavg()),
+        "drafters": args.drafters,
+        "concurrency": args.concurrency,
+        "num_prompts": args.num_prompts or "2 x concurrency, at least 8",
+        "versions": f"specdraft {__version__}, python {platform.python_version()}",
+    }
+
+
+# -- the command ------------------------------------------------------------------------------
+
+
+def _round_robin(questions: list[dict]) -> list[dict]:
+    """The questions interleaved by category (one of each in turn), so any first N mix them."""
+    by_category: dict[str, list[dict]] = {}
+    for q in questions:
+        by_category.setdefault(q["category"], []).append(q)
+    columns = list(by_category.values())
+    return [col[i] for i in range(max(map(len, columns))) for col in columns if i < len(col)]
+
+
+def _token_counter(target: str | None) -> Callable[[str], int]:
+    """Tokens in a piece of text, by the target's tokenizer."""
+    from transformers import AutoTokenizer
+
+    from ..models import resolve_target
+
+    tokenizer = AutoTokenizer.from_pretrained(resolve_target(target)[1])
+    return lambda text: len(tokenizer.encode(text, add_special_tokens=False))
+
+
+def _check(args) -> tuple[dict[str, str], dict[str, dict[str, str]], list[dict]]:
+    """Everything that can fail before a model loads: ``(methods, options, questions)``."""
+    missing = [m for m in ("fastapi", "uvicorn", "prometheus_client", "httpx") if importlib.util.find_spec(m) is None]
+    if missing:
+        raise SpecdraftError(f"bench-serve needs {', '.join(missing)}: pip install 'specdraft[serve]' httpx")
+    try:
+        args.levels = [int(c) for c in args.concurrency.split(",") if c.strip()]
+    except ValueError:
+        raise ConfigError(f"--concurrency must be comma-separated integers, got {args.concurrency!r}") from None
+    if not args.levels or min(args.levels) < 1:
+        raise ConfigError("--concurrency needs client counts >= 1")
+    for name in ("max_tokens", "max_batch", "spec_length"):
+        if getattr(args, name) < 1:
+            raise ConfigError(f"--{name.replace('_', '-')} must be >= 1")
+    if args.num_prompts is not None and args.num_prompts < 1:
+        raise ConfigError("--num-prompts must be >= 1")
+    if args.fixed_batch < 0:
+        raise ConfigError("--fixed-batch must be >= 0")
+    methods = dict(split_method(d.strip()) for d in args.drafters.split(",") if d.strip())
+    if not methods:
+        raise ConfigError("--drafters names no drafter")
+    if args.url and len(methods) != 1:
+        raise ConfigError("with --url, --drafters names the one drafter that server runs")
+    options: dict[str, dict[str, str]] = {}
+    for label, key, value in args.drafter_options:
+        options.setdefault(label, {})[key] = value
+    unknown = sorted(set(options) - set(methods))
+    if unknown:
+        raise ConfigError(f"--drafter-option names {', '.join(unknown)}, which --drafters does not run")
+    from ..plugins import get_registry
+
+    for label, drafter in methods.items():
+        get_registry().validate_options(drafter, options.get(label))
+    return methods, options, _round_robin(load_questions(args.questions))
+
+
+def bench_serve(args) -> int:
+    methods, options, questions = _check(args)
+    out = Path(args.output)
+    out.mkdir(parents=True, exist_ok=True)
+    count_tokens = _token_counter(args.target)
+    rows: list[dict] = []
+    with ExitStack() as stack:
+        if args.url:
+            _wait_healthy(args.url.rstrip("/"))
+            urls = {next(iter(methods)): args.url.rstrip("/")}
+        else:  # every server up at once (idle ones wait without using the CPU)
+            urls = {label: stack.enter_context(start_server(args, label, drafter, options.get(label, {}),
+                                                            out / f"server-{label}.log"))
+                    for label, drafter in methods.items()}
+        import httpx
+
+        model = httpx.get(f"{next(iter(urls.values()))}/v1/models", timeout=30).json()["data"][0]["id"]
+        for label, url in urls.items():  # warm-up, not counted
+            run_level(url, [Request(i, q["question_id"], q["prompt"], 8)
+                            for i, q in enumerate(questions[:min(args.max_batch, max(args.levels))])],
+                      min(args.max_batch, max(args.levels)))
+        for level in args.levels:
+            n = args.num_prompts or max(8, 2 * level)
+            for label, url in urls.items():
+                requests = [Request(i, q["question_id"], q["prompt"], args.max_tokens)
+                            for i, q in enumerate(questions[:n])]
+                wall = run_level(url, requests, level)
+                rows.append(summarize_level(label, level, requests, wall, count_tokens))
+                r = rows[-1]
+                print(f"bench-serve: {label} at concurrency {level}: {r['finished']}/{r['requests']} finished, "
+                      f"{r['tokens_per_second']:.1f} tokens/s", file=sys.stderr)
+    compare_with_plain(rows)
+    results = {"environment": environment(args, model), "load": rows}
+    if args.fixed_batch:
+        print(f"bench-serve: fixed-batch waves against continuous batching, {args.fixed_batch} requests",
+              file=sys.stderr)
+        results["fixed_batch"] = fixed_batch_comparison(args, questions, methods, options)
+    (out / "results.json").write_text(json.dumps(results, indent=1))
+    (out / "results.md").write_text(markdown(results))
+    print(markdown(results))
+    print(f"wrote {out / 'results.json'} and {out / 'results.md'}", file=sys.stderr)
+    failed = sum(r["requests"] - r["finished"] for r in rows)
+    if failed:
+        raise SpecdraftError(f"{failed} requests did not finish: {'; '.join(e for r in rows for e in r['errors'])}")
+    return 0
