@@ -1,0 +1,62 @@
+"""``specdraft bench-serve``: its arithmetic on made-up requests, and one tiny run end to end on
+the default model (structure and completeness only: no timing is asserted)."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from specdraft.bench.serve_load import Request, compare_with_plain, inter_token_latencies, summarize_level
+from specdraft.cli import main
+
+
+def test_inter_token_latency_divides_each_gap_by_the_chunks_tokens():
+    req = Request(0, 1, "p", 8, sent=0.0, chunks=[(1.0, "a"), (1.5, "bb"), (1.6, "c")], done=1.7,
+                  completion_tokens=8, target_passes=3, finish_reason="length")
+    count = len  # one token per character: 4 tokens counted, scaled to the 8 the usage reports
+    assert inter_token_latencies(req, count) == pytest.approx([0.5 / (2 * 2), 0.1 / (1 * 2)])
+    row = summarize_level("none", 1, [req], 1.7, count)
+    assert row["finished"] == 1 and row["output_tokens"] == 8 and row["tokens_per_pass"] == pytest.approx(8 / 3)
+    assert row["ttft_ms"]["p50"] == pytest.approx(1000.0) and row["e2e_s"]["p50"] == pytest.approx(1.7)
+
+
+def test_speedup_and_mismatches_are_against_none_at_the_same_concurrency():
+    def row(drafter, concurrency, tps, texts):
+        return {"drafter": drafter, "concurrency": concurrency, "tokens_per_second": tps,
+                "records": [{"index": i, "text": t, "error": None} for i, t in enumerate(texts)]}
+
+    rows = [row("none", 1, 10.0, ["a", "b"]), row("pld", 1, 15.0, ["a", "x"]), row("pld", 4, 30.0, ["a"])]
+    compare_with_plain(rows)
+    assert rows[1]["speedup"] == pytest.approx(1.5) and rows[1]["mismatches"] == 1
+    assert "speedup" not in rows[2]  # no plain row at concurrency 4
+
+
+@pytest.mark.e2e
+@pytest.mark.server
+def test_bench_serve_end_to_end(tmp_path, capsys):
+    pytest.importorskip("fastapi", reason="bench-serve starts `specdraft serve`: pip install 'specdraft[serve]'")
+    pytest.importorskip("httpx")
+    questions = tmp_path / "q.jsonl"
+    rows = [{"question_id": 1, "category": "copy", "turns": ["Repeat exactly: red green blue red green blue"]},
+            {"question_id": 2, "category": "chat", "turns": ["Say hello."]}]
+    questions.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    out = tmp_path / "out"
+    assert main(["bench-serve", "--questions", str(questions), "--drafters", "none,prompt-lookup",
+                 "--concurrency", "1,2", "--num-prompts", "2", "--max-tokens", "8", "--max-batch", "2",
+                 "--fixed-batch", "2", "--output", str(out)]) == 0
+    results = json.loads((out / "results.json").read_text())
+    assert set(results) == {"environment", "load", "fixed_batch"}
+    load = results["load"]
+    assert [(r["drafter"], r["concurrency"]) for r in load] == [
+        ("none", 1), ("prompt-lookup", 1), ("none", 2), ("prompt-lookup", 2)]
+    for r in load:
+        assert r["requests"] == r["finished"] == 2 and not r["errors"]
+        assert all(rec["finish_reason"] in ("stop", "length") and 1 <= rec["completion_tokens"] <= 8
+                   for rec in r["records"])
+        assert r["tokens_per_second"] > 0 and r["speedup"] > 0 and r["mismatches"] == 0
+        assert r["ttft_ms"]["p50"] <= r["ttft_ms"]["p90"] and r["e2e_s"]["p50"] > 0 and r["tokens_per_pass"] >= 1
+    assert [r["drafter"] for r in results["fixed_batch"]["rows"]] == ["none", "prompt-lookup"]
+    assert all(r["mismatches"] == 0 and r["output_tokens"] > 0 for r in results["fixed_batch"]["rows"])
+    assert "| prompt-lookup | 2 | 2/2 |" in (out / "results.md").read_text()
+    assert "| none | 1 | 2/2 |" in capsys.readouterr().out
