@@ -18,11 +18,12 @@ level, so a busy machine weighs on all drafters alike. Definitions, per drafter 
 * ``mismatches``: answers whose text differs from ``none``'s for the same prompt (greedy: 0).
 
 ``--fixed-batch N`` also runs, in this process, N requests of mixed lengths (max_tokens drawn
-from --max-tokens/8 to 2 x --max-tokens) through one decoder per drafter twice: in waves of
-``--max-batch`` requests, each wave starting only when the previous one has completely finished
-(what a fixed-batch ``generate(prompts)`` did), and all N submitted at once (continuous
-batching: a request joins as soon as another leaves). Its figure is total output tokens / wall
-time of each.
+from --max-tokens/8 to 2 x --max-tokens) through one decoder per drafter in two ways: in waves
+of ``--max-batch`` requests, each wave starting only when the previous one has completely
+finished (what a fixed-batch ``generate(prompts)`` did), and all N submitted at once (continuous
+batching: a request joins as soon as another leaves). Each way runs twice (waves, continuous,
+continuous, waves); its figure is output tokens / wall time over both runs, and ``mismatches``
+counts outputs that differ between runs (greedy: 0).
 """
 
 from __future__ import annotations
@@ -54,6 +55,8 @@ PLAIN = "none"
 START_TIMEOUT_S = 600
 #: seconds one request may take
 REQUEST_TIMEOUT_S = 900
+#: --fixed-batch runs each mode twice, in this order, so a drift in the machine's speed weighs on both alike
+ORDER = ("waves", "continuous", "continuous", "waves")
 
 
 def _drafter_option(text: str) -> tuple[str, str, str]:
@@ -341,24 +344,26 @@ def fixed_batch_comparison(args, questions: list[dict], methods: dict[str, str],
                                      drafter_options=options.get(label), compile=args.compile,
                                      quantize=args.quantize, max_batch=args.max_batch)
         jobs = [(decoder.encode(q["prompt"]), limit) for q, limit in zip(chosen, limits)]
+        modes = {"waves": lambda: [r for i in range(0, len(jobs), args.max_batch)
+                                   for r in _together(decoder, jobs[i:i + args.max_batch])],
+                 "continuous": lambda: _together(decoder, jobs)}
+        times: dict[str, list[float]] = {"waves": [], "continuous": []}
+        outputs = []
         with decoder:
             decoder.warm_up(args.max_batch)
             _together(decoder, [(ids, 4) for ids, _ in jobs[:args.max_batch]])  # warm-up, not counted
-            start = time.perf_counter()
-            waves = [r for i in range(0, len(jobs), args.max_batch) for r in _together(decoder, jobs[i:i + args.max_batch])]
-            waves_s = time.perf_counter() - start
-            start = time.perf_counter()
-            continuous = _together(decoder, jobs)
-            continuous_s = time.perf_counter() - start
-        tokens = sum(len(r.token_ids) for r in continuous)
-        rows.append({
-            "drafter": label,
-            "output_tokens": tokens,
-            "waves": {"time_s": waves_s, "tokens_per_second": sum(len(r.token_ids) for r in waves) / waves_s},
-            "continuous": {"time_s": continuous_s, "tokens_per_second": tokens / continuous_s},
-            "continuous_over_waves": waves_s / continuous_s,
-            "mismatches": sum(a.token_ids != b.token_ids for a, b in zip(waves, continuous)),
-        })
+            for mode in ORDER:
+                start = time.perf_counter()
+                outputs.append(modes[mode]())
+                times[mode].append(time.perf_counter() - start)
+        tokens = sum(len(r.token_ids) for r in outputs[0])
+        row = {"drafter": label, "output_tokens": tokens}
+        for mode, runs in times.items():  # every run of a mode has the same tokens (greedy)
+            row[mode] = {"time_s": sum(runs) / len(runs), "runs_s": runs,
+                         "tokens_per_second": tokens * len(runs) / sum(runs)}
+        row["continuous_over_waves"] = sum(times["waves"]) / sum(times["continuous"])
+        row["mismatches"] = sum(a.token_ids != b.token_ids for out in outputs[1:] for a, b in zip(outputs[0], out))
+        rows.append(row)
     return {"requests": len(chosen), "max_batch": args.max_batch, "max_tokens": limits,
             "max_tokens_range": [low, high], "model": name, "rows": rows}
 
@@ -392,7 +397,7 @@ def markdown(results: dict) -> str:
         low, high = fixed["max_tokens_range"]
         lines += ["", f"## Continuous batching against fixed-batch waves ({fixed['requests']} requests, max_tokens "
                       f"{low} to {high}, batches of {fixed['max_batch']})", "",
-                  "| drafter | output tokens | waves: s | waves: tokens/s | continuous: s | continuous: tokens/s "
+                  "| drafter | output tokens | waves: s (mean of 2) | waves: tokens/s | continuous: s (mean of 2) | continuous: tokens/s "
                   "| continuous / waves | mismatches |", "|---|---|---|---|---|---|---|---|"]
         for r in fixed["rows"]:
             lines.append(f"| {r['drafter']} | {r['output_tokens']} | {r['waves']['time_s']:.1f} "
