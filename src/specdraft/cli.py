@@ -14,20 +14,13 @@ from typing import Sequence
 
 from . import __version__
 from .errors import ConfigError, SpecdraftError
-from .cli_args import decoder_args, device_args, parse_option, runner_args
+from .cli_args import decoder_args, device_args, parse_drafter_option
 from .models import TRAIN_DTYPES
 
 
 #: ``generate``'s flags that are :class:`~specdraft.SamplingParams` fields (same names)
 SAMPLING_FLAGS = ("temperature", "top_k", "top_p", "min_p", "repetition_penalty", "presence_penalty",
                   "frequency_penalty")
-
-
-def _parse_drafter_option(text: str) -> tuple[str, str, str]:
-    drafter, sep, option = text.partition(":")
-    if not sep or not drafter.strip():
-        raise argparse.ArgumentTypeError(f"expected DRAFTER:KEY=VALUE (for example draft-model:model=DIR), got {text!r}")
-    return (drafter.strip(), *parse_option(option))
 
 
 def _training_args(p: argparse.ArgumentParser, steps: int, steps_help: str, lr: float, head_tokens_help: str) -> None:
@@ -124,7 +117,7 @@ def build_parser() -> argparse.ArgumentParser:
     bench.add_argument("--drafters", default="ngram,prompt-lookup",
                        help="comma-separated; LABEL=DRAFTER runs DRAFTER under its own label, so one drafter can run "
                             "twice with different --drafter-option LABEL:KEY=VALUE (default: ngram,prompt-lookup)")
-    bench.add_argument("--drafter-option", dest="drafter_options", action="append", type=_parse_drafter_option,
+    bench.add_argument("--drafter-option", dest="drafter_options", action="append", type=parse_drafter_option,
                        default=[], metavar="DRAFTER:KEY=VALUE",
                        help="an option for one of the drafters, e.g. draft-model:model=DIR (repeatable)")
     bench.add_argument("--spec-length", type=int, default=4, metavar="K", help="default: 4")
@@ -136,9 +129,7 @@ def build_parser() -> argparse.ArgumentParser:
                             "pip install 'specdraft[llama-cpp]')")
     bench.add_argument("--output", default="bench-out", metavar="DIR", help="default: bench-out")
     bench.add_argument("--target", default=None, help="as for generate (default: SmolLM2-135M-Instruct)")
-    bench.add_argument("--dtype", default=None)
-    bench.add_argument("--device", default=None)
-    runner_args(bench)
+    device_args(bench)
 
     dist = sub.add_parser("distill", help="train a compact draft model for a target from the target's own outputs",
                           description="Build a small draft (a few of the target's layers, its embeddings shared, "

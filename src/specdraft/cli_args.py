@@ -12,6 +12,14 @@ def parse_option(text: str) -> tuple[str, str]:
     return key.strip(), value
 
 
+def parse_drafter_option(text: str) -> tuple[str, str, str]:
+    """``DRAFTER:KEY=VALUE`` (an option for one of several drafters) as ``(drafter, key, value)``."""
+    drafter, sep, option = text.partition(":")
+    if not sep or not drafter.strip():
+        raise argparse.ArgumentTypeError(f"expected DRAFTER:KEY=VALUE (for example draft-model:model=DIR), got {text!r}")
+    return (drafter.strip(), *parse_option(option))
+
+
 def decoder_args(p: argparse.ArgumentParser) -> None:
     """The target and its drafter: what every command that builds a decoder takes."""
     p.add_argument("--target", default=None,

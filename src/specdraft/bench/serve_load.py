@@ -46,7 +46,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Callable, Iterator
 
-from ..cli_args import parse_option, runner_args
+from ..cli_args import device_args, parse_drafter_option
 from ..errors import ConfigError, SpecdraftError
 from .harness import load_questions, split_method
 
@@ -57,13 +57,6 @@ START_TIMEOUT_S = 600
 REQUEST_TIMEOUT_S = 900
 #: --fixed-batch runs each mode twice, in this order, so a drift in the machine's speed weighs on both alike
 ORDER = ("waves", "continuous", "continuous", "waves")
-
-
-def _drafter_option(text: str) -> tuple[str, str, str]:
-    drafter, sep, option = text.partition(":")
-    if not sep or not drafter.strip():
-        raise argparse.ArgumentTypeError(f"expected DRAFTER:KEY=VALUE (for example draft-model:model=DIR), got {text!r}")
-    return (drafter.strip(), *parse_option(option))
 
 
 def add_bench_serve_parser(subparsers) -> argparse.ArgumentParser:
@@ -78,7 +71,7 @@ def add_bench_serve_parser(subparsers) -> argparse.ArgumentParser:
     p.add_argument("--drafters", "--drafter", default=f"{PLAIN},prompt-lookup",
                    help=f"comma-separated; '{PLAIN}' is plain decoding through the same engine; LABEL=DRAFTER "
                         f"as for bench (default: {PLAIN},prompt-lookup)")
-    p.add_argument("--drafter-option", dest="drafter_options", action="append", type=_drafter_option, default=[],
+    p.add_argument("--drafter-option", dest="drafter_options", action="append", type=parse_drafter_option, default=[],
                    metavar="DRAFTER:KEY=VALUE", help="an option for one of the drafters (repeatable)")
     p.add_argument("--spec-length", type=int, default=4, metavar="K", help="default: 4")
     p.add_argument("--concurrency", default="1,4,16", help="comma-separated client counts (default: 1,4,16)")
@@ -95,9 +88,7 @@ def add_bench_serve_parser(subparsers) -> argparse.ArgumentParser:
                         "names its one drafter")
     p.add_argument("--output", default="bench-serve-out", metavar="DIR", help="default: bench-serve-out")
     p.add_argument("--target", default=None, help="as for serve (default: SmolLM2-135M-Instruct)")
-    p.add_argument("--dtype", default=None)
-    p.add_argument("--device", default=None)
-    runner_args(p)
+    device_args(p)
     return p
 
 

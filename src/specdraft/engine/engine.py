@@ -70,6 +70,7 @@ class Engine:
         # Full value checks of every draft cost device-to-host copies; free on CPU.
         self.validate_drafts = DEBUG or torch.device(target.device).type == "cpu"
         self._drafted_last = False
+        self._shared: torch.Generator | None = None  # the round's one generator (``ctx.generator``)
         self.reset_cache()
 
     def reset_cache(self) -> None:
@@ -273,13 +274,14 @@ class Engine:
         runner, device = self.runner, self.target.device
         runner.reserve(max(s.max_len for s in joined) + self.spec_length + 1, rows=self.max_batch)
         runner.set_lengths([0] * len(joined), slots=[s.slot for s in joined])
+        # in slot order: a full batch is then every slot in order, a pass over the cache's own
+        # buffers (out of order, every pass gathered the rows' buffers in every layer)
+        self.running = sorted(self.running + joined, key=lambda s: s.slot)
         if self.per_sequence:
-            self.running.extend(joined)
             for s in joined:
                 self._call("on_join", s.id, list(s.tokens))
         else:
-            self.running.extend(joined)
-            self.wave = list(joined)
+            self.wave = list(self.running)
             self._call("reset")
         start = time.perf_counter()
         # Prefill everything but each prompt's last token (right-padded; padding is never read).
@@ -312,8 +314,10 @@ class Engine:
     def _context(self, rows: list[Sequence]) -> DraftContext:
         device = self.target.device
         running = [s.status is Status.RUNNING for s in rows]
-        shared = torch.Generator(device=device)
-        shared.manual_seed(mix_seed(*(s.generator(0, device).initial_seed() for s in rows)))
+        generators = [s.generator(0, device) for s in rows]
+        if self._shared is None:
+            self._shared = torch.Generator(device=device)
+        self._shared.manual_seed(mix_seed(*(g.initial_seed() for g in generators)))
         return DraftContext(
             token_ids=[s.tokens for s in rows],
             prompt_lengths=[s.prompt_len for s in rows],
@@ -321,8 +325,8 @@ class Engine:
             vocab_size=self.target.vocab_size,
             device=device,
             sampling=RowSampling(s.sampling for s in rows),
-            generator=shared,
-            generators=[s.generator(0, device) for s in rows],
+            generator=self._shared,
+            generators=generators,
             seq_ids=[s.id for s in rows],
         )
 

@@ -52,7 +52,6 @@ class Stream:
     def __init__(self, loop, seq: Sequence, tokenizer) -> None:
         self._loop, self.seq = loop, seq
         self._text = TextSoFar(tokenizer, seq.stop)
-        self._tokenizer = tokenizer
         self.result: GenerationResult | None = None
         self._done = False
 
@@ -73,7 +72,7 @@ class Stream:
             if seq.error is not None:
                 raise seq.error
             rest = self._text.delta(seq.new_tokens, seq.finish_reason)
-            self.result = result_of(seq, self._text.emitted if self._tokenizer is not None else None)
+            self.result = result_of(seq, self._text.emitted if self._text.tokenizer is not None else None)
             if rest:
                 return StreamChunk(rest, [])
         raise StopIteration
