@@ -220,7 +220,8 @@ class SpeculativeDecoder:
         with self._loop.step_lock:
             if self.engine.has_work():
                 raise ConfigError("warm_up() needs an idle decoder; call it before generating")
-            self.runner.warm_up(rows, range(1, self.spec_length + 2))
+            # chains of up to spec_length drafts, and trees of up to the drafter's budget
+            self.runner.warm_up(rows, range(1, max(self.spec_length, getattr(self.drafter, "tree_budget", 1)) + 2))
             self.engine.reset_cache()
 
     def close(self) -> None:

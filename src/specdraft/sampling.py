@@ -206,6 +206,13 @@ class TokenCounts:
         added = torch.cat([torch.zeros_like(self.in_output[:, None]), self._one_hot(tokens).cumsum(1)], 1)
         return TokenCounts(self.in_context[:, None] | (added > 0), self.in_output[:, None] + added)
 
+    def along_tree(self, tokens: "torch.Tensor", ancestors: "torch.Tensor") -> "TokenCounts":
+        """Counts at each pass index of a tree ``# [batch, n + 1, vocab]``: index ``j`` after the
+        tokens of its ancestors and itself (``tokens # [batch, n]`` the nodes, ``ancestors
+        # [batch, n + 1, n + 1]`` bool as :func:`~specdraft.engine.rejection.tree_ancestors` gives)."""
+        added = ancestors[:, :, 1:].to(self.in_output.dtype) @ self._one_hot(tokens)  # [batch, n + 1, vocab]
+        return TokenCounts(self.in_context[:, None] | (added > 0), self.in_output[:, None] + added)
+
     def _one_hot(self, tokens: "torch.Tensor") -> "torch.Tensor":
         import torch
 

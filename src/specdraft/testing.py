@@ -315,7 +315,11 @@ def check_drafter(
         with recorded_proposals(dec) as proposals:
             got = [r.token_ids for r in dec.generate_ids(prompts, max_new_tokens=max_new_tokens)]
         for draft, ctx, kk in proposals:
-            check_draft(draft, ctx.batch_size, kk, vocab, repr(dec.drafter.name), model.device)
+            _, lengths, _, parents = check_draft(draft, ctx.batch_size, kk, vocab, repr(dec.drafter.name), model.device)
+            if parents is not None:
+                assert (int(lengths.max()) if lengths.numel() else 0) <= ctx.tree_budget, \
+                    f"drafter {dec.drafter.name!r} returned a tree of {int(lengths.max())} nodes; ctx.tree_budget " \
+                    f"was {ctx.tree_budget}"
         for i, (g, e) in enumerate(zip(got, expected)):
             assert g == e, f"K={k}, prompt {i}: speculative output differs from plain greedy\n  got      {g}\n  expected {e}"
         again = [r.token_ids for r in dec.generate_ids(prompts, max_new_tokens=max_new_tokens)]
@@ -335,7 +339,7 @@ def check_drafter(
         with recorded_proposals(dec) as proposals:
             pvalue, _ = sampled_joint_pvalue(dec, prompts[0], pipeline, n=samples, seed=0)
         for draft, ctx, kk in proposals:
-            _, lengths, probs = check_draft(draft, ctx.batch_size, kk, vocab, repr(dec.drafter.name), model.device)
+            _, lengths, probs, _ = check_draft(draft, ctx.batch_size, kk, vocab, repr(dec.drafter.name), model.device)
             if probs is None:
                 continue
             valid = torch.arange(probs.shape[1], device=lengths.device) < lengths[:, None]  # [batch, k']
@@ -381,7 +385,7 @@ def exact_joint_distribution(model, prompt: Sequence[int], params, steps: int = 
 
 
 def sampled_joint_pvalue(decoder, prompt: Sequence[int], params, n: int = 12_000, seed: int = 0,
-                         exact=None, steps: int = 2):
+                         exact=None, steps: int = 2, max_new_tokens: int | None = None):
     """p-value of the first ``steps`` tokens of ``n`` speculative samples from ``decoder`` (one
     batched call, ``prompt`` repeated) against the target's exact joint distribution.
 
@@ -389,12 +393,14 @@ def sampled_joint_pvalue(decoder, prompt: Sequence[int], params, n: int = 12_000
     so far more power against a skewed distribution; the joint catches dependence between the
     tokens), combined by Bonferroni: ``min(1, tests * smallest p)``. Returns
     ``(p_value, results)``; compare the p-value with :data:`SIGNIFICANCE`. ``exact`` may pass a
-    joint computed once by :func:`exact_joint_distribution`.
+    joint computed once by :func:`exact_joint_distribution`. ``max_new_tokens`` (default
+    ``steps``): generate more, so that the first round may draft deeper than ``steps - 1``.
     """
     import torch
 
     exact = exact_joint_distribution(decoder.model, prompt, params, steps) if exact is None else exact
-    results = decoder.generate_ids([list(prompt)] * n, max_new_tokens=steps, seed=seed, **params.model_dump())
+    results = decoder.generate_ids([list(prompt)] * n, max_new_tokens=max(steps, max_new_tokens or steps), seed=seed,
+                                   **params.model_dump())
     counts = torch.zeros_like(exact)
     for r in results:
         counts[tuple(r.token_ids[:steps])] += 1

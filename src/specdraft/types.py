@@ -71,6 +71,12 @@ class DraftContext:
     #: what the sampling penalties read of ``token_ids`` (set before ``propose`` when a penalty
     #: is on, else None); use :meth:`counts_after` at each drafted position
     counts: "TokenCounts | None" = None
+    #: nodes a tree-drafting drafter may propose this round (1: a chain), chosen by the engine's
+    #: policy up to the drafter's own ``tree_budget`` attribute; chain drafters ignore it
+    tree_budget: int = 1
+    #: set before ``on_verified``: each row's accepted nodes, root's child first (a chain's are
+    #: ``0..n-1``; a tree's say which branch was taken)
+    accepted_nodes: list = field(default_factory=list)
 
     @property
     def batch_size(self) -> int:
@@ -102,11 +108,39 @@ class Draft:
                                # verifier compares them in float32 or wider.
     ``lengths``    LongTensor  # [batch] how many of the k' columns are real for each row;
                                # None means all k'. Columns past a row's length are ignored.
+    ``parents``    LongTensor  # [batch, n] optional: a tree of n nodes instead of a chain.
+                               # parents[b, i] is node i's parent (-1: the last committed
+                               # token), always < i; a node's depth (1 + its parent's) is at
+                               # most k, while n may exceed k. probs[b, i] is the distribution
+                               # node i's token was drawn from given its ancestors (siblings
+                               # drawn independently from one distribution share it, and may
+                               # repeat a token); None: every node deterministic (one-hot).
+                               # A chain is parents = [-1, 0, 1, ...]. Nodes past a row's
+                               # length are ignored; so is a node whose parent is.
     """
 
     token_ids: "torch.Tensor"
     probs: "torch.Tensor | None" = None
     lengths: "torch.Tensor | None" = None
+    parents: "torch.Tensor | None" = None
+
+    @classmethod
+    def from_tree_lists(cls, rows: Sequence[Sequence[tuple[int, int]]], device: Any = None) -> "Draft":
+        """A deterministic tree from one list of ``(parent, token)`` nodes per row, parents
+        before their children (parent -1: the last committed token); ragged is fine.
+
+        >>> Draft.from_tree_lists([[(-1, 5), (-1, 7), (0, 9)]]).parents.tolist()
+        [[-1, -1, 0]]
+        """
+        import torch
+
+        draft = cls.from_lists([[t for _, t in row] for row in rows], device=device)
+        parents = torch.full(draft.token_ids.shape, -1, dtype=torch.long)
+        for b, row in enumerate(rows):
+            if row:
+                parents[b, : len(row)] = torch.as_tensor([p for p, _ in row], dtype=torch.long)
+        draft.parents = parents.to(draft.token_ids.device)
+        return draft
 
     @classmethod
     def from_lists(cls, rows: Sequence[Sequence[int]], device: Any = None) -> "Draft":
@@ -142,8 +176,8 @@ class GenerationStats:
     drafted_tokens: int = 0
     accepted_tokens: int = 0
     target_passes: int = 0  # verify passes (the prompt's prefill is not counted)
-    drafted_per_position: list[int] = field(default_factory=list)  # [k]
-    accepted_per_position: list[int] = field(default_factory=list)  # [k]
+    drafted_per_position: list[int] = field(default_factory=list)  # [k] rounds whose draft reached depth i
+    accepted_per_position: list[int] = field(default_factory=list)  # [k] rounds that accepted depth i
     prefill_time_s: float = 0.0
     draft_time_s: float = 0.0
     verify_time_s: float = 0.0
@@ -168,17 +202,29 @@ class GenerationStats:
     def tokens_per_second(self) -> float:
         return self.new_tokens / self.total_time_s if self.total_time_s > 0 else 0.0
 
-    def record_round(self, num_drafted: int, num_accepted: int) -> None:
-        """Count one verify pass in which ``num_drafted`` tokens were checked and ``num_accepted`` kept."""
+    @property
+    def nodes_per_draft(self) -> float:
+        """Draft tokens (a tree's nodes) verified per round that drafted."""
+        return self.drafted_tokens / self.drafts if self.drafts else 0.0
+
+    @property
+    def accepted_per_draft(self) -> float:
+        """Accepted draft tokens per round that drafted (a tree's accepted path length)."""
+        return self.accepted_tokens / self.drafts if self.drafts else 0.0
+
+    def record_round(self, num_drafted: int, num_accepted: int, depth: int | None = None) -> None:
+        """Count one verify pass in which ``num_drafted`` tokens (a tree's nodes, ``depth`` levels
+        deep; a chain's depth is its length) were checked and ``num_accepted`` kept."""
+        depth = num_drafted if depth is None else depth
         self.target_passes += 1
         self.drafts += num_drafted > 0
         self.drafted_tokens += num_drafted
         self.accepted_tokens += num_accepted
-        if len(self.drafted_per_position) < num_drafted:
-            grow = num_drafted - len(self.drafted_per_position)
+        if len(self.drafted_per_position) < depth:
+            grow = depth - len(self.drafted_per_position)
             self.drafted_per_position.extend([0] * grow)
             self.accepted_per_position.extend([0] * grow)
-        for i in range(num_drafted):
+        for i in range(depth):
             self.drafted_per_position[i] += 1
             if i < num_accepted:
                 self.accepted_per_position[i] += 1

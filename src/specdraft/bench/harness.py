@@ -160,7 +160,8 @@ class _Methods:
             st = r.stats
             return RunRecord(method, question["question_id"], question["category"], len(r.token_ids), elapsed,
                              r.token_ids, st.drafted_tokens, st.accepted_tokens, st.target_passes,
-                             st.drafted_per_position, st.accepted_per_position, st.draft_time_s, st.verify_time_s)
+                             st.drafted_per_position, st.accepted_per_position, st.draft_time_s, st.verify_time_s,
+                             st.drafts)
         token_ids = self._llama_cpp(ids, seed) if method == "llama-cpp" else self._hf(method, ids, seed)
         elapsed = time.perf_counter() - start
         return RunRecord(method, question["question_id"], question["category"], len(token_ids), elapsed, token_ids)

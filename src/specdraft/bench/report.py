@@ -43,6 +43,7 @@ class RunRecord:
     accepted_per_position: list[int] = field(default_factory=list)
     draft_time_s: float = 0.0
     verify_time_s: float = 0.0
+    drafts: int | None = None  # rounds that drafted
 
     def to_dict(self) -> dict:
         return asdict(self)
@@ -107,6 +108,9 @@ def _metrics(rs: list[RunRecord], plain: list[RunRecord], plain_ids: dict[int, l
         "tokens_per_pass": _ratio(tokens, passes) or 0.0,
         "acceptance_by_position": [_ratio(a, d) or 0.0 for a, d in zip(by_pos_a, by_pos_d)],
         "mean_draft_length": _ratio(drafted, passes) or 0.0,
+        # per round that drafted: draft tokens verified (a tree's nodes) and accepted (its path)
+        "nodes_per_round": _ratio(drafted, sum(r.drafts or 0 for r in rs)) or 0.0,
+        "accepted_per_round": _ratio(accepted, sum(r.drafts or 0 for r in rs)) or 0.0,
         "time_split": {
             "drafting": _ratio(draft_t, time) or 0.0,
             "verifying": _ratio(verify_t, time) or 0.0,
@@ -116,7 +120,10 @@ def _metrics(rs: list[RunRecord], plain: list[RunRecord], plain_ids: dict[int, l
     plain_step = _ratio(sum(r.verify_time_s for r in plain), sum(r.target_passes or 0 for r in plain))
     if plain_step and passes:
         round_cost = (draft_t + verify_t) / passes / plain_step
-        theory = expected_tokens_per_round(m["acceptance_rate"], m["mean_draft_length"]) / round_cost
+        if drafted > sum(by_pos_d):  # trees (more nodes than levels): per-node acceptance means little
+            theory = m["tokens_per_pass"] / round_cost
+        else:
+            theory = expected_tokens_per_round(m["acceptance_rate"], m["mean_draft_length"]) / round_cost
         m["round_cost_in_plain_steps"] = round_cost
         m["theoretical_speedup"] = theory
         m["efficiency"] = _ratio(m["speedup"], theory) if m["speedup"] else None
@@ -134,18 +141,20 @@ def markdown(summary: dict, env: dict) -> str:
     lines = ["# specdraft bench", ""]
     lines += [f"- {k}: {v}" for k, v in env.items()]
     lines += ["", "## Overall", "",
-              "| method | tokens/s | speedup | acceptance | tokens/pass | theoretical | efficiency | drafting / verifying / other | mismatches |",
-              "|---|---|---|---|---|---|---|---|---|"]
+              "| method | tokens/s | speedup | acceptance | nodes/round | accepted/round | tokens/pass | theoretical "
+              "| efficiency | drafting / verifying / other | mismatches |",
+              "|---|---|---|---|---|---|---|---|---|---|---|"]
     for m in methods:
         o = dict(summary[m]["overall"])
         if not o.get("drafted"):  # plain decoding and peers: no speculation figures
-            for key in ("acceptance_rate", "tokens_per_pass", "theoretical_speedup", "efficiency"):
+            for key in ("acceptance_rate", "tokens_per_pass", "theoretical_speedup", "efficiency", "nodes_per_round",
+                        "accepted_per_round"):
                 o[key] = None
         split = o.get("time_split")
         split_s = " / ".join(f"{split[k]:.0%}" for k in ("drafting", "verifying", "other")) if split else "-"
         lines.append(
             f"| {m} | {o['tokens_per_second']:.1f} | {_fmt(o['speedup'], '.2f', 'x')} | {_fmt(o.get('acceptance_rate'))} "
-            f"| {_fmt(o.get('tokens_per_pass'))} | {_fmt(o.get('theoretical_speedup'), '.2f', 'x')} "
+            f"| {_fmt(o.get('nodes_per_round'))} | {_fmt(o.get('accepted_per_round'))} | {_fmt(o.get('tokens_per_pass'))} | {_fmt(o.get('theoretical_speedup'), '.2f', 'x')} "
             f"| {_fmt(o.get('efficiency'), '.0%')} | {split_s} | {o['mismatches']} |"
         )
     lines += ["", "## Speedup over plain decoding by category", "",

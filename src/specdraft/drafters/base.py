@@ -78,6 +78,12 @@ class Drafter(ABC):
 
     #: Set by the registry: the name the drafter was created under, and its plugin.
     name: str = ""
+
+    @property
+    def tree_budget(self) -> int:
+        """The most nodes this drafter proposes per round (its ``tree_budget`` option, if it has
+        one; 1: chains only). Above 1 the engine sets ``ctx.tree_budget`` each round, up to this."""
+        return int(getattr(getattr(self, "options", None), "tree_budget", 1) or 1)
     plugin: str = ""
 
     def __init__(self, options: BaseModel, target: TargetInfo) -> None:

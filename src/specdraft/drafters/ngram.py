@@ -5,10 +5,11 @@ from __future__ import annotations
 from collections import deque
 from typing import Iterable, Sequence
 
-from pydantic import BaseModel, ConfigDict, Field, model_validator
+from pydantic import ConfigDict, Field, model_validator
 
 from ..types import Draft, DraftContext
 from .base import Drafter, row_ids
+from .tree import TreeOptions, tree_draft, trie
 
 FNV_OFFSET_BASIS = 0xCBF29CE484222325
 FNV_PRIME = 0x100000001B3
@@ -90,9 +91,33 @@ class NGramPredictor:
                 return entry[1]
         return None
 
-    def predict(self, k: int) -> list[int]:
-        """Chain up to ``k`` predictions, each appended to the context of the next."""
-        context = list(self.history)[-self.max_context:]
+    def top_next(self, context: Sequence[int], width: int) -> list[int]:
+        """Up to ``width`` continuations of ``context``, best first: the longest matching
+        context's most frequent ones (its best first), then shorter contexts' for the rest.
+
+        >>> p = NGramPredictor()
+        >>> p.extend([5, 6, 7, 5, 6, 8, 5, 6, 8, 1, 6, 9])
+        >>> p.top_next([5, 6], 3)
+        [8, 7, 9]
+        """
+        out: list[int] = []
+        for order, table in self.tables.items():
+            n = order - 1
+            if len(context) < n:
+                continue
+            entry = table.get(fnv1a_64(context[len(context) - n:]))
+            if entry is None:
+                continue
+            ranked = sorted(entry[0], key=lambda t: (t != entry[1], -entry[0][t]))
+            out += [t for t in ranked if t not in out][: width - len(out)]
+            if len(out) >= width:
+                break
+        return out
+
+    def predict(self, k: int, context: Sequence[int] | None = None) -> list[int]:
+        """Chain up to ``k`` predictions, each appended to the context of the next (after the
+        history, or after ``context``)."""
+        context = list(self.history if context is None else context)[-self.max_context:]
         out: list[int] = []
         for _ in range(k):
             token = self.predict_next(context)
@@ -103,16 +128,31 @@ class NGramPredictor:
         return out
 
 
+def ngram_tree(predictor: NGramPredictor, k: int, budget: int, width: int) -> list[tuple[int, int]]:
+    """The chained prediction, plus at each of its levels the runner-up continuations, each
+    followed by its own chained prediction: ``(parent, token)`` nodes, at most ``budget``."""
+    history = list(predictor.history)
+    main = predictor.predict(k)
+    candidates = [main]
+    for depth in range(len(main)):
+        context = history + main[:depth]
+        for token in predictor.top_next(context, width)[1:]:
+            rest = predictor.predict(k - depth - 1, context + [token]) if depth + 1 < k else []
+            candidates.append(main[:depth] + [token] + rest)
+    return trie(candidates, budget)
+
+
 class NGramDrafter(Drafter):
     """Drafts by chaining an :class:`NGramPredictor` seeded with the prompt.
 
     Each sequence has its own predictor; it is fed the prompt on first sight and then every
-    accepted token (including the target's correction/bonus token) before each proposal.
+    accepted token (including the target's correction/bonus token) before each proposal. With
+    ``tree_budget`` > 1 the runner-up continuations at each level branch off (:func:`ngram_tree`).
     """
 
     api_version = 2
 
-    class Options(BaseModel):
+    class Options(TreeOptions):
         model_config = ConfigDict(extra="forbid")
         min_order: int = Field(2, ge=2, description="shortest n-gram (context of n-1 tokens)")
         max_order: int = Field(4, ge=2, le=8, description="longest n-gram")
@@ -140,6 +180,11 @@ class NGramDrafter(Drafter):
         return predictor
 
     def propose(self, ctx: DraftContext, k: int) -> Draft:
+        if ctx.tree_budget > 1:  # the runner-up continuations as branches
+            o = self.options
+            trees = [ngram_tree(self._sync(seq_id, tokens), k, ctx.tree_budget, o.tree_width) if ctx.active[b] else []
+                     for b, (seq_id, tokens) in enumerate(zip(row_ids(ctx), ctx.token_ids))]
+            return tree_draft(trees, device=ctx.device)
         rows = [
             self._sync(seq_id, tokens).predict(k) if ctx.active[b] else []
             for b, (seq_id, tokens) in enumerate(zip(row_ids(ctx), ctx.token_ids))

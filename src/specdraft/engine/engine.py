@@ -28,7 +28,8 @@ from ..errors import DrafterError, QueueFull, SpecdraftError
 from ..sampling import RowSampling, TokenCounts, greedy_tokens, logits_to_probs
 from ..types import DraftContext, TargetInfo
 from .policy import AdaptiveDraftLength
-from .rejection import greedy_accept, rejection_sample
+from .rejection import (first_chain, greedy_accept, greedy_tree_accept, rejection_sample, tree_ancestors,
+                        tree_rejection_sample)
 from .sequence import Sequence, Status, mix_seed
 from .verify import DEBUG, check_draft
 
@@ -151,45 +152,78 @@ class Engine:
         caps = [min(self.spec_length if s.fixed_draft_length else want, s.max_new_tokens - len(s.new_tokens) - 1,
                     s.max_len - len(s.tokens)) for s in batch]
         k = max(caps)
+        ctx.tree_budget = self._tree_budget(policy, batch, k)
         if ctx.sampling.penalized:  # the penalties' context, shared by the drafter and the verify pass
             ctx.counts = TokenCounts.of(ctx.token_ids, ctx.prompt_lengths, target.vocab_size, device)
+        tree = None  # (parents, valid, ancestors, depths) when the draft is a tree
         if k > 0:
             draft = self._call("propose", ctx, k)
-            ids, lengths, probs = check_draft(draft, len(rows), k, target.vocab_size, self._label, device,
-                                              full=self.validate_drafts)
+            ids, lengths, probs, parents = check_draft(draft, len(rows), k, target.vocab_size, self._label, device,
+                                                       full=self.validate_drafts)
             if len(rows) != len(batch) or index != list(range(len(batch))):  # finished wave rows
                 pick = torch.tensor(index, device=device)
-                ids, lengths, probs = ids[pick], lengths[pick], None if probs is None else probs[pick]
-            lengths = torch.minimum(lengths, torch.tensor(caps, device=device))
-            # no wider a pass than the longest draft: free to know on a CPU, a copy on a GPU
-            width = int(lengths.max()) if lengths.device.type == "cpu" else ids.shape[1]
+                ids, lengths = ids[pick], lengths[pick]
+                probs = None if probs is None else probs[pick]
+                parents = None if parents is None else parents[pick]
+            caps_t = torch.tensor(caps, device=device)
+            if parents is not None and ids.shape[1] == 0:  # an empty tree is an empty chain
+                parents = None
+            if parents is not None:
+                ancestors, valid, depths = tree_ancestors(parents, lengths, max_depth=caps_t)
+                if not getattr(runner, "supports_tree", False):  # verify its first chain instead
+                    ids, lengths, probs = first_chain(ids, parents, valid, probs)
+                    parents = None
+            if parents is None:
+                lengths = torch.minimum(lengths, caps_t)
+                used = lengths
+            else:
+                used = torch.where(valid, torch.arange(ids.shape[1], device=device) + 1, 0).max(1).values
+            # no wider a pass than the largest draft: free to know on a CPU, a copy on a GPU
+            width = int(used.max()) if used.device.type == "cpu" and used.numel() else ids.shape[1]
             ids = ids[:, :width]
             probs = probs[:, :width] if probs is not None else None
+            if parents is not None:
+                lengths = valid[:, :width].sum(1)
+                if width:  # else nothing valid was drafted: a plain step
+                    tree = (parents[:, :width], valid[:, :width], ancestors[:, : width + 1, : width + 1],
+                            depths[:, :width])
         else:
             ids = torch.zeros((len(batch), 0), dtype=torch.long, device=device)
             lengths = torch.zeros(len(batch), dtype=torch.long, device=device)
             probs = None
+        width = ids.shape[1]
         t1 = now()
 
         last = torch.tensor([[s.tokens[-1]] for s in batch], device=device)  # [batch, 1]
-        logits, hidden = runner.forward(torch.cat([last, ids], dim=1), hidden=self.wants_hidden,
-                                        slots=[s.slot for s in batch])
-        # logits [batch, k'+1, vocab], hidden [batch, k'+1, dim] | None
-        counts = ctx.counts.select(torch.tensor(index)).along(ids) if ctx.counts is not None else None
-        num_accepted, next_token = self._accept(batch, ids, lengths, probs, logits, counts)
-        # the round's one copy to the host: [accepted, next token, drafted, drafts...] per row
-        summary = torch.cat([num_accepted[:, None], next_token[:, None], lengths[:, None], ids], dim=1).tolist()
+        slots = [s.slot for s in batch]
+        runner.reserve(max(s.cached for s in batch) + width + 1)
+        shape = {} if tree is None else {"tree_mask": tree[2],
+                                         "depths": torch.cat([torch.zeros_like(last), tree[3]], 1)}
+        logits, hidden = runner.forward(torch.cat([last, ids], dim=1), hidden=self.wants_hidden, slots=slots, **shape)
+        # logits [batch, width+1, vocab], hidden [batch, width+1, dim] | None
+        counts = None
+        if ctx.counts is not None:
+            mine = ctx.counts.select(torch.tensor(index))
+            counts = mine.along(ids) if tree is None else mine.along_tree(ids, tree[2])
+        num_accepted, next_token, path = self._accept(batch, ids, lengths, probs, logits, counts, tree)
+        depth = lengths if tree is None else tree[3].max(1).values
+        kept = ids.gather(1, path.clamp(max=max(width - 1, 0))) if width else path  # the accepted tokens
+        # the round's one copy to the host: [accepted, next token, drafted, depth, path..., tokens...] per row
+        summary = torch.cat([num_accepted[:, None], next_token[:, None], lengths[:, None], depth[:, None], path, kept],
+                            dim=1).tolist()
         t2 = now()
 
         committed, accepted, drafted = [0] * len(rows), [0] * len(rows), [0] * len(rows)
-        finished = []
+        paths: list[list[int]] = [[] for _ in rows]
+        finished, moves = [], []
         for b, s in enumerate(batch):
-            n, token, d, *drafts = summary[b]
+            n, token, d, levels = summary[b][:4]
+            chosen, tokens = summary[b][4 : 4 + width][:n], summary[b][4 + width :][:n]
             r = index[b]
-            accepted[r], drafted[r] = n, d
-            before = len(s.tokens)
-            s.stats.record_round(d, n)
-            for token in drafts[:n] + [token]:
+            accepted[r], drafted[r], paths[r] = n, d, chosen
+            before, start = len(s.tokens), s.cached
+            s.stats.record_round(d, n, levels)
+            for token in tokens + [token]:
                 s.tokens.append(token)
                 reason = self._finish_reason(s, token)
                 if reason:
@@ -198,19 +232,28 @@ class Engine:
                     break
             s.cached = len(s.tokens) - 1
             committed[r] = len(s.tokens) - before
+            if s.finish_reason is None and chosen != list(range(n)):  # a branch off the first-drafted line
+                moves.append((s.slot, [start + 1 + j for j in chosen], [start + 1 + m for m in range(n)]))
         live = [s for s in batch if s.finish_reason is None]
+        if moves:
+            self._keep_paths(moves)
         if live:
             runner.set_lengths([s.cached for s in live], slots=[s.slot for s in live])
         if policy is not None:
-            policy.observe(int(ids.shape[1]) + 1, t2 - t1, [summary[b][2] for b in range(len(batch))],
+            tree_round = {"budget": ctx.tree_budget} if getattr(self.drafter, "tree_budget", 1) > 1 else {}
+            policy.observe(width + 1, t2 - t1, [summary[b][3] for b in range(len(batch))],
                            [summary[b][0] for b in range(len(batch))],
-                           draft_seconds=(t1 - t0) if self._drafted_last and k > 0 else None)
+                           draft_seconds=(t1 - t0) if self._drafted_last and k > 0 else None, **tree_round)
         self._drafted_last = k > 0
         ctx.num_verified = drafted
+        ctx.accepted_nodes = paths
         if self.wants_hidden:  # the states of the positions whose next token is now known
             states = [None] * len(rows)
             for b in range(len(batch)):
-                states[index[b]] = hidden[b, : committed[index[b]]] if hidden is not None else None
+                r = index[b]
+                if hidden is not None:
+                    at = torch.tensor([0] + [j + 1 for j in paths[r]][: committed[r] - 1], device=device)
+                    states[r] = hidden[b, at]
             self._hand_hidden(ctx, states)
         self._call("on_verified", ctx, [a if d else 0 for a, d in zip(accepted, drafted)])
         t3 = now()
@@ -221,33 +264,77 @@ class Engine:
         for s in finished:
             self._retire(s)
 
-    def _accept(self, batch, ids, lengths, probs, logits, counts):
-        """Each sequence's accepted count and next token ``# [batch]``: greedy rows together,
-        sampled rows one by one with their own settings and generator (float32 or wider)."""
+    def _keep_paths(self, moves: list[tuple[int, list[int], list[int]]]) -> None:
+        """Move each tree's accepted path into place in the target's cache: ``(slot, from, to)`` positions."""
+        width = max(len(src) for _, src, _ in moves)
+
+        def tail(dst: list[int]) -> list[int]:  # padding: positions moved onto themselves
+            return [dst[-1] + 1 + m for m in range(width - len(dst))]
+
+        src = [a + tail(b) for _, a, b in moves]
+        dst = [b + tail(b) for _, _, b in moves]
+        device = self.target.device
+        self.runner.move(torch.tensor(src, device=device), torch.tensor(dst, device=device), slots=[m[0] for m in moves])
+
+    def _tree_budget(self, policy, batch, k: int) -> int:
+        """Nodes the drafter may propose this round (``ctx.tree_budget``; 1 for a chain): the
+        drafter's own ``tree_budget`` option, or what the policy finds pays at this batch size."""
+        most = int(getattr(self.drafter, "tree_budget", 1) or 1)
+        if most <= 1 or k <= 0 or not getattr(self.runner, "supports_tree", False):
+            return 1
+        if policy is None or any(s.fixed_draft_length for s in batch):
+            return most
+        return policy.choose_budget(most, k)
+
+    def _accept(self, batch, ids, lengths, probs, logits, counts, tree=None):
+        """Each sequence's accepted count, next token and accepted nodes ``# [batch], [batch],
+        [batch, width]``: greedy rows together, sampled rows one by one with their own settings and
+        generator (float32 or wider). ``tree``: the draft is a tree (see :meth:`_round`)."""
         device = logits.device
+        batch_size, width = ids.shape
         params = RowSampling(s.sampling for s in batch)
         greedy = [b for b, s in enumerate(batch) if s.sampling.greedy]
+        chain = torch.arange(width, device=device).expand(batch_size, width)
+
+        def greedy_rows(rows: list[int] | None):
+            pick = slice(None) if rows is None else torch.tensor(rows, device=device)
+            wanted = greedy_tokens(logits[pick], params if rows is None else RowSampling(params[b] for b in rows),
+                                   None if counts is None else counts.select(pick))
+            if tree is None:
+                n, t = greedy_accept(ids[pick], lengths[pick], wanted)
+                return n, t, chain[pick]
+            return greedy_tree_accept(ids[pick], tree[0][pick], tree[1][pick], wanted)
+
         if len(greedy) == len(batch):
-            return greedy_accept(ids, lengths, greedy_tokens(logits, params, counts))
-        num_accepted = torch.zeros(len(batch), dtype=torch.long, device=device)
-        next_token = torch.zeros(len(batch), dtype=torch.long, device=device)
+            return greedy_rows(None)
+        num_accepted = torch.zeros(batch_size, dtype=torch.long, device=device)
+        next_token = torch.zeros(batch_size, dtype=torch.long, device=device)
+        path = torch.full((batch_size, width), width, dtype=torch.long, device=device)
         if greedy:
             g = torch.tensor(greedy, device=device)
-            n, t = greedy_accept(ids[g], lengths[g], greedy_tokens(logits[g], RowSampling(params[b] for b in greedy),
-                                                                   None if counts is None else counts.select(g)))
-            num_accepted[g], next_token[g] = n, t
+            num_accepted[g], next_token[g], path[g] = greedy_rows(greedy)
         drafted = lengths.tolist()
         for b, s in enumerate(batch):
             if s.sampling.greedy:
+                continue
+            generator = s.generator(1, device)
+            if tree is not None:  # the row's own valid nodes only: its draws do not depend on the pass's width
+                row_counts = None if counts is None else counts.select(slice(b, b + 1))
+                target_probs = logits_to_probs(logits[b : b + 1], s.sampling, row_counts)[0]
+                nodes, t = tree_rejection_sample(ids[b], tree[0][b], tree[1][b], None if probs is None else probs[b],
+                                                 target_probs, generator)
+                num_accepted[b], next_token[b] = len(nodes), t
+                path[b, : len(nodes)] = torch.tensor(nodes, dtype=torch.long)
                 continue
             d = drafted[b]  # the row's own draft only: its random draws do not depend on the pass's width
             row_counts = None if counts is None else TokenCounts(counts.in_context[b : b + 1, : d + 1],
                                                                  counts.in_output[b : b + 1, : d + 1])
             target_probs = logits_to_probs(logits[b : b + 1, : d + 1], s.sampling, row_counts)
             n, t = rejection_sample(ids[b : b + 1, :d], lengths[b : b + 1], None if probs is None else probs[b : b + 1, :d],
-                                    target_probs, s.generator(1, device))
+                                    target_probs, generator)
             num_accepted[b], next_token[b] = n[0], t[0]
-        return num_accepted, next_token
+            path[b] = chain[b]
+        return num_accepted, next_token, path
 
     # -- scheduling -----------------------------------------------------------------------
 

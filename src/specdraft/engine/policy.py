@@ -34,6 +34,13 @@ costs measured while another process loaded the machine once made every verify w
 dear for good, and a long-running process never drafted again.
 With ``measure_costs=False`` (seeded sampling) only the prior cost curve is used, which
 keeps the draft lengths, and so the output, a function of the seed alone.
+
+Tree drafters (``tree_budget`` > 1) also get a node budget per round (:meth:`choose_budget`):
+1 (a chain of ``k``) or a power of two up to the drafter's budget, whichever gives the most
+tokens per round for the cost of its verify width (``budget + 1`` tokens, measured as above):
+on this CPU a 17-token pass costs far more than a 5-token one, on a GPU about the same. Tokens
+per round are the median of each budget's last rounds; a budget tried fewer than
+``TRUSTED`` times, or not for ``STALE`` rounds, is tried next.
 """
 
 from __future__ import annotations
@@ -66,6 +73,8 @@ class AdaptiveDraftLength:
         self.draft_seconds: deque[float] = deque(maxlen=9)
         self.rounds = 0  # rounds observed (the policy's clock)
         self.measured_at: dict[int | str, int] = {}  # width, or "draft" -> round of its last measurement
+        self.budget_tokens: dict[int, deque[float]] = {}  # tree budget -> tokens per round, last rounds
+        self.budget_at: dict[int, int] = {}  # tree budget -> round it was last used
 
     def reset_acceptance(self) -> None:
         """Forget acceptance statistics (kept costs are still valid)."""
@@ -139,13 +148,34 @@ class AdaptiveDraftLength:
                 best_k, best = k, score
         return best_k
 
+    def choose_budget(self, most: int, k: int) -> int:
+        """The tree budget for a round drafting ``k`` levels: 1 (a chain) or a power of two up to
+        ``most``, by tokens per round over the relative cost of its verify pass (and drafting)."""
+        candidates = [1] + [b for b in (2 ** i for i in range(1, 8)) if b < most] + [most]
+        for budget in candidates:  # each is tried until its figure is trusted, and again when stale
+            tried = self.budget_tokens.get(budget, ())
+            if len(tried) < self.TRUSTED or self.rounds - self.budget_at.get(budget, self.rounds) > self.STALE:
+                return budget
+        per_draft = self.draft_cost()
+
+        def score(budget: int) -> float:
+            nodes = k if budget == 1 else budget
+            return median(self.budget_tokens[budget]) / (k * per_draft + self.relative_cost(nodes + 1))
+
+        return max(candidates, key=score)
+
     def observe(self, width: int, seconds: float, drafted: Sequence[int], accepted: Sequence[int],
-                draft_seconds: float | None = None) -> None:
+                draft_seconds: float | None = None, budget: int | None = None) -> None:
         """Record one round: a verify pass of ``width`` tokens taking ``seconds``, per-row drafted
         and accepted counts, and the time spent drafting (``width - 1`` tokens; None = not a
         sample of the per-token cost, as for a round whose drafter prefilled the prompt or
-        caught up on tokens emitted by plain steps)."""
+        caught up on tokens emitted by plain steps). ``drafted`` counts a tree's levels; ``budget``:
+        the round's tree budget (None: not a tree round)."""
         self.rounds += 1
+        if budget is not None and any(drafted):
+            tokens = [a + 1 for d, a in zip(drafted, accepted) if d]
+            self.budget_tokens.setdefault(budget, deque(maxlen=2 * self.cost_window)).append(sum(tokens) / len(tokens))
+            self.budget_at[budget] = self.rounds
         times = self.seconds.setdefault(width, deque(maxlen=self.cost_window))
         if self._stale(width):  # measured under other conditions (another process, say): start over
             times.clear()

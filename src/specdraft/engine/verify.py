@@ -44,9 +44,11 @@ DEBUG = os.environ.get("SPECDRAFT_DEBUG", "") not in ("", "0")
 def check_draft(draft: Any, batch: int, k: int, vocab: int, who: str, device: torch.device, full: bool = True):
     """Validate a drafter's output against the :class:`Draft` contract.
 
-    Returns ``(token_ids # [batch, k'], lengths # [batch], probs # [batch, k', vocab] | None)``
-    on ``device``; raises :class:`DrafterError` naming ``who`` on any violation. Without ``full``
-    only types and shapes are checked (nothing is copied from the device): what the hot path does.
+    Returns ``(token_ids # [batch, n], lengths # [batch], probs # [batch, n, vocab] | None,
+    parents # [batch, n] | None)`` on ``device`` (``parents`` None: a chain); raises
+    :class:`DrafterError` naming ``who`` on any violation. Without ``full`` only types and shapes
+    are checked (nothing is copied from the device): what the hot path does; a tree's malformed
+    nodes are then dropped (:func:`~specdraft.engine.rejection.tree_structure`) instead of reported.
     """
 
     def bad(msg: str) -> DrafterError:
@@ -57,7 +59,14 @@ def check_draft(draft: Any, batch: int, k: int, vocab: int, who: str, device: to
     ids = draft.token_ids
     if not isinstance(ids, torch.Tensor) or ids.dim() != 2 or ids.dtype not in (torch.int64, torch.int32):
         raise bad("token_ids must be an integer tensor of shape [batch, k']")
-    if ids.shape[0] != batch or ids.shape[1] > k:
+    parents = draft.parents
+    if parents is not None:
+        if not isinstance(parents, torch.Tensor) or parents.dtype not in (torch.int64, torch.int32):
+            raise bad("parents must be an integer tensor of shape [batch, n] (or None for a chain)")
+        if parents.shape != ids.shape:
+            raise bad(f"parents has shape {tuple(parents.shape)}, expected token_ids' {tuple(ids.shape)}")
+        parents = parents.to(device=device, dtype=torch.long)
+    if ids.shape[0] != batch or (parents is None and ids.shape[1] > k):
         raise bad(f"token_ids has shape {tuple(ids.shape)}, expected [{batch}, <= {k}]")
     ids = ids.to(device=device, dtype=torch.long)
     width = ids.shape[1]
@@ -76,10 +85,23 @@ def check_draft(draft: Any, batch: int, k: int, vocab: int, who: str, device: to
         probs = probs.to(device)
     if not full:  # on the device, without a copy: a draft stops before its first id outside the vocabulary
         valid_ids = ((ids >= 0) & (ids < vocab)).long().cumprod(dim=1).sum(dim=1)  # [batch]
-        return ids.clamp(0, vocab - 1), torch.minimum(lengths.clamp(0, width), valid_ids), probs
+        return ids.clamp(0, vocab - 1), torch.minimum(lengths.clamp(0, width), valid_ids), probs, parents
     if bool((lengths < 0).any()) or bool((lengths > width).any()):
         raise bad(f"lengths must be [batch] with values in 0..{width}")
     valid = torch.arange(width, device=device) < lengths[:, None]  # [batch, k']
+    if parents is not None:
+        columns = torch.arange(width, device=device)
+        wrong = valid & ((parents < -1) | (parents >= columns))
+        if bool(wrong.any()):
+            b, i = (int(x) for x in wrong.nonzero()[0])
+            raise bad(f"parents[{b}, {i}] is {int(parents[b, i])}; a node's parent must be -1 (the last committed "
+                      f"token) or an earlier node (0..{i - 1})")
+        from .rejection import tree_structure
+
+        depths, _ = tree_structure(parents, lengths)
+        deepest = int(depths.max()) if depths.numel() else 0
+        if deepest > k:
+            raise bad(f"the tree is {deepest} levels deep; at most k = {k} (the draft length asked for)")
     real = ids[valid]
     if real.numel() and (int(real.min()) < 0 or int(real.max()) >= vocab):
         raise bad(f"token ids must lie in [0, {vocab}); got {int(real.min())}..{int(real.max())}")
@@ -93,4 +115,4 @@ def check_draft(draft: Any, batch: int, k: int, vocab: int, who: str, device: to
                 raise bad(f"each probs row must sum to 1 (got sums from {float(sums.min()):.4f} to {float(sums.max()):.4f})")
             if bool((rows.gather(1, real[:, None]) <= 0).any()):
                 raise bad("a drafted token has probability 0 under its own draft distribution")
-    return ids, lengths, probs
+    return ids, lengths, probs, parents

@@ -77,6 +77,14 @@ class KVCache:
         """Empty ``rows`` (all slots when None), e.g. to give a slot to a new sequence."""
         self.set_lengths(0, rows)
 
+    def move(self, rows: torch.Tensor | None, src: torch.Tensor, dst: torch.Tensor) -> None:
+        """Copy every layer's entries at positions ``src # [B, P]`` to ``dst # [B, P]`` of ``rows``
+        (all slots when None): one gather and one scatter per buffer. Keeps a tree's accepted path
+        (pad with ``src == dst``); lengths are left alone."""
+        slot = (torch.arange(self.slots, device=self.device) if rows is None else rows)[:, None]  # [B, 1]
+        for buf in self.keys + self.values:
+            buf[slot, :, dst] = buf[slot, :, src]  # the gather copies first: overlapping ranges are fine
+
     # -- one layer's write and read ---------------------------------------------------------
 
     def update(self, layer: int, rows: torch.Tensor | None, positions: torch.Tensor, keys: torch.Tensor,
@@ -109,15 +117,20 @@ def pass_positions(starts: torch.Tensor, width: int) -> torch.Tensor:
 
 
 def attention_mask(starts: torch.Tensor, width: int, max_len: int, tree_mask: torch.Tensor | None = None,
-                   window: int | None = None) -> torch.Tensor:
+                   window: int | None = None, depths: torch.Tensor | None = None) -> torch.Tensor:
     """Which cache positions each token of a pass may attend to.  # [B, 1, W, max_len] bool
 
     ``starts # [B]``: each row's length before the pass (its tokens sit at ``starts + 0..W-1``).
     A token sees every committed position (``< starts``) and, among the pass's own tokens, those
-    at or before it (causal) or, with ``tree_mask # [B, W, W]`` bool, those ``tree_mask[b, i]``
-    marks (a token always sees itself). ``window``: a sliding window of that many positions
-    (the query's own included), as Mistral's ``sliding_window``; keys older than that are hidden.
-    Positions past the pass are never visible, whatever they hold.
+    at or before it (causal), or as ``tree_mask`` says.
+
+    ``tree_mask # [B, W, P]`` bool, ``P >= W``: visibility among the last ``P`` positions up to the
+    pass's end, ``starts + W - P .. starts + W - 1`` (the pass's own ``W`` tokens are the last ``W``
+    columns; the ``P - W`` before them are tree nodes stored by earlier passes, e.g. a drafter
+    growing a tree level by level); positions before those are committed and always visible, and
+    a token always sees itself. ``window``: a sliding window of that many positions (the query's
+    own included), as Mistral's ``sliding_window``, measured from each query's position
+    (``starts + depths`` in a tree, else its index). Positions past the pass are never visible.
 
     Example: ``starts=[0, 2]``, ``width=2``, ``max_len=5`` gives rows ``[[1,0,0,0,0], [1,1,0,0,0]]``
     for the first sequence and ``[[1,1,1,0,0], [1,1,1,1,0]]`` for the second.
@@ -128,11 +141,14 @@ def attention_mask(starts: torch.Tensor, width: int, max_len: int, tree_mask: to
     if tree_mask is None:
         visible = cols[None, None, :] <= query_pos[:, :, None]  # [B, W, L]
     else:
-        offset = cols[None, :] - starts[:, None]  # [B, L]: index of each position within the pass
-        in_pass = (offset >= 0) & (offset < width)  # [B, L]
-        own = tree_mask | torch.eye(width, dtype=torch.bool, device=device)  # [B, W, W]
-        index = offset.clamp(0, width - 1)[:, None, :].expand(-1, width, -1)  # [B, W, L]
-        visible = (offset < 0)[:, None, :] | (in_pass[:, None, :] & own.gather(2, index))  # [B, W, L]
+        span = tree_mask.shape[-1]
+        offset = cols[None, :] - (starts[:, None] + width - span)  # [B, L]: column of each position
+        in_tree = (offset >= 0) & (offset < span)  # [B, L]
+        own = tree_mask.clone()
+        own[:, torch.arange(width, device=device), torch.arange(span - width, span, device=device)] = True
+        index = offset.clamp(0, span - 1)[:, None, :].expand(-1, width, -1)  # [B, W, L]
+        visible = (offset < 0)[:, None, :] | (in_tree[:, None, :] & own.gather(2, index))  # [B, W, L]
     if window is not None:
-        visible = visible & (cols[None, None, :] > query_pos[:, :, None] - window)
+        logical = query_pos if depths is None else starts[:, None] + depths
+        visible = visible & (cols[None, None, :] > logical[:, :, None] - window)
     return visible[:, None]  # [B, 1, W, L]: one mask for every head

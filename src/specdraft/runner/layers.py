@@ -22,7 +22,7 @@ from torch import nn
 from .cache import KVCache
 from .convert import ARCHITECTURES, block_weights, config_args, placement_reason
 from .model import ModelArgs, TransformerBlock, rope_inv_freq, run_block, run_blocks
-from .runner import WIDTH_BUCKETS, ModelRunner, _as_lengths, width_bucket
+from .runner import WIDTH_BUCKETS, ModelRunner, _as_lengths, _tree_kwargs, pad_tree, width_bucket
 
 
 class LayerStack(nn.Module):
@@ -55,12 +55,14 @@ class LayerStack(nn.Module):
         return KVCache(a.n_layers, slots, a.n_kv_heads, max_len, a.head_dim, self.dtype, self.device)
 
     def forward(self, x: torch.Tensor, cache: KVCache, advance: torch.Tensor | None = None,
-                rows: torch.Tensor | None = None) -> torch.Tensor:
+                rows: torch.Tensor | None = None, tree_mask: torch.Tensor | None = None,
+                depths: torch.Tensor | None = None) -> torch.Tensor:
         """``x # [B, W, dim]`` after each row's stored positions (the cache slots ``rows # [B]``;
         None: every slot, in order) -> the last block's output ``[B, W, dim]``. Lengths grow by
-        ``W``, or by ``advance # [B]``."""
-        out = run_blocks(self.layers, x, cache, rows, self.rope_inv_freq, self.args.sliding_window,
-                         block_fn=self.block_fn)
+        ``W``, or by ``advance # [B]``. ``tree_mask``, ``depths``: a tree, as for
+        :meth:`~specdraft.runner.model.SpecdraftModel.forward`."""
+        out = run_blocks(self.layers, x, cache, rows, self.rope_inv_freq, self.args.sliding_window, tree_mask,
+                         self.block_fn, None, depths)
         cache.advance(rows, x.shape[1] if advance is None else advance)
         return out
 
@@ -80,12 +82,14 @@ class LayerRunner(ModelRunner):
     def cuda_graphs(self) -> bool:
         return False
 
-    def forward(self, x: torch.Tensor, advance=None, slots=None) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, advance=None, slots=None, tree_mask: torch.Tensor | None = None,
+                depths: torch.Tensor | None = None) -> torch.Tensor:
         """Run ``x # [rows, W, dim]`` (the stack's dtype and device) after each row's stored positions.
 
         Returns the last block's output ``[rows, W, dim]``. Each row's length grows by ``W``, or
         by ``advance[b]`` (a list or long tensor ``[rows]``) when rows carry padding. ``slots``:
         the cache rows the pass runs on (default: every row, in order), as for a model runner.
+        ``tree_mask # [rows, W, P]`` and ``depths # [rows, W]``: a tree (see ``ModelRunner.forward``).
         """
         rows, width, dim = x.shape
         if advance is not None:
@@ -93,17 +97,19 @@ class LayerRunner(ModelRunner):
         slots = self._slots(slots, rows)
         rows_t = None if slots is None else _as_lengths(slots, x.device)
         bucket = width_bucket(width) if self.compiled else None
+        tree = None if tree_mask is None else (tree_mask, depths)
         if bucket is None:  # eager: any width
-            return self.model(x, self.cache, advance=advance, rows=rows_t)
+            return self.model(x, self.cache, advance=advance, rows=rows_t, **_tree_kwargs(tree))
         if bucket > width:  # pad; the padding's keys land past each row's new length
             x = torch.cat([x, x.new_zeros(rows, bucket - width, dim)], dim=1)
             if advance is None:
                 advance = torch.full((rows,), width, dtype=torch.long, device=x.device)
-        key = (rows, bucket, advance is None, rows_t is None)
+            tree = pad_tree(tree, bucket - width)
+        key = (rows, bucket, advance is None, rows_t is None, None if tree is None else tree[0].shape[-1])
         start = None if key in self._seen else time.perf_counter()
         self.model.block_fn = self._compiled_block
         try:
-            out = self.model(x, self.cache, advance=advance, rows=rows_t)
+            out = self.model(x, self.cache, advance=advance, rows=rows_t, **_tree_kwargs(tree))
         finally:
             self.model.block_fn = run_block
         if start is not None:

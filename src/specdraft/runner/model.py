@@ -192,7 +192,7 @@ def run_block(block: nn.Module, *args) -> torch.Tensor:
 
 def run_blocks(blocks, x: torch.Tensor, cache: KVCache, rows: torch.Tensor | None, inv_freq: torch.Tensor,
                window: int | None = None, tree_mask: torch.Tensor | None = None, block_fn=run_block,
-               span: int | None = None) -> torch.Tensor:
+               span: int | None = None, depths: torch.Tensor | None = None) -> torch.Tensor:
     """``x # [B, W, dim]`` through ``blocks`` (layer ``i`` on the cache's buffers ``i``); the cache's
     lengths are left as they were (the caller advances them).  # [B, W, dim]
 
@@ -200,13 +200,16 @@ def run_blocks(blocks, x: torch.Tensor, cache: KVCache, rows: torch.Tensor | Non
     the device; ``block_fn(block, x, ...)`` runs each block (one compiled graph serves them all).
     ``span``: attend over (and write within) the first ``span`` positions of the buffers only, which
     the caller guarantees hold every row's tokens and this pass's (default: all ``max_len``).
+    ``tree_mask`` (see :func:`~specdraft.runner.cache.attention_mask`) and ``depths # [B, W]``: a
+    tree's tokens are stored at ``starts + 0..W-1`` but rotated as at position ``starts + depths``.
     """
     batch, width = x.shape[:2]
     span = cache.max_len if span is None else span
     starts = cache.starts(rows)  # [B]
     positions = pass_positions(starts, width)  # [B, W]
-    mask = attention_mask(starts, width, span, tree_mask, window)  # [B, 1, W, span]
-    cos, sin = rope_tables(inv_freq, positions, x.dtype)  # [B, 1, W, head_dim]
+    mask = attention_mask(starts, width, span, tree_mask, window, depths)  # [B, 1, W, span]
+    rotated = positions if depths is None else starts[:, None] + depths  # [B, W]
+    cos, sin = rope_tables(inv_freq, rotated, x.dtype)  # [B, 1, W, head_dim]
     slot = torch.arange(cache.slots, device=x.device) if rows is None else rows  # [B]
     for i, block in enumerate(blocks):
         keys, values = cache.keys[i][:, :, :span], cache.values[i][:, :, :span]  # views: writes land in the cache
@@ -259,7 +262,7 @@ class SpecdraftModel(nn.Module):
     def forward(self, tokens: torch.Tensor, cache: KVCache, rows: torch.Tensor | None = None,
                 logits_at: torch.Tensor | None = None, return_hidden: bool = False,
                 advance: torch.Tensor | None = None, tree_mask: torch.Tensor | None = None,
-                span: int | None = None) -> ForwardOutput:
+                span: int | None = None, depths: torch.Tensor | None = None) -> ForwardOutput:
         """One pass of ``W`` new tokens per row over the cache.
 
         ``tokens # [B, W]`` long. ``rows # [B]`` long: the cache slots the batch rows use, distinct
@@ -270,13 +273,15 @@ class SpecdraftModel(nn.Module):
 
         ``logits_at # [B, N]`` long: indices into ``0..W-1``; logits only there (``[B, N, vocab]``)
         instead of everywhere (``[B, W, vocab]``). ``return_hidden``: also return the hidden
-        states after the final norm, ``[B, W, dim]``, at every position. ``tree_mask # [B, W, W]``
-        bool: which tokens of the pass each token sees (default causal); positions stay
-        ``lengths + 0..W-1``. ``span``: see :func:`run_blocks`.
+        states after the final norm, ``[B, W, dim]``, at every position. ``tree_mask # [B, W, P]``
+        bool: which tokens of the pass (and of the ``P - W`` positions before it) each token sees
+        (default causal); ``depths # [B, W]``: the tokens' positions are ``lengths + depths``
+        (default ``lengths + 0..W-1``); they are stored at ``lengths + 0..W-1`` either way.
+        ``span``: see :func:`run_blocks`.
         """
         x = self.tok_embeddings(tokens)  # [B, W, dim]
         x = run_blocks(self.layers, x, cache, rows, self.rope_inv_freq, self.args.sliding_window, tree_mask,
-                       self.block_fn, span)
+                       self.block_fn, span, depths)
         hidden = self.norm(x)  # [B, W, dim]
         cache.advance(rows, tokens.shape[1] if advance is None else advance)
         if logits_at is not None:

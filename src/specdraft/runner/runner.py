@@ -174,7 +174,8 @@ class ModelRunner(RunnerBase):
     # -- the forward ---------------------------------------------------------------------
 
     def forward(self, tokens: torch.Tensor, logits_at: torch.Tensor | None = None, hidden: bool = False,
-                advance=None, slots=None) -> tuple[torch.Tensor, torch.Tensor | None]:
+                advance=None, slots=None, tree_mask: torch.Tensor | None = None,
+                depths: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor | None]:
         """Run ``tokens # [rows, W]`` (long, on the device) after each row's stored tokens.
 
         Returns ``(logits, hidden)``: logits ``[rows, W, vocab]``, or ``[rows, N, vocab]`` at the
@@ -183,9 +184,23 @@ class ModelRunner(RunnerBase):
         ``advance[b]`` (a list or long tensor ``[rows]``) when rows carry padding.
         ``slots`` (a list of distinct row indices, one per row of ``tokens``): the cache rows the
         pass runs on (default: every row, in order).
+        ``tree_mask # [B, W, P]`` bool and ``depths # [B, W]`` long: a tree of tokens (see
+        :meth:`SpecdraftModel.forward <specdraft.runner.model.SpecdraftModel.forward>`).
         """
+        tree = None if tree_mask is None else (tree_mask, depths)
         with attention_backends(tokens.device):
-            return self._forward(tokens, logits_at, hidden, advance, self._slots(slots, tokens.shape[0]))
+            return self._forward(tokens, logits_at, hidden, advance, self._slots(slots, tokens.shape[0]), tree)
+
+    #: passes may carry a tree mask (:meth:`forward`) and the cache can keep a path (:meth:`move`)
+    supports_tree = True
+
+    def move(self, src, dst, slots=None) -> None:
+        """Copy each row's cache entries at positions ``src # [B, P]`` to ``dst # [B, P]`` (long
+        tensors; ``slots`` as for :meth:`forward`): what keeps a tree's accepted path. Pad rows
+        with ``src == dst``. Lengths are unchanged (:meth:`set_lengths` after)."""
+        slots = self._slots(slots, src.shape[0])
+        rows = None if slots is None else _as_lengths(slots, self.cache.device)
+        self.cache.move(rows, src.to(self.cache.device), dst.to(self.cache.device))
 
     def _slots(self, slots, rows: int) -> list[int] | None:
         """``slots`` as a list, or None when they are every row of the cache in order (no gather)."""
@@ -196,7 +211,7 @@ class ModelRunner(RunnerBase):
             raise ValueError(f"{len(slots)} slots for a pass of {rows} rows")
         return None if slots == list(range(self.cache.slots)) else slots
 
-    def _forward(self, tokens, logits_at, hidden, advance, slots):
+    def _forward(self, tokens, logits_at, hidden, advance, slots, tree=None):
         rows, width = tokens.shape
         if advance is not None:
             advance = _as_lengths(advance, tokens.device)
@@ -216,19 +231,20 @@ class ModelRunner(RunnerBase):
         if bucket is None:  # eager: any width
             self.model.block_fn = run_block
             out = self.model(tokens, cache, rows=rows_t, logits_at=logits_at, return_hidden=hidden,
-                             advance=advance, span=span)
+                             advance=advance, span=span, **_tree_kwargs(tree))
             return out.logits, out.hidden
         if bucket > width:  # pad; the padding's keys land past each row's new length
             tokens = torch.cat([tokens, tokens.new_zeros(rows, bucket - width)], dim=1)
             if advance is None:
                 advance = torch.full((rows,), width, dtype=torch.long, device=tokens.device)
+            tree = pad_tree(tree, bucket - width)
         key = (rows, bucket, span, None if logits_at is None else tuple(logits_at.shape), hidden, advance is None,
-               rows_t is None, first)
+               rows_t is None, first, None if tree is None else tree[0].shape[-1])
         start = time.perf_counter() if key not in self._seen else None
         if self.cuda_graphs:
-            logits, states = self._replay(key, tokens, logits_at, hidden, advance, span, rows_t, cache)
+            logits, states = self._replay(key, tokens, logits_at, hidden, advance, span, rows_t, cache, tree)
         else:
-            logits, states = self._compiled(tokens, logits_at, hidden, advance, span, rows_t, cache)
+            logits, states = self._compiled(tokens, logits_at, hidden, advance, span, rows_t, cache, tree)
         if start is not None:
             self._seen.add(key)
             self.compile_seconds += time.perf_counter() - start
@@ -238,45 +254,65 @@ class ModelRunner(RunnerBase):
             states = states[:, :width]
         return logits, states
 
-    def _compiled(self, tokens, logits_at, hidden, advance, span, rows=None, cache=None):
+    def _compiled(self, tokens, logits_at, hidden, advance, span, rows=None, cache=None, tree=None):
         self.model.block_fn = self._compiled_block
         try:
-            out = self.model(tokens, self.cache if cache is None else cache, rows=rows, logits_at=logits_at, return_hidden=hidden, advance=advance,
-                             span=span)
+            out = self.model(tokens, self.cache if cache is None else cache, rows=rows, logits_at=logits_at,
+                             return_hidden=hidden, advance=advance, span=span, **_tree_kwargs(tree))
         finally:
             self.model.block_fn = run_block
         return out.logits, out.hidden
 
-    def _replay(self, key, tokens, logits_at, hidden, advance, span, rows, cache):
+    def _replay(self, key, tokens, logits_at, hidden, advance, span, rows, cache, tree=None):
         """The pass as a CUDA graph: captured on first use of ``key``, replayed on static buffers."""
         graph = self._graphs.get(key)
         if graph is None:
-            graph = self._capture(tokens, logits_at, hidden, advance, span, rows, cache)
+            graph = self._capture(tokens, logits_at, hidden, advance, span, rows, cache, tree)
             self._graphs[key] = graph
         cuda_graph, static_in, static_out = graph
-        for buf, value in zip(static_in, (tokens, logits_at, advance, rows)):
+        for buf, value in zip(static_in, (tokens, logits_at, advance, rows) + (tree or (None, None))):
             if buf is not None:
                 buf.copy_(value)
         cuda_graph.replay()
         logits, states = static_out
         return logits.clone(), None if states is None else states.clone()
 
-    def _capture(self, tokens, logits_at, hidden, advance, span, rows, cache):
-        static_in = tuple(None if t is None else t.clone() for t in (tokens, logits_at, advance, rows))
+    def _capture(self, tokens, logits_at, hidden, advance, span, rows, cache, tree=None):
+        static_in = tuple(None if t is None else t.clone()
+                          for t in (tokens, logits_at, advance, rows) + (tree or (None, None)))
+        static_tree = None if tree is None else static_in[4:]
         saved = self.cache.lengths.clone()
         stream = torch.cuda.Stream(self.device)
         stream.wait_stream(torch.cuda.current_stream(self.device))
         with torch.cuda.stream(stream):  # warm up (compiles) outside the capture
             for _ in range(2):
                 self.cache.lengths.copy_(saved)
-                self._compiled(*static_in[:2], hidden, static_in[2], span, static_in[3], cache)
+                self._compiled(*static_in[:2], hidden, static_in[2], span, static_in[3], cache, static_tree)
         torch.cuda.current_stream(self.device).wait_stream(stream)
         self.cache.lengths.copy_(saved)
         cuda_graph = torch.cuda.CUDAGraph()
         with torch.cuda.graph(cuda_graph):
-            static_out = self._compiled(static_in[0], static_in[1], hidden, static_in[2], span, static_in[3], cache)
+            static_out = self._compiled(static_in[0], static_in[1], hidden, static_in[2], span, static_in[3], cache,
+                                        static_tree)
         self.cache.lengths.copy_(saved)  # the capture did not run the pass; the replay will
         return cuda_graph, static_in, static_out
+
+
+def _tree_kwargs(tree) -> dict:
+    return {} if tree is None else {"tree_mask": tree[0], "depths": tree[1]}
+
+
+def pad_tree(tree, extra: int):
+    """``(tree_mask # [B, W, P], depths # [B, W])`` with ``extra`` padding tokens after the pass:
+    they see only what precedes the tree and themselves, and no real token sees them."""
+    if tree is None or extra <= 0:
+        return tree
+    mask, depths = tree
+    rows, width, span = mask.shape
+    padded = mask.new_zeros((rows, width + extra, span + extra))
+    padded[:, :width, :span] = mask
+    more = depths[:, -1:] + torch.arange(1, extra + 1, device=depths.device)
+    return padded, torch.cat([depths, more], dim=1)
 
 
 _THREAD = threading.local()
