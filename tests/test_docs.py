@@ -34,7 +34,7 @@ E2E_MAX_NEW_TOKENS = 8
 _LOADED: dict = {}  # load_target's arguments -> its result, shared by the pages that load a model
 
 
-@pytest.mark.parametrize("command", ["generate", "serve", "bench", "distill", "train-heads", "drafters"])
+@pytest.mark.parametrize("command", ["generate", "serve", "bench-serve", "bench", "distill", "train-heads", "drafters"])
 def test_cli_reference_quotes_the_real_help(command, monkeypatch, capsys):
     monkeypatch.setenv("COLUMNS", "100")
     with pytest.raises(SystemExit):
