@@ -8,6 +8,7 @@ from typing import ClassVar
 from pydantic import BaseModel, ConfigDict, Field
 
 from ..types import Draft, DraftContext, TargetInfo
+from .tree import TreeOptions
 
 
 #: Learnt drafters' default ``min_confidence`` (see :class:`DraftChain`).
@@ -37,6 +38,11 @@ class HeadOptions(LearntDrafterOptions):
     heads: str | None = Field(None, description="folder with heads in specdraft's format (from `specdraft "
                                                 "train-heads`) or a published Medusa / EAGLE layout; default: "
                                                 "the heads shipped for the target, if any")
+
+
+class TreeHeadOptions(HeadOptions, TreeOptions):
+    """The head options plus ``tree_budget`` and ``tree_width``: the heads that draft trees
+    (``eagle``: EAGLE-2's dynamic tree)."""
 
 
 class Drafter(ABC):

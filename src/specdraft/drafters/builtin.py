@@ -12,7 +12,7 @@ from ..hookspecs import hookimpl
 
 @hookimpl
 def register_drafters(register):
-    from .base import HeadOptions
+    from .base import HeadOptions, TreeHeadOptions
     from .draft_model import LLAMA_1B, DraftModelDrafter
     from .ngram import NGramDrafter
     from .none import NoDrafter
@@ -24,5 +24,5 @@ def register_drafters(register):
     register("draft-model", DraftModelDrafter)
     register("llama-1b", DraftModelDrafter, defaults={"model": LLAMA_1B})
     register("medusa", "specdraft.drafters.heads:MedusaDrafter", options=HeadOptions)
-    register("eagle", "specdraft.drafters.heads:EagleDrafter", options=HeadOptions)
+    register("eagle", "specdraft.drafters.heads:EagleDrafter", options=TreeHeadOptions)
     register("mlp-speculator", "specdraft.drafters.heads:MLPSpeculatorDrafter", options=HeadOptions)

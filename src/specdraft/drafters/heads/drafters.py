@@ -19,7 +19,8 @@ import torch
 
 from ...errors import ConfigError
 from ...types import Draft, DraftContext, TargetInfo
-from ..base import DraftChain, Drafter, HeadOptions, SequenceSlots, draw_scored, generators, layer_runner, row_ids
+from ..base import (DraftChain, Drafter, HeadOptions, SequenceSlots, TreeHeadOptions, draw_scored, generators,
+                    layer_runner, row_ids)
 from ..copy_gate import CopyDrafting, drafted_rows
 
 
@@ -141,6 +142,7 @@ class EagleDrafter(HeadDrafter):
     """
 
     kind = "eagle"
+    Options = TreeHeadOptions
 
     def __init__(self, options: HeadOptions, target: TargetInfo) -> None:
         super().__init__(options, target)
@@ -175,11 +177,13 @@ class EagleDrafter(HeadDrafter):
             if h.shape[0]:
                 self._pending[seq_id].append(h)
 
-    def _step(self, features: torch.Tensor, tokens: torch.Tensor, slots: list[int], advance=None) -> torch.Tensor:
+    def _step(self, features: torch.Tensor, tokens: torch.Tensor, slots: list[int], advance=None,
+              tree_mask=None, depths=None) -> torch.Tensor:
         """Feed pairs ``(features # [B, n, H], tokens # [B, n])``; returns guessed next features ``[B, n, H]``.
-        Each row's cache grows by ``n``, or by ``advance[b]`` (rows padded past their pairs)."""
+        Each row's cache grows by ``n``, or by ``advance[b]`` (rows padded past their pairs).
+        ``tree_mask``, ``depths``: the pairs are tree nodes (see :mod:`.tree`)."""
         return self.runner.forward(self.module.fc_in(features, self.target.embeddings(tokens)), advance=advance,
-                                   slots=slots)
+                                   slots=slots, tree_mask=tree_mask, depths=depths)
 
     def _catch_up(self, ctx: DraftContext, ids: list[int], counts: list[int]) -> torch.Tensor:
         """Feed every row's pending true states; returns each row's newest guessed feature ``[batch, H]``."""
@@ -215,11 +219,16 @@ class EagleDrafter(HeadDrafter):
         self._rows(ctx)
         slots = self._slots.of(ids)
         self.runner.set_lengths([self._pairs[i] for i in ids], slots=slots)  # forget last round's guessed features
-        self.runner.reserve(max(len(t) for t in ctx.token_ids) + k + 1)
+        tree = ctx.tree_budget > 1
+        self.runner.reserve(max(len(t) for t in ctx.token_ids) + k * (self.options.tree_width if tree else 1) + 1)
         counts = [sum(h.shape[0] for h in self._pending[i]) for i in ids]
         if max(counts) == 0:
             return Draft.empty(ctx.batch_size, self._last.device)
         feature = self._catch_up(ctx, ids, counts)
+        if tree:  # EAGLE-2's dynamic tree
+            from .tree import eagle_tree
+
+            return eagle_tree(self, ctx, k, feature, slots)
         chain = self._chain(ctx)
         for i in range(k):
             drawn = self._draw(feature, ctx, chain)  # [batch], [batch, vocab], [batch]
