@@ -256,10 +256,11 @@ def test_eagle_drafts_dynamic_trees_with_greedy_parity(tiny_model, eagle_heads):
     assert sum(with_trees) > len(with_trees) // 2  # wider than deep: really trees
 
 
-def test_eagle_sampled_trees_match_the_target_law(small_vocab_model, tmp_path):
+@pytest.mark.parametrize("copy_gate", [False, True])
+def test_eagle_sampled_trees_match_the_target_law(small_vocab_model, tmp_path, copy_gate):
     from specdraft.testing import random_heads
 
-    heads = str(random_heads("eagle", small_vocab_model, tmp_path, scale=0.05))
+    heads = str(random_heads("eagle", small_vocab_model, tmp_path, scale=0.05, copy_gate=copy_gate))
     dec = SpeculativeDecoder(small_vocab_model, None, drafter="eagle", spec_length=3, adaptive=False, max_batch=64,
                              drafter_options={"heads": heads, "min_confidence": 0.0, "tree_budget": 6,
                                               "tree_width": 2})

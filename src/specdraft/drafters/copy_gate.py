@@ -134,6 +134,15 @@ class CopyDrafting:
         token = torch.where((gate > 0) & (copy_weight >= top_weight), copy_ids, best)
         return token, torch.maximum(copy_weight, top_weight)
 
+    def full_logits(self, small: torch.Tensor) -> torch.Tensor:
+        """The head's logits ``small # [B, N]`` over the target's whole vocabulary (float32; the
+        lowest float outside the head's tokens).  # [B, vocab]"""
+        full = small.float()
+        if self.head_ids is not None:
+            full = torch.full((small.shape[0], self.vocab_size), torch.finfo(torch.float32).min, device=small.device)
+            full.index_copy_(1, self.head_ids, small.float())
+        return full[:, : self.vocab_size]
+
     def draw(self, small: torch.Tensor, hidden: torch.Tensor, rows: Sequence[Sequence[int]], sampling, generator,
              counts: TokenCounts | None = None):
         """One token per row: ``(tokens # [B], probs # [B, vocab] | None, confidence # [B] | None)``,
@@ -148,11 +157,7 @@ class CopyDrafting:
             token, confidence = self.choose(small, hidden, copy_ids, match)
             return token, None, confidence
         gate = self.gated(small, hidden, copy_ids, match)[1]
-        full = small.float()
-        if self.head_ids is not None:
-            full = torch.full((small.shape[0], self.vocab_size), torch.finfo(torch.float32).min, device=small.device)
-            full.index_copy_(1, self.head_ids, small.float())
-        full = full[:, : self.vocab_size]
+        full = self.full_logits(small)
         if sampling.greedy:  # with penalties: the mixture of the penalized distribution, its argmax
             mixed = copy_mixture(penalize(full, sampling, counts).softmax(-1), gate, copy_ids)
             confidence, token = mixed.max(-1)

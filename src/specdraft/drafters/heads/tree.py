@@ -43,11 +43,7 @@ def node_probs(drafter, features: torch.Tensor, contexts, sampling, counts: Toke
     small = drafter.head.small(features)
     copy_ids, match = copy_candidates(contexts, copier.gate, features.device)
     gate = copier.gated(small, features, copy_ids, match)[1]
-    full = small.float()
-    if copier.head_ids is not None:
-        full = torch.full((small.shape[0], copier.vocab_size), torch.finfo(torch.float32).min, device=small.device)
-        full.index_copy_(1, copier.head_ids, small.float())
-    full = full[:, : copier.vocab_size]
+    full = copier.full_logits(small)
     if sampling.greedy:
         return copy_mixture(penalize(full, sampling, counts).softmax(-1), gate, copy_ids)
     return restrict(copy_mixture(logits_to_probs(full, sampling, counts), gate, copy_ids), sampling)
