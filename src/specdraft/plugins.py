@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import importlib
 import importlib.metadata
+import inspect
 import os
 from dataclasses import dataclass, field
 from typing import Any, Mapping
@@ -175,7 +176,10 @@ class Registry:
         try:
             return options_cls.model_validate({**spec.defaults, **(options or {})})
         except ValidationError as exc:
-            valid = ", ".join(options_cls.model_fields) or "(none)"
+            # the drafter's own options first, then those it inherits (tree_budget, heads, ...)
+            own = inspect.get_annotations(options_cls)
+            fields = sorted(options_cls.model_fields, key=lambda f: f not in own)
+            valid = ", ".join(fields) or "(none)"
             raise ConfigError(
                 f"invalid options for drafter {spec.name!r}: {describe_validation_error(exc)}. Valid options: {valid}"
             ) from None
