@@ -118,6 +118,21 @@ def test_draft_model_sampling_in_half_precision(saved_draft, dtype):
     assert pvalue > ALPHA
 
 
+def test_tree_sampling_in_bfloat16(saved_draft):
+    """Sampled trees (every drawn child kept, multi-draft rejection) with a bfloat16 target and
+    draft: the acceptance arithmetic runs in float32 whatever the model's dtype."""
+    target = _sharp(torch.bfloat16)
+    dec = SpeculativeDecoder(target, None, drafter="draft-model", spec_length=3, adaptive=False, max_batch=64,
+                             drafter_options={"model": saved_draft(torch.bfloat16), "min_confidence": 0.0,
+                                              "tree_budget": 6, "tree_width": 2})
+    pvalue, results = sampled_joint_pvalue(dec, PROMPT, SamplingParams(temperature=1.0), n=8_000, seed=5,
+                                           max_new_tokens=3)
+    drafted = sum(r.stats.drafted_tokens for r in results)
+    assert drafted > 2 * sum(r.stats.drafts for r in results)  # trees, not chains
+    assert 0 < sum(r.stats.accepted_tokens for r in results) < drafted
+    assert pvalue > ALPHA
+
+
 @pytest.mark.parametrize("kind", ["eagle", "mlp-speculator"])
 def test_head_sampling_in_bfloat16(tmp_path, kind):
     target = _sharp(torch.bfloat16)

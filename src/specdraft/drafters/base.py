@@ -42,7 +42,7 @@ class HeadOptions(LearntDrafterOptions):
 
 class TreeHeadOptions(HeadOptions, TreeOptions):
     """The head options plus ``tree_budget`` and ``tree_width``: the heads that draft trees
-    (``eagle``: EAGLE-2's dynamic tree)."""
+    (``eagle``: EAGLE-2's dynamic tree; ``medusa``: top-k per head)."""
 
 
 class Drafter(ABC):

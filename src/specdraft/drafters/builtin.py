@@ -23,6 +23,6 @@ def register_drafters(register):
     register("none", NoDrafter, aliases=("plain",))
     register("draft-model", DraftModelDrafter)
     register("llama-1b", DraftModelDrafter, defaults={"model": LLAMA_1B})
-    register("medusa", "specdraft.drafters.heads:MedusaDrafter", options=HeadOptions)
+    register("medusa", "specdraft.drafters.heads:MedusaDrafter", options=TreeHeadOptions)
     register("eagle", "specdraft.drafters.heads:EagleDrafter", options=TreeHeadOptions)
     register("mlp-speculator", "specdraft.drafters.heads:MLPSpeculatorDrafter", options=HeadOptions)

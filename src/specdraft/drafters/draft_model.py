@@ -7,6 +7,11 @@ computed that is still valid, then feeds everything after it, the prompt on the 
 (lazy prefill), or, after a fully accepted round, its own last drafted token plus the target's
 bonus token (catch-up), in the same forward pass that yields the first new draft. Then K-1
 single-token steps follow.
+
+With ``ctx.tree_budget`` > 1 it drafts EAGLE-2's dynamic tree instead
+(:func:`~specdraft.drafters.dynamic_tree.grow_tree`): the top ``tree_width`` tokens (or draws)
+at each level, the most probable nodes fed in one pass per level with a tree mask. The tree's
+entries are left past the fed tokens and rolled back at the next proposal like a rejected chain.
 """
 
 from __future__ import annotations
@@ -20,6 +25,7 @@ from ..errors import ConfigError, DrafterError, ModelLoadError
 from ..types import Draft, DraftContext, TargetInfo
 from .base import (DraftChain, Drafter, LearntDrafterOptions, SequenceSlots, draw_scored, generators, model_runner,
                    row_ids)
+from .tree import TreeOptions
 
 LLAMA_1B = "meta-llama/Llama-3.2-1B-Instruct"
 
@@ -71,7 +77,7 @@ class DraftModelDrafter(Drafter):
 
     api_version = 2
 
-    class Options(LearntDrafterOptions):
+    class Options(LearntDrafterOptions, TreeOptions):
         model: str | None = Field(None, description="hub id, local folder or .gguf file of the draft model "
                                                     "(default: the draft shipped for the target, if any)")
         dtype: str | None = Field(None, description="default: the target's dtype")
@@ -163,7 +169,8 @@ class DraftModelDrafter(Drafter):
                 f"{highest}, which its embedding of {self.embedding_rows} rows cannot embed; the target produced "
                 "a token outside the draft's vocabulary: use a draft with the target's full vocabulary"
             )
-        self.runner.reserve(max(len(t) for t in ctx.token_ids) + k + 1)
+        tree = ctx.tree_budget > 1 and getattr(self.runner, "supports_tree", False)
+        self.runner.reserve(max(len(t) for t in ctx.token_ids) + k * (self.options.tree_width if tree else 1) + 1)
         width = max(len(p) for p in pending)
         feed = torch.zeros((ctx.batch_size, width), dtype=torch.long)
         for b, p in enumerate(pending):  # right-padded; each row advances by its own count
@@ -189,6 +196,8 @@ class DraftModelDrafter(Drafter):
         step_hidden = hidden.gather(1, last[..., None].expand(-1, -1, hidden.shape[-1]))[:, 0] if gated else None
         for fed, p in zip(fed_rows, pending):
             fed.extend(p)
+        if ctx.tree_budget > 1 and getattr(self.runner, "supports_tree", False):
+            return self._tree(ctx, k, step_logits, step_hidden, slots)
 
         chain = DraftChain(ctx.batch_size, device, self.options.min_confidence, ctx.sampling.greedy)
         fed_now = []  # tokens fed below, copied to the host once at the end (one copy per round, not per step)
@@ -210,6 +219,29 @@ class DraftModelDrafter(Drafter):
             for fed, tokens in zip(fed_rows, torch.stack(fed_now, 1).tolist()):
                 fed.extend(tokens)
         return chain.draft()
+
+    def _tree(self, ctx: DraftContext, k: int, logits, hidden, slots: list[int]) -> Draft:
+        """A dynamic tree from the first step's ``logits # [batch, vocab_d]`` (``hidden # [batch, H]``
+        with a copy gate); its nodes are not recorded in ``_fed``, so the next sync drops them."""
+        from .dynamic_tree import grow_tree, processed_probs
+
+        copier = self.copier
+        state = {"logits": logits, "hidden": hidden}  # the expanded nodes': [rows, vocab_d], [rows, H] | None
+
+        def next_probs(level, paths, sampling, counts):
+            if copier is None:
+                return processed_probs(self._to_target_vocab(state["logits"]), sampling, counts)
+            contexts = [list(ctx.token_ids[b]) + p for b in range(ctx.batch_size) for p in paths[b]]
+            return processed_probs(state["logits"], sampling, counts, copier, state["hidden"], contexts)
+
+        def feed(up, tokens, tree_mask, depths):  # the nodes' own tokens; the mask says whose children they are
+            out, hid = self.runner.forward(tokens, hidden=copier is not None, slots=slots, tree_mask=tree_mask,
+                                           depths=depths)
+            state["logits"] = out.reshape(-1, out.shape[-1])
+            state["hidden"] = None if hid is None else hid.reshape(-1, hid.shape[-1])
+
+        return grow_tree(ctx, k, self.options.tree_width, ctx.tree_budget, [True] * ctx.batch_size, next_probs, feed,
+                         self.options.min_confidence)
 
     def _to_target_vocab(self, logits: Any):
         """Draft logits ``[batch, vocab_d]`` -> ``[batch, vocab_t]``: rows past the target's are padding."""

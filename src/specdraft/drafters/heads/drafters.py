@@ -85,15 +85,23 @@ class HeadDrafter(Drafter):
 
 
 class MedusaDrafter(HeadDrafter):
-    """Medusa-1 heads: all guesses from the newest state at once (one head per position)."""
+    """Medusa-1 heads: all guesses from the newest state at once (one head per position).
+
+    With ``ctx.tree_budget`` > 1: a tree of each head's ``tree_width`` best tokens (or draws), the
+    product pruned to the budget by the heads' probabilities (:func:`.tree.medusa_tree`)."""
 
     kind = "medusa"
+    Options = TreeHeadOptions
 
     def propose(self, ctx: DraftContext, k: int) -> Draft:
         m = min(k, self.module.num_heads)
         self._rows(ctx)
-        chain = self._chain(ctx)
         features = self.module(self._last, m)  # [batch, m, H]
+        if ctx.tree_budget > 1:  # top-k per head, the product pruned to the budget
+            from .tree import medusa_tree
+
+            return medusa_tree(self, ctx, m, features)
+        chain = self._chain(ctx)
         # all heads at once, unless a guess depends on the ones before it (the copy gate's
         # candidate, the penalties' context)
         if (self.copier is None or self.module.own_heads is not None) and not ctx.sampling.penalized:
@@ -139,6 +147,14 @@ class EagleDrafter(HeadDrafter):
     (by writing the lengths back), and the pairs the target's latest states complete are fed
     in the same forward pass that gives the first guess (rows with fewer pairs are padded and
     advance by their own count).
+
+    With ``ctx.tree_budget`` > 1 it drafts EAGLE-2's dynamic tree from that first guess instead
+    of a chain (:func:`.tree.eagle_tree`, copy gate included). The tree's nodes stay in the
+    layer's cache past the true pairs and need no cleanup: the next proposal rolls back to
+    ``_pairs`` and catches up on the target's states of the accepted path, which the engine hands
+    over root first. ``Options`` is :class:`~specdraft.drafters.base.TreeHeadOptions` (the head
+    options and ``tree_budget``, ``tree_width``), defined beside the others so the registry
+    lists eagle without importing torch.
     """
 
     kind = "eagle"
