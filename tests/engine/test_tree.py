@@ -228,34 +228,6 @@ def test_lookup_drafters_draft_trees_and_conform(tiny_model, drafter):
     assert sum(s.drafted_tokens for s in stats) > levels >= depth > 0  # more nodes than levels: branches
 
 
-@pytest.fixture(scope="module")
-def eagle_heads(tiny_model, tmp_path_factory):
-    from specdraft.testing import random_heads
-
-    return str(random_heads("eagle", tiny_model, tmp_path_factory.mktemp("eagle")))
-
-
-def test_eagle_drafts_dynamic_trees_with_greedy_parity(tiny_model, eagle_heads):
-    prompts = repetitive_prompts(64)[:3]
-    prompts[1] = prompts[1][:6]  # rows of different lengths share the tree passes
-    options = {"heads": eagle_heads, "min_confidence": 0.0, "tree_budget": 8, "tree_width": 2}
-    dec = SpeculativeDecoder(tiny_model, None, drafter="eagle", spec_length=4, adaptive=False, max_batch=3,
-                             drafter_options=options)
-    with_trees = []
-    inner = dec.drafter.propose
-
-    def spy(ctx, k):
-        draft = inner(ctx, k)
-        with_trees.append(draft.parents is not None and int(draft.token_ids.shape[1]) > k)
-        return draft
-
-    dec.drafter.propose = spy
-    results = dec.generate_ids(prompts, max_new_tokens=20)
-    for p, r in zip(prompts, results):
-        assert r.token_ids == plain_greedy(tiny_model, p, 20)
-    assert sum(with_trees) > len(with_trees) // 2  # wider than deep: really trees
-
-
 @pytest.mark.parametrize("copy_gate", [False, True])
 def test_eagle_sampled_trees_match_the_target_law(small_vocab_model, tmp_path, copy_gate):
     from specdraft.testing import random_heads
