@@ -191,7 +191,8 @@ def format_stats(stats, drafter: str, spec_length: int, runner: dict | None = No
         f"new tokens: {stats.new_tokens}  time: {stats.total_time_s:.2f} s  tokens/s: {stats.tokens_per_second:.1f}",
         f"target passes: {stats.target_passes}  tokens per pass: {stats.tokens_per_pass:.2f}",
         f"drafted: {stats.drafted_tokens}  accepted: {stats.accepted_tokens}  acceptance rate: {stats.acceptance_rate:.3f}",
-        f"rounds that drafted: {stats.drafts}  draft tokens per round: {stats.nodes_per_draft:.2f}  "
+        f"rounds that drafted: {stats.drafts}  draft nodes per round: {stats.nodes_per_draft:.2f} "
+        f"({sum(stats.drafted_per_position) / max(stats.drafts, 1):.2f} levels deep)  "
         f"accepted per round: {stats.accepted_per_draft:.2f}",
         f"acceptance by position (tree depth): {by_pos}",
         f"time split: prefill {stats.prefill_time_s:.2f} s, drafting {stats.draft_time_s:.2f} s, "

@@ -122,6 +122,20 @@ def test_shipped_heads_are_exact_out_of_the_box(default_f64, plain_outputs, prom
     assert 0.03 * sum(r.stats.drafted_tokens for r in results) < accepted  # trained heads (random ones: ~0 of 49k)
 
 
+@pytest.mark.parametrize("kind", ["eagle", "medusa", "draft-model"])
+def test_shipped_drafters_with_trees_are_exact(default_f64, plain_outputs, prompts, kind):
+    """Trees of 8 nodes (fixed budget) on the real model: the same text as plain decoding."""
+    model, tok = default_f64
+    dec = SpeculativeDecoder(model, tok, drafter=kind, spec_length=3, adaptive=False,
+                             drafter_options={"tree_budget": 8, "tree_width": 2, "min_confidence": 0.0})
+    results = dec.generate(list(prompts.values()), max_new_tokens=NEW)
+    for (cat, _), r in zip(prompts.items(), results):
+        assert r.token_ids == plain_outputs[cat].token_ids, cat
+    stats = [r.stats for r in results]
+    assert sum(s.drafted_tokens for s in stats) > sum(sum(s.drafted_per_position) for s in stats)  # branches
+    assert sum(s.accepted_tokens for s in stats) > 0
+
+
 def test_shipped_eagle_samples_reproducibly(default_f32, prompts):
     model, tok = default_f32
     dec = SpeculativeDecoder(model, tok, drafter="eagle")
