@@ -283,7 +283,11 @@ def check_drafter(
 ) -> None:
     """Conformance suite; raises ``AssertionError`` describing the first violation.
 
-    * every proposal is a valid Draft (shape, dtype, token range, probability rows);
+    * every proposal is a valid Draft (shape, dtype, token range, probability rows); a tree
+      (``Draft.parents``, for a drafter with a ``tree_budget`` option, passed in
+      ``drafter_options``) also has its parents before its children, depth at most K and no more
+      nodes than ``ctx.tree_budget``, and every check below runs through the tree verifier
+      (greedy walk, multi-draft rejection);
     * batched greedy speculative decoding equals transformers' plain greedy decoding for
       every K in ``spec_lengths`` -- which also covers rollback after partial acceptance --
       and equals a naive reference with the penalties on (:func:`naive_penalized_greedy`);
