@@ -36,10 +36,11 @@ def draft_dir(saved):
     return saved(tiny_llama(vocab_size=64, seed=7, layers=1), "draft")
 
 
-def _decoder(target, draft_dir, k=3, min_confidence=0.0, **kw):
+def _decoder(target, draft_dir, k=3, min_confidence=0.0, options=None, **kw):
     """The tiny random drafts are unsure of every guess: min_confidence 0 keeps them drafting."""
     return SpeculativeDecoder(target, None, drafter="draft-model", spec_length=k, **kw,
-                              drafter_options={"model": draft_dir, "dtype": "float64", "min_confidence": min_confidence})
+                              drafter_options={"model": draft_dir, "dtype": "float64", "min_confidence": min_confidence,
+                                               **(options or {})})
 
 
 @pytest.mark.parametrize("k", [1, 3, 5])
@@ -130,10 +131,12 @@ def plain_probs(drafter, tokens):
     return logits.double().softmax(-1)
 
 
-@pytest.mark.parametrize("same", [True, False])
-def test_draft_cache_equals_a_fresh_prefill(tiny_model, draft_dir, saved, same):
-    """After rollbacks (different draft) or catch-ups (same model), the cache is a fresh prefill."""
-    dec = _decoder(tiny_model, saved(tiny_model, "same2") if same else draft_dir, k=4, adaptive=False)
+@pytest.mark.parametrize("same,tree", [(True, False), (False, False), (False, True)])
+def test_draft_cache_equals_a_fresh_prefill(tiny_model, draft_dir, saved, same, tree):
+    """After rollbacks (different draft) or catch-ups (same model), the cache is a fresh prefill;
+    after tree rounds too (the tree's nodes lie past the fed tokens and are rolled back)."""
+    dec = _decoder(tiny_model, saved(tiny_model, "same2") if same else draft_dir, k=4, adaptive=False,
+                   options={"tree_budget": 8, "tree_width": 2} if tree else None)
     prompt = repetitive_prompts(64)[0]
     drafter = dec.drafter
     seen, leave = {}, drafter.on_leave
@@ -144,10 +147,14 @@ def test_draft_cache_equals_a_fresh_prefill(tiny_model, draft_dir, saved, same):
         leave(seq_id)
 
     drafter.on_leave = on_leave
-    dec.generate_ids([prompt], max_new_tokens=21)
+    result = dec.generate_ids([prompt], max_new_tokens=21)[0]
     fed = seen["fed"]
-    assert len(fed) > len(prompt)
-    assert seen["length"] == len(fed)
+    assert len(fed) > len(prompt) and fed == (prompt + result.token_ids)[: len(fed)]
+    if tree:
+        assert result.stats.drafted_tokens > 4 * result.stats.drafts  # more nodes than levels
+        assert seen["length"] >= len(fed)  # the last tree's nodes, if any, past the fed tokens
+    else:
+        assert seen["length"] == len(fed)
     fresh = load_runner(drafter.model)
     fresh.reset(1, len(fed))
     fresh.forward(torch.tensor([fed]))

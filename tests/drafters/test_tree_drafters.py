@@ -1,7 +1,7 @@
 """Tree drafting in ``medusa`` (top-k per head, pruned to the budget) and ``draft-model`` (EAGLE-2's
 dynamic tree over the draft model's own cache): greedy parity in float64 with batched rows of
 different lengths, sampled trees against the target's exact law (chi-square at ALPHA), the
-conformance suite, and the draft's cache after tree rounds.
+conformance suite. The draft's cache after tree rounds: tests/drafters/test_draft_model.py.
 
 eagle's trees: tests/drafters/test_eagle_tree.py and tests/engine/test_tree.py.
 """
@@ -12,7 +12,6 @@ import pytest
 import torch
 
 from specdraft import SamplingParams, SpeculativeDecoder
-from specdraft.runner import load_runner
 from specdraft.testing import SIGNIFICANCE as ALPHA
 from specdraft.testing import check_drafter, plain_greedy, random_heads, repetitive_prompts, sampled_joint_pvalue, tiny_llama
 
@@ -66,34 +65,6 @@ def test_batched_greedy_trees_equal_plain_greedy(tiny_model, medusa_heads, draft
 def test_conforms_with_trees(tiny_model, medusa_heads, draft_dir, kind):
     source = medusa_heads if kind == "medusa" else draft_dir
     check_drafter(kind, tiny_model, drafter_options=_options(kind, source), spec_lengths=(3,), samples=2000)
-
-
-def test_draft_cache_after_tree_rounds_equals_a_fresh_prefill(tiny_model, draft_dir):
-    """The tree's nodes sit past the fed tokens and are rolled back; what the cache keeps is a
-    fresh prefill of the accepted sequence."""
-    dec = SpeculativeDecoder(tiny_model, None, drafter="draft-model", spec_length=4, adaptive=False,
-                             drafter_options=_options("draft-model", draft_dir))
-    prompt = repetitive_prompts(64)[0]
-    drafter = dec.drafter
-    seen, leave = {}, drafter.on_leave
-
-    def on_leave(seq_id):  # the sequence's state as it leaves (then it is dropped)
-        seen["fed"] = list(drafter._fed[seq_id])
-        seen["length"] = int(drafter.runner.lengths[drafter._slots.slot[seq_id]])
-        leave(seq_id)
-
-    drafter.on_leave = on_leave
-    result = dec.generate_ids([prompt], max_new_tokens=21)[0]
-    fed = seen["fed"]
-    assert result.stats.drafted_tokens > result.stats.drafts * 4  # trees: more nodes than levels
-    assert len(fed) > len(prompt) + 4 and fed == (prompt + result.token_ids)[: len(fed)]
-    assert seen["length"] >= len(fed)  # the last tree's nodes, if any, lie past the fed tokens
-    fresh = load_runner(drafter.model)
-    fresh.reset(1, len(fed))
-    fresh.forward(torch.tensor([fed]))
-    ours, ref = drafter.runner.cache, fresh.cache
-    for mine, theirs in zip(ours.keys + ours.values, ref.keys + ref.values):
-        assert torch.allclose(mine[:, :, : len(fed)], theirs[:, :, : len(fed)], atol=1e-10)
 
 
 @pytest.mark.parametrize("kind,params", [
