@@ -197,3 +197,41 @@ def test_costs_measured_under_load_are_measured_again_later():
     assert policy.choose() >= 1
     policy.observe(2, 1.02, [1], [1], draft_seconds=0.05)  # measured afresh, old samples dropped
     assert list(policy.seconds[2]) == [1.02] and list(policy.draft_seconds) == [0.05]
+
+
+def _tree_rounds(policy, k, budgets, tokens, widths, seconds):
+    """Rounds of ten rows at each budget until the policy trusts them: ``tokens[b]`` per round on
+    average, verify passes ``widths[b]`` wide taking ``seconds(width)``."""
+    for width in range(1, max(widths.values()) + 1):  # every width's cost known (else the prior curve)
+        for _ in range(policy.TRUSTED):
+            policy.observe(width, seconds(width), [], [])
+    for _ in range(policy.TRUSTED):
+        for budget in budgets:
+            assert policy.choose_budget(max(budgets), k) in budgets
+            total = round((tokens[budget] - 1) * 10)  # accepted tokens over the ten rows
+            accepted = [total // 10 + (i < total % 10) for i in range(10)]
+            policy.observe(widths[budget], seconds(widths[budget]), [k] * 10, accepted, budget=budget)
+
+
+@pytest.mark.parametrize("slope, expected", [
+    (0.0, 16),  # wide passes cost nothing (a GPU): the tree's extra tokens win
+    (0.25, 1),  # a 17-token pass costs 5 one-token passes (a slow CPU): the chain wins
+])
+def test_tree_budget_follows_the_cost_of_width(slope, expected):
+    policy = AdaptiveDraftLength(4)
+    budgets = [1, 2, 4, 8, 16]
+    tokens = {1: 2.0, 2: 1.4, 4: 1.9, 8: 2.4, 16: 2.9}
+    widths = {1: 5, 2: 3, 4: 5, 8: 9, 16: 17}
+    _tree_rounds(policy, 4, budgets, tokens, widths, lambda w: 1.0 + slope * (w - 1))
+    assert policy.choose_budget(16, 4) == expected
+
+
+def test_a_pruned_tree_is_priced_at_the_width_it_had():
+    """A budget of 16 whose trees had 4 nodes (a drafter dropping doubted nodes) costs a 5-token
+    pass, not a 17-token one: with the same tokens per round as the chain's and a cheaper pass, it wins."""
+    policy = AdaptiveDraftLength(4)
+    budgets = [1, 2, 4, 8, 16]
+    tokens = {1: 2.0, 2: 1.4, 4: 1.9, 8: 2.0, 16: 2.4}
+    widths = {1: 5, 2: 3, 4: 5, 8: 5, 16: 5}
+    _tree_rounds(policy, 4, budgets, tokens, widths, lambda w: 1.0 + 0.25 * (w - 1))
+    assert policy.choose_budget(16, 4) == 16

@@ -37,7 +37,8 @@ keeps the draft lengths, and so the output, a function of the seed alone.
 
 Tree drafters (``tree_budget`` > 1) also get a node budget per round (:meth:`choose_budget`):
 1 (a chain of ``k``) or a power of two up to the drafter's budget, whichever gives the most
-tokens per round for the cost of its verify width (``budget + 1`` tokens, measured as above):
+tokens per round for the cost of its verify width (the median width its rounds really had: a
+drafter that prunes doubted nodes verifies fewer than ``budget + 1`` tokens; measured as above):
 on this CPU a 17-token pass costs far more than a 5-token one, on a GPU about the same. Tokens
 per round are the median of each budget's last rounds; a budget tried fewer than
 ``TRUSTED`` times, or not for ``STALE`` rounds, is tried next.
@@ -75,6 +76,7 @@ class AdaptiveDraftLength:
         self.measured_at: dict[int | str, int] = {}  # width, or "draft" -> round of its last measurement
         self.budget_tokens: dict[int, deque[float]] = {}  # tree budget -> tokens per round, last rounds
         self.budget_at: dict[int, int] = {}  # tree budget -> round it was last used
+        self.budget_widths: dict[int, deque[int]] = {}  # tree budget -> its verify passes' widths, last rounds
 
     def reset_acceptance(self) -> None:
         """Forget acceptance statistics (kept costs are still valid)."""
@@ -158,9 +160,9 @@ class AdaptiveDraftLength:
                 return budget
         per_draft = self.draft_cost()
 
-        def score(budget: int) -> float:
-            nodes = k if budget == 1 else budget
-            return median(self.budget_tokens[budget]) / (k * per_draft + self.relative_cost(nodes + 1))
+        def score(budget: int) -> float:  # priced at the width its trees really had (pruned ones are narrower)
+            width = round(median(self.budget_widths[budget]))
+            return median(self.budget_tokens[budget]) / (k * per_draft + self.relative_cost(width))
 
         return max(candidates, key=score)
 
@@ -175,6 +177,7 @@ class AdaptiveDraftLength:
         if budget is not None and any(drafted):
             tokens = [a + 1 for d, a in zip(drafted, accepted) if d]
             self.budget_tokens.setdefault(budget, deque(maxlen=2 * self.cost_window)).append(sum(tokens) / len(tokens))
+            self.budget_widths.setdefault(budget, deque(maxlen=2 * self.cost_window)).append(width)
             self.budget_at[budget] = self.rounds
         times = self.seconds.setdefault(width, deque(maxlen=self.cost_window))
         if self._stale(width):  # measured under other conditions (another process, say): start over
