@@ -227,16 +227,24 @@ class DraftModelDrafter(Drafter):
 
         copier = self.copier
         state = {"logits": logits, "hidden": hidden}  # the expanded nodes': [rows, vocab_d], [rows, H] | None
+        device = self.model.device  # the draft's own; the tree is grown on the target's (ctx.device)
+
+        def counts_here(counts):  # the penalties' context, where the draft's logits are
+            if counts is None or counts.in_context.device == device:
+                return counts
+            return type(counts)(counts.in_context.to(device), counts.in_output.to(device))
 
         def next_probs(level, paths, sampling, counts):
             if copier is None:
-                return processed_probs(self._to_target_vocab(state["logits"]), sampling, counts)
-            contexts = [list(ctx.token_ids[b]) + p for b in range(ctx.batch_size) for p in paths[b]]
-            return processed_probs(state["logits"], sampling, counts, copier, state["hidden"], contexts)
+                q = processed_probs(self._to_target_vocab(state["logits"]), sampling, counts_here(counts))
+            else:
+                contexts = [list(ctx.token_ids[b]) + p for b in range(ctx.batch_size) for p in paths[b]]
+                q = processed_probs(state["logits"], sampling, counts_here(counts), copier, state["hidden"], contexts)
+            return q.to(ctx.device)
 
         def feed(up, tokens, tree_mask, depths):  # the nodes' own tokens; the mask says whose children they are
-            out, hid = self.runner.forward(tokens, hidden=copier is not None, slots=slots, tree_mask=tree_mask,
-                                           depths=depths)
+            out, hid = self.runner.forward(tokens.to(device), hidden=copier is not None, slots=slots,
+                                           tree_mask=tree_mask.to(device), depths=depths.to(device))
             state["logits"] = out.reshape(-1, out.shape[-1])
             state["hidden"] = None if hid is None else hid.reshape(-1, hid.shape[-1])
 
