@@ -168,3 +168,28 @@ def test_threads_feed_one_engine_and_batch_together(tiny_model):
         th.join()
     assert got == [plain_greedy(tiny_model, p, 30) for p in prompts]
     assert max(sizes) > 1  # several callers' sequences ran in one step
+
+
+@pytest.mark.parametrize("drafter", ["eagle", "draft-model"])
+def test_a_long_prompt_joining_a_long_running_sequence(tiny_model, options, drafter):
+    """A newcomer's long prompt is caught up in the same padded pass as a sequence already far
+    along, whose padding then lands past its own length: the drafter's cache must have room for
+    both (it overflowed: IndexError in eagle's catch-up on Spec-Bench prompts)."""
+    base = repetitive_prompts(64)
+    long = (base[0] * 40)[:300]
+    dec = SpeculativeDecoder(tiny_model, None, drafter=drafter, spec_length=3, drafter_options=options.get(drafter),
+                             adaptive=False, max_batch=2)
+    engine = dec.engine
+    first = Sequence(tokens=list(long), max_new_tokens=80, max_len=1024, seed=0, sampling=SamplingParams())
+    engine.add([first])
+    for _ in range(12):
+        engine.step()
+    assert first.finish_reason is None and len(first.tokens) >= len(long) + 12
+    second = Sequence(tokens=list(long[:280]), max_new_tokens=30, max_len=1024, seed=1, sampling=SamplingParams())
+    engine.add([second])
+    while engine.has_work():
+        engine.step()
+    for seq in (first, second):
+        assert seq.error is None, seq.error
+        assert seq.new_tokens == plain_greedy(tiny_model, seq.tokens[: seq.prompt_len], len(seq.new_tokens))
+    dec.close()

@@ -170,8 +170,10 @@ class DraftModelDrafter(Drafter):
                 "a token outside the draft's vocabulary: use a draft with the target's full vocabulary"
             )
         tree = ctx.tree_budget > 1 and getattr(self.runner, "supports_tree", False)
-        self.runner.reserve(max(len(t) for t in ctx.token_ids) + k * (self.options.tree_width if tree else 1) + 1)
         width = max(len(p) for p in pending)
+        # every row of the first pass writes ``width`` positions (padding past its own tokens), then the drafts
+        stored = max(len(self._fed[i]) for i in seq_ids)
+        self.runner.reserve(stored + width + k * (self.options.tree_width if tree else 1) + 1)
         feed = torch.zeros((ctx.batch_size, width), dtype=torch.long)
         for b, p in enumerate(pending):  # right-padded; each row advances by its own count
             feed[b, : len(p)] = torch.tensor(p)

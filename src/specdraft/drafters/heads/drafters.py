@@ -236,10 +236,12 @@ class EagleDrafter(HeadDrafter):
         slots = self._slots.of(ids)
         self.runner.set_lengths([self._pairs[i] for i in ids], slots=slots)  # forget last round's guessed features
         tree = ctx.tree_budget > 1
-        self.runner.reserve(max(len(t) for t in ctx.token_ids) + k * (self.options.tree_width if tree else 1) + 1)
         counts = [sum(h.shape[0] for h in self._pending[i]) for i in ids]
         if max(counts) == 0:
             return Draft.empty(ctx.batch_size, self._last.device)
+        # every row of the catch-up writes max(counts) positions (padding past its own pairs), then the guesses
+        self.runner.reserve(max(self._pairs[i] for i in ids) + max(counts) + k * (self.options.tree_width if tree else 1)
+                            + 1)
         feature = self._catch_up(ctx, ids, counts)
         if tree:  # EAGLE-2's dynamic tree
             from .tree import eagle_tree
