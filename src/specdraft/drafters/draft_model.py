@@ -179,9 +179,10 @@ class DraftModelDrafter(Drafter):
             feed[b, : len(p)] = torch.tensor(p)
         # with a copy gate the head returns its own logits [..., N]: the mixture works in that space
         with self.model.lm_head.unscattered() if self.copier is not None else nullcontext():
-            return self._draft(ctx, k, pending, feed.to(device), seq_ids)
+            return self._draft(ctx, k, pending, feed.to(device), seq_ids, tree)
 
-    def _draft(self, ctx: DraftContext, k: int, pending: list[list[int]], feed, seq_ids: list[int]) -> Draft:
+    def _draft(self, ctx: DraftContext, k: int, pending: list[list[int]], feed, seq_ids: list[int],
+               tree: bool = False) -> Draft:
         import torch
 
         from .copy_gate import drafted_rows
@@ -198,7 +199,7 @@ class DraftModelDrafter(Drafter):
         step_hidden = hidden.gather(1, last[..., None].expand(-1, -1, hidden.shape[-1]))[:, 0] if gated else None
         for fed, p in zip(fed_rows, pending):
             fed.extend(p)
-        if ctx.tree_budget > 1 and getattr(self.runner, "supports_tree", False):
+        if tree:
             return self._tree(ctx, k, step_logits, step_hidden, slots)
 
         chain = DraftChain(ctx.batch_size, device, self.options.min_confidence, ctx.sampling.greedy)
@@ -225,7 +226,7 @@ class DraftModelDrafter(Drafter):
     def _tree(self, ctx: DraftContext, k: int, logits, hidden, slots: list[int]) -> Draft:
         """A dynamic tree from the first step's ``logits # [batch, vocab_d]`` (``hidden # [batch, H]``
         with a copy gate); its nodes are not recorded in ``_fed``, so the next sync drops them."""
-        from .dynamic_tree import grow_tree, processed_probs
+        from .dynamic_tree import grow_tree, node_contexts, processed_probs
 
         copier = self.copier
         state = {"logits": logits, "hidden": hidden}  # the expanded nodes': [rows, vocab_d], [rows, H] | None
@@ -240,8 +241,8 @@ class DraftModelDrafter(Drafter):
             if copier is None:
                 q = processed_probs(self._to_target_vocab(state["logits"]), sampling, counts_here(counts))
             else:
-                contexts = [list(ctx.token_ids[b]) + p for b in range(ctx.batch_size) for p in paths[b]]
-                q = processed_probs(state["logits"], sampling, counts_here(counts), copier, state["hidden"], contexts)
+                q = processed_probs(state["logits"], sampling, counts_here(counts), copier, state["hidden"],
+                                    node_contexts(ctx, paths))
             return q.to(ctx.device)
 
         def feed(up, tokens, tree_mask, depths):  # the nodes' own tokens; the mask says whose children they are

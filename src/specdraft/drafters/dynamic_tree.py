@@ -62,6 +62,11 @@ def processed_probs(logits: torch.Tensor, sampling, counts: TokenCounts | None, 
     return restrict(copy_mixture(logits_to_probs(full, sampling, counts), gate, copy_ids), sampling)
 
 
+def node_contexts(ctx: DraftContext, paths) -> list[list[int]]:
+    """Each expanded node's context, as a copy gate reads it: its row's tokens, then its path."""
+    return [list(ctx.token_ids[b]) + p for b in range(ctx.batch_size) for p in paths[b]]
+
+
 def grow_tree(ctx: DraftContext, k: int, width: int, budget: int, has: Sequence[bool], next_probs: NextProbs,
               feed: Feed, min_confidence: float = 0.0) -> Draft:
     """A tree draft of at most ``budget`` nodes and depth ``k`` per row (rows where ``has[b]`` is
@@ -184,4 +189,4 @@ def _assemble(tokens, scores, parent, probs, picked, budget, greedy, has, device
     return tree_draft(rows, device=device, probs=None if greedy else row_probs)
 
 
-__all__ = ["grow_tree", "processed_probs"]
+__all__ = ["grow_tree", "node_contexts", "processed_probs"]

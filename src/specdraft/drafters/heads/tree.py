@@ -16,12 +16,7 @@ from __future__ import annotations
 import torch
 
 from ...types import DraftContext
-from ..dynamic_tree import grow_tree, processed_probs
-
-
-def _contexts(ctx: DraftContext, paths) -> list[list[int]]:
-    """Each expanded node's context: its row's tokens, then its path (the copy gate's n-grams)."""
-    return [list(ctx.token_ids[b]) + p for b in range(ctx.batch_size) for p in paths[b]]
+from ..dynamic_tree import grow_tree, node_contexts, processed_probs
 
 
 def eagle_tree(drafter, ctx: DraftContext, k: int, root: torch.Tensor, slots: list[int]):
@@ -33,7 +28,8 @@ def eagle_tree(drafter, ctx: DraftContext, k: int, root: torch.Tensor, slots: li
         features = state["features"].reshape(-1, root.shape[-1])
         if copier is None:
             return processed_probs(drafter.head(features), sampling, counts)
-        return processed_probs(drafter.head.small(features), sampling, counts, copier, features, _contexts(ctx, paths))
+        return processed_probs(drafter.head.small(features), sampling, counts, copier, features,
+                               node_contexts(ctx, paths))
 
     def feed(up, tokens, tree_mask, depths):
         features = state["features"]
@@ -54,7 +50,8 @@ def medusa_tree(drafter, ctx: DraftContext, m: int, features: torch.Tensor):
         if copier is None:
             return processed_probs(logits[:, level].repeat_interleave(n, 0), sampling, counts)
         rows = features[:, level].repeat_interleave(n, 0)
-        return processed_probs(drafter.head.small(rows), sampling, counts, copier, rows, _contexts(ctx, paths))
+        return processed_probs(drafter.head.small(rows), sampling, counts, copier, rows,
+                               node_contexts(ctx, paths))
 
     def feed(up, tokens, tree_mask, depths):  # the heads read the target's state alone: nothing to run
         pass
