@@ -1,140 +1,13 @@
-"""Helpers for testing drafters, built-in or third-party.
-
-``check_drafter`` is the conformance suite: run any drafter through it with a small
-model (see :func:`tiny_llama`) and it checks the Draft contract, rollback after partial
-acceptance, greedy parity with plain decoding (in one batch, and as sequences join and leave
-a running batch), and that sampling follows the target's distribution::
-
-    from specdraft.testing import check_drafter, tiny_llama
-    check_drafter("my-drafter", tiny_llama())
-"""
+"""The conformance suite any drafter can be run through."""
 
 from __future__ import annotations
 
 from contextlib import contextmanager
 from typing import Any, Mapping, Sequence
 
-#: Significance level of specdraft's statistical tests. Their seeds are fixed, so a run is
-#: deterministic; the level says how far from the target a sampler may drift and still pass.
-SIGNIFICANCE = 1e-3
-
-
-def tiny_llama(vocab_size: int = 64, seed: int = 0, layers: int = 2, max_positions: int = 256, dtype=None):
-    """A small random Llama (float64 by default, so greedy ties cannot flip between paths)."""
-    import torch
-    from transformers import LlamaConfig, LlamaForCausalLM
-
-    torch.manual_seed(seed)
-    config = LlamaConfig(
-        vocab_size=vocab_size, hidden_size=32, intermediate_size=64, num_hidden_layers=layers,
-        num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=max_positions,
-        bos_token_id=None, eos_token_id=None, pad_token_id=0, tie_word_embeddings=False,
-    )
-    return LlamaForCausalLM(config).to(dtype or torch.float64).eval()
-
-
-def tiny_tokenizer(vocab_size: int = 64):
-    """A word-level tokenizer over ``vocab_size`` ids for :func:`tiny_llama` models: ids 0-3 are
-    ``<pad> <s> </s> <unk>``, id ``i >= 4`` is the word ``t{i}`` (text is space-separated words)."""
-    from tokenizers import Tokenizer, decoders, models, pre_tokenizers
-    from transformers import PreTrainedTokenizerFast
-
-    special = ["<pad>", "<s>", "</s>", "<unk>"]
-    vocab = {w: i for i, w in enumerate(special)} | {f"t{i}": i for i in range(len(special), vocab_size)}
-    tok = Tokenizer(models.WordLevel(vocab, unk_token="<unk>"))
-    tok.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
-    tok.decoder = decoders.WordPiece(prefix="##", cleanup=False)  # joins words with spaces
-    return PreTrainedTokenizerFast(tokenizer_object=tok, pad_token="<pad>", bos_token="<s>", eos_token="</s>",
-                                   unk_token="<unk>")
-
-
-def trusting_copy_gate(hidden: int, match_bias: float = 2.0, dtype=None):
-    """A :class:`~specdraft.drafters.copy_gate.CopyGate` that often trusts its candidate (2- and
-    3-gram matches) and mostly not (1-gram matches), so both halves of the mixture get drafted."""
-    import torch
-
-    from .drafters.copy_gate import CopyGate
-
-    gate = CopyGate(hidden).to(dtype or torch.float32)
-    with torch.no_grad():
-        gate.match.weight.fill_(match_bias)
-        gate.match.weight[1] = -match_bias
-        gate.agree.fill_(0.5)
-    return gate
-
-
-def random_heads(kind: str, model, path, seed: int = 0, head_ids=None, scale: float = 0.5, copy_gate: bool = False,
-                 **config):
-    """Save randomly initialised heads of ``kind`` for ``model`` into ``path`` (specdraft's format).
-
-    ``scale`` is the std of the random weights (Medusa's blocks start at identity otherwise);
-    ``head_ids`` trims the vocabulary; ``copy_gate`` adds a :func:`trusting_copy_gate`. Returns ``path``.
-    """
-    import torch
-
-    from .drafters.compact_draft import target_fingerprint
-    from .drafters.heads.formats import save_heads
-    from .drafters.heads.modules import SharedHead, build_heads
-
-    torch.manual_seed(seed)
-    module = build_heads(kind, model.config.get_text_config(), **config).to(model.dtype)
-    with torch.no_grad():
-        for name, p in module.named_parameters():
-            if p.dim() == 2:
-                p.normal_(0.0, scale / p.shape[1] ** 0.5 * 3)
-    if copy_gate:
-        module.copy_gate = trusting_copy_gate(model.config.get_text_config().hidden_size, dtype=model.dtype)
-    vocab = model.get_output_embeddings().weight.shape[0]
-    shared = SharedHead(model.get_output_embeddings(), vocab, head_ids)
-    return save_heads(module, shared, path, "tiny", target_fingerprint(model.get_input_embeddings().weight),
-                      dtype=model.dtype)
-
-
-def plain_greedy(model, prompt: Sequence[int], max_new_tokens: int) -> list[int]:
-    """Reference: transformers' own greedy ``generate`` (no specdraft code involved)."""
-    import torch
-
-    out = model.generate(
-        torch.tensor([list(prompt)], device=model.device), max_new_tokens=max_new_tokens,
-        min_new_tokens=max_new_tokens, do_sample=False, pad_token_id=0,
-    )
-    return out[0, len(prompt):].tolist()
-
-
-def naive_penalized_greedy(model, prompt: Sequence[int], max_new_tokens: int, params) -> list[int]:
-    """Reference for greedy decoding with penalties, written out token by token with no
-    specdraft code: a full forward per step, then transformers' repetition penalty and
-    OpenAI's presence and frequency penalties on that step's logits, then the argmax."""
-    from collections import Counter
-
-    import torch
-
-    tokens, out = list(prompt), []
-    with torch.no_grad():
-        for _ in range(max_new_tokens):
-            logits = model(torch.tensor([tokens], device=model.device)).logits[0, -1].double().tolist()
-            for t in set(tokens):
-                logits[t] = logits[t] / params.repetition_penalty if logits[t] > 0 else logits[t] * params.repetition_penalty
-            for t, c in Counter(out).items():
-                logits[t] -= params.presence_penalty + params.frequency_penalty * c
-            best = max(range(len(logits)), key=lambda i: (logits[i], -i))
-            tokens.append(best)
-            out.append(best)
-    return out
-
-
-def repetitive_prompts(vocab_size: int, seed: int = 0) -> list[list[int]]:
-    """Prompts with repeats (so copy-style drafters get accepted) and of different lengths."""
-    import random
-
-    rng = random.Random(seed)
-    motif = [rng.randrange(vocab_size) for _ in range(5)]
-    return [
-        motif * 3 + motif[:2],
-        [rng.randrange(vocab_size) for _ in range(11)],
-        [rng.randrange(vocab_size)],
-        (motif[::-1] * 2)[:7],
-    ]
+from .models import repetitive_prompts
+from .reference import naive_penalized_greedy, plain_greedy
+from .stats import SIGNIFICANCE, sampled_joint_pvalue
 
 
 #: The sampling settings the conformance suite checks drafters under: every stage of the pipeline.
@@ -194,9 +67,9 @@ def check_continuous_batching(
     """
     import threading
 
-    from .decoder import SpeculativeDecoder
-    from .engine import check_draft
-    from .sampling import SamplingParams
+    from ..decoder import SpeculativeDecoder
+    from ..engine import check_draft
+    from ..sampling import SamplingParams
 
     vocab = model.get_output_embeddings().weight.shape[0]
     requests = continuous_requests(vocab)
@@ -305,9 +178,9 @@ def check_drafter(
     """
     import torch
 
-    from .decoder import SpeculativeDecoder
-    from .sampling import SamplingParams
-    from .engine import check_draft
+    from ..decoder import SpeculativeDecoder
+    from ..sampling import SamplingParams
+    from ..engine import check_draft
 
     vocab = model.get_output_embeddings().weight.shape[0]
     prompts = repetitive_prompts(vocab)
@@ -359,79 +232,3 @@ def check_drafter(
 
 
 
-def exact_joint_distribution(model, prompt: Sequence[int], params, steps: int = 2):
-    """P(first ``steps`` tokens) under plain sampling from ``model``, by enumeration.
-
-    The model computes its logits in its own dtype (bfloat16 stays bfloat16); the sampling
-    pipeline and the products run in float64, penalties reading each step's own context.
-    Returns a ``[vocab] * steps`` tensor; practical for vocabularies of a few dozen tokens.
-    """
-    import itertools
-
-    import torch
-
-    from .sampling import TokenCounts, logits_to_probs
-
-    vocab = model.config.vocab_size
-    joint = torch.zeros([vocab] * steps, dtype=torch.float64)
-    start = TokenCounts.of([list(prompt)], [len(prompt)], vocab)
-    with torch.no_grad():
-        for seq in itertools.product(range(vocab), repeat=steps - 1):
-            ids = torch.tensor([list(prompt) + list(seq)], device=model.device)
-            logits = model(ids).logits[0, len(prompt) - 1 :].cpu().double()  # [steps, vocab]
-            counts = start.along(torch.tensor([list(seq)], dtype=torch.long))
-            probs = logits_to_probs(logits[None], params, counts)[0]  # [steps, vocab]
-            prefix = 1.0
-            for i, t in enumerate(seq):
-                prefix *= float(probs[i, t])
-            joint[seq] = prefix * probs[steps - 1]
-    return joint
-
-
-def sampled_joint_pvalue(decoder, prompt: Sequence[int], params, n: int = 12_000, seed: int = 0,
-                         exact=None, steps: int = 2, max_new_tokens: int | None = None):
-    """p-value of the first ``steps`` tokens of ``n`` speculative samples from ``decoder`` (one
-    batched call, ``prompt`` repeated) against the target's exact joint distribution.
-
-    Chi-square tests of the joint and of each token's marginal (a marginal has far fewer cells,
-    so far more power against a skewed distribution; the joint catches dependence between the
-    tokens), combined by Bonferroni: ``min(1, tests * smallest p)``. Returns
-    ``(p_value, results)``; compare the p-value with :data:`SIGNIFICANCE`. ``exact`` may pass a
-    joint computed once by :func:`exact_joint_distribution`. ``max_new_tokens`` (default
-    ``steps``): generate more, so that the first round may draft deeper than ``steps - 1``.
-    """
-    import torch
-
-    exact = exact_joint_distribution(decoder.model, prompt, params, steps) if exact is None else exact
-    results = decoder.generate_ids([list(prompt)] * n, max_new_tokens=max(steps, max_new_tokens or steps), seed=seed,
-                                   **params.model_dump())
-    counts = torch.zeros_like(exact)
-    for r in results:
-        counts[tuple(r.token_ids[:steps])] += 1
-    pvalues = [chi_square_pvalue(counts, exact)]
-    for i in range(steps):
-        others = [d for d in range(steps) if d != i]
-        pvalues.append(chi_square_pvalue(counts.sum(others), exact.sum(others)))
-    return min(1.0, len(pvalues) * min(pvalues)), results
-
-
-def chi_square_pvalue(observed, expected_probs, min_expected: float = 5.0) -> float:
-    """Pearson chi-square goodness-of-fit p-value (cells with small expectation are pooled)."""
-    import torch
-
-    observed = torch.as_tensor(observed, dtype=torch.float64).flatten()
-    probs = torch.as_tensor(expected_probs, dtype=torch.float64).flatten()
-    n = observed.sum()
-    expected = probs * n
-    if bool((observed[expected == 0] > 0).any()):
-        return 0.0  # a sample where the target puts no mass: certainly wrong
-    big = expected >= min_expected
-    obs = torch.cat([observed[big], observed[~big].sum()[None]])
-    exp = torch.cat([expected[big], expected[~big].sum()[None]])
-    keep = exp > 0
-    obs, exp = obs[keep], exp[keep]
-    stat = ((obs - exp) ** 2 / exp).sum()
-    dof = obs.numel() - 1
-    if dof < 1:
-        return 1.0
-    return float(torch.special.gammaincc(torch.tensor(dof / 2.0, dtype=torch.float64), stat / 2.0))

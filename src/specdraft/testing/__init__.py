@@ -1,0 +1,25 @@
+"""Helpers for testing drafters, built-in or third-party.
+
+``check_drafter`` is the conformance suite: run any drafter through it with a small
+model (see :func:`tiny_llama`) and it checks the Draft contract, rollback after partial
+acceptance, greedy parity with plain decoding (in one batch, and as sequences join and leave
+a running batch), and that sampling follows the target's distribution::
+
+    from specdraft.testing import check_drafter, tiny_llama
+    check_drafter("my-drafter", tiny_llama())
+"""
+
+from __future__ import annotations
+
+from .conformance import (PIPELINE, check_continuous_batching, check_drafter, continuous_requests,
+                          recorded_proposals)
+from .models import random_heads, repetitive_prompts, tiny_llama, tiny_tokenizer, trusting_copy_gate
+from .reference import exact_joint_distribution, naive_penalized_greedy, plain_greedy
+from .stats import SIGNIFICANCE, chi_square_pvalue, sampled_joint_pvalue
+
+__all__ = [
+    "PIPELINE", "SIGNIFICANCE", "check_continuous_batching", "check_drafter", "chi_square_pvalue",
+    "continuous_requests", "exact_joint_distribution", "naive_penalized_greedy", "plain_greedy", "random_heads",
+    "recorded_proposals", "repetitive_prompts", "sampled_joint_pvalue", "tiny_llama", "tiny_tokenizer",
+    "trusting_copy_gate",
+]

@@ -1,0 +1,90 @@
+"""Tiny models, tokenizers, heads and prompts for tests of drafters."""
+
+from __future__ import annotations
+
+def tiny_llama(vocab_size: int = 64, seed: int = 0, layers: int = 2, max_positions: int = 256, dtype=None):
+    """A small random Llama (float64 by default, so greedy ties cannot flip between paths)."""
+    import torch
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    torch.manual_seed(seed)
+    config = LlamaConfig(
+        vocab_size=vocab_size, hidden_size=32, intermediate_size=64, num_hidden_layers=layers,
+        num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=max_positions,
+        bos_token_id=None, eos_token_id=None, pad_token_id=0, tie_word_embeddings=False,
+    )
+    return LlamaForCausalLM(config).to(dtype or torch.float64).eval()
+
+
+def tiny_tokenizer(vocab_size: int = 64):
+    """A word-level tokenizer over ``vocab_size`` ids for :func:`tiny_llama` models: ids 0-3 are
+    ``<pad> <s> </s> <unk>``, id ``i >= 4`` is the word ``t{i}`` (text is space-separated words)."""
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers
+    from transformers import PreTrainedTokenizerFast
+
+    special = ["<pad>", "<s>", "</s>", "<unk>"]
+    vocab = {w: i for i, w in enumerate(special)} | {f"t{i}": i for i in range(len(special), vocab_size)}
+    tok = Tokenizer(models.WordLevel(vocab, unk_token="<unk>"))
+    tok.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
+    tok.decoder = decoders.WordPiece(prefix="##", cleanup=False)  # joins words with spaces
+    return PreTrainedTokenizerFast(tokenizer_object=tok, pad_token="<pad>", bos_token="<s>", eos_token="</s>",
+                                   unk_token="<unk>")
+
+
+def trusting_copy_gate(hidden: int, match_bias: float = 2.0, dtype=None):
+    """A :class:`~specdraft.drafters.copy_gate.CopyGate` that often trusts its candidate (2- and
+    3-gram matches) and mostly not (1-gram matches), so both halves of the mixture get drafted."""
+    import torch
+
+    from ..drafters.copy_gate import CopyGate
+
+    gate = CopyGate(hidden).to(dtype or torch.float32)
+    with torch.no_grad():
+        gate.match.weight.fill_(match_bias)
+        gate.match.weight[1] = -match_bias
+        gate.agree.fill_(0.5)
+    return gate
+
+
+def random_heads(kind: str, model, path, seed: int = 0, head_ids=None, scale: float = 0.5, copy_gate: bool = False,
+                 **config):
+    """Save randomly initialised heads of ``kind`` for ``model`` into ``path`` (specdraft's format).
+
+    ``scale`` is the std of the random weights (Medusa's blocks start at identity otherwise);
+    ``head_ids`` trims the vocabulary; ``copy_gate`` adds a :func:`trusting_copy_gate`. Returns ``path``.
+    """
+    import torch
+
+    from ..drafters.compact_draft import target_fingerprint
+    from ..drafters.heads.formats import save_heads
+    from ..drafters.heads.modules import SharedHead, build_heads
+
+    torch.manual_seed(seed)
+    module = build_heads(kind, model.config.get_text_config(), **config).to(model.dtype)
+    with torch.no_grad():
+        for name, p in module.named_parameters():
+            if p.dim() == 2:
+                p.normal_(0.0, scale / p.shape[1] ** 0.5 * 3)
+    if copy_gate:
+        module.copy_gate = trusting_copy_gate(model.config.get_text_config().hidden_size, dtype=model.dtype)
+    vocab = model.get_output_embeddings().weight.shape[0]
+    shared = SharedHead(model.get_output_embeddings(), vocab, head_ids)
+    return save_heads(module, shared, path, "tiny", target_fingerprint(model.get_input_embeddings().weight),
+                      dtype=model.dtype)
+
+
+
+def repetitive_prompts(vocab_size: int, seed: int = 0) -> list[list[int]]:
+    """Prompts with repeats (so copy-style drafters get accepted) and of different lengths."""
+    import random
+
+    rng = random.Random(seed)
+    motif = [rng.randrange(vocab_size) for _ in range(5)]
+    return [
+        motif * 3 + motif[:2],
+        [rng.randrange(vocab_size) for _ in range(11)],
+        [rng.randrange(vocab_size)],
+        (motif[::-1] * 2)[:7],
+    ]
+
+
