@@ -5,7 +5,10 @@ from __future__ import annotations
 import os
 
 # Tests never reach the network: a hub id that is not cached fails at once instead of retrying.
-os.environ.setdefault("HF_HUB_OFFLINE", "1")
+# Forced, not defaulted: HF_HUB_OFFLINE=0 in a developer's shell would otherwise make a test
+# download (or hang retrying) and pass or fail with the network, not with the code.
+os.environ["HF_HUB_OFFLINE"] = "1"
+os.environ["TRANSFORMERS_OFFLINE"] = "1"
 
 import pytest  # noqa: E402
 import torch  # noqa: E402
@@ -46,3 +49,101 @@ def register_plugin():
     finally:
         for plugin in registered:
             pm.unregister(plugin)
+
+
+# -- the real default model (SmolLM2-135M-Instruct): loaded once per test process -----------------
+
+from specdraft.models import load_target as real_load_target  # noqa: E402 (cached_default_model patches it)
+
+
+@pytest.fixture(scope="session")
+def smol_tokenizer():
+    """The default model's tokenizer alone (a real chat template), for tests with tiny models."""
+    from transformers import AutoTokenizer
+
+    from specdraft.models import resolve_target
+
+    return AutoTokenizer.from_pretrained(resolve_target(None)[1])
+
+
+@pytest.fixture(scope="session")
+def default_f64():
+    """``(model, tokenizer)`` of the real default model in float64 (greedy ties cannot flip), loaded once."""
+    model, tokenizer, _ = real_load_target(None, dtype=torch.float64)
+    return model, tokenizer
+
+
+@pytest.fixture(scope="session")
+def default_f32():
+    """``(model, tokenizer)`` of the real default model in float32 (the CPU default), loaded once."""
+    model, tokenizer, _ = real_load_target(None)
+    return model, tokenizer
+
+
+@pytest.fixture
+def cached_default_model(monkeypatch, request):
+    """Paths that load the default model themselves (``specdraft.cli.main``, ``from_pretrained``)
+    get the session's loaded copy (float32, or float64 for ``--dtype float64``) instead of loading
+    it again; any other target, dtype or device loads as usual. Loading the default model itself
+    stays covered: the fixtures above call ``load_target``, and ``specdraft generate`` and
+    ``specdraft serve`` run in fresh processes in tests/e2e/test_cli.py and
+    tests/server/test_server_e2e.py."""
+    import specdraft.models as models
+
+    cached = {torch.float32: "default_f32", torch.float64: "default_f64"}
+
+    def load(target=None, dtype=None, device=None, require_tokenizer=True, option="--target"):
+        if target is None:
+            wanted = models.resolve_dtype(dtype, models.resolve_device(device))
+            if wanted in cached:
+                model, tokenizer = request.getfixturevalue(cached[wanted])
+                if model.device == models.resolve_device(device):
+                    return model, tokenizer, models.DEFAULT_TARGET
+        return real_load_target(target, dtype=dtype, device=device, require_tokenizer=require_tokenizer,
+                                option=option)
+
+    monkeypatch.setattr(models, "load_target", load)
+    return load
+
+
+@pytest.fixture(autouse=True)
+def closing_decoders(monkeypatch):
+    """Every SpeculativeDecoder made during a test is closed after it: an idle decoder's engine
+    thread keeps the decoder, and so its KV cache and drafter, alive for the rest of the session
+    (a sampled test's 512-row cache is about 100 MB)."""
+    from specdraft import SpeculativeDecoder
+
+    made, init = [], SpeculativeDecoder.__init__
+
+    def recording_init(self, *args, **kwargs):
+        made.append(self)
+        init(self, *args, **kwargs)
+
+    monkeypatch.setattr(SpeculativeDecoder, "__init__", recording_init)
+    yield
+    for decoder in made:
+        if hasattr(decoder, "_loop"):  # __init__ finished
+            decoder.close()
+
+
+class StepClock:
+    """Stands in for the engine's ``time`` module: every ``perf_counter()`` reading is 1 ms after
+    the last, so every verify pass costs the same whatever its width and however busy the
+    machine is, and the adaptive policy's choices are the same on every run."""
+
+    def __init__(self):
+        self.now = 0.0
+
+    def perf_counter(self):
+        self.now += 1e-3
+        return self.now
+
+
+@pytest.fixture
+def step_clock(monkeypatch):
+    """The engine reads a :class:`StepClock` for the test's duration."""
+    from specdraft.engine import engine
+
+    clock = StepClock()
+    monkeypatch.setattr(engine, "time", clock)
+    return clock

@@ -31,7 +31,6 @@ NOT_RUN_MARK = re.compile(r"#\s*not run\b:?\s*(.*)")
 #: the real default model's generations are capped to this many tokens: the snippets must run,
 #: and 128 tokens of a 135M model take seconds each on a small CPU
 E2E_MAX_NEW_TOKENS = 8
-_LOADED: dict = {}  # load_target's arguments -> its result, shared by the pages that load a model
 
 
 @pytest.mark.parametrize("command", ["generate", "serve", "bench-serve", "bench", "distill", "train-heads", "drafters"])
@@ -75,8 +74,14 @@ def python_blocks(page: Path) -> list[tuple[int, str]]:
     return blocks
 
 
+def runnable_blocks(page: Path) -> list[str]:
+    """The code of ``page``'s ```python blocks that run (neither ``# file:`` nor ``# not run:``)."""
+    firsts = [(code.splitlines()[0].strip(), code) for _, code in python_blocks(page)]
+    return [code for first, code in firsts if not FILE_MARK.fullmatch(first) and not NOT_RUN_MARK.match(first)]
+
+
 def _loads_default_model(page: Path) -> bool:
-    return any("from_pretrained(" in code for _, code in python_blocks(page))
+    return any("from_pretrained(" in code for code in runnable_blocks(page))
 
 
 @contextlib.contextmanager
@@ -126,33 +131,48 @@ def test_snippets_are_found():
     assert not any(code.lstrip().startswith("$ ") for blocks in found.values() for _, code in blocks)
 
 
+def _defined_names(code: str) -> set[str]:
+    """The names a block binds at its top level (assignments, imports, functions, classes)."""
+    import ast
+
+    names = set()
+    for node in ast.parse(code).body:
+        if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef, ast.ClassDef)):
+            names.add(node.name)
+        elif isinstance(node, (ast.Import, ast.ImportFrom)):
+            names.update((a.asname or a.name).split(".")[0] for a in node.names)
+        elif isinstance(node, (ast.Assign, ast.AnnAssign)):
+            targets = node.targets if isinstance(node, ast.Assign) else [node.target]
+            names.update(n.id for t in targets for n in ast.walk(t) if isinstance(n, ast.Name))
+    return names
+
+
 @pytest.mark.parametrize("page", [
     pytest.param(page, id=page.name, marks=[pytest.mark.e2e] if _loads_default_model(page) else [])
-    for page in PAGES if python_blocks(page)
+    for page in PAGES if runnable_blocks(page)
 ])
-def test_python_snippets_run_as_written(page, tmp_path, monkeypatch, capsys):
-    """Every ```python block of the page runs (pages that load the default model are e2e; their
-    generations are capped at E2E_MAX_NEW_TOKENS tokens to keep the test short)."""
+def test_python_snippets_run_as_written(page, tmp_path, monkeypatch, capsys, request):
+    """Every ```python block of the page runs to its end: everything each block defines is defined
+    afterwards, and what the blocks print is printed (pages that load the default model are e2e:
+    they get the session's loaded copy, and their generations are capped at E2E_MAX_NEW_TOKENS
+    tokens to keep the test short)."""
     if _loads_default_model(page):
-        import specdraft.models
         from specdraft.decoder import SpeculativeDecoder
 
-        load_target, generate_ids = specdraft.models.load_target, SpeculativeDecoder.generate_ids
-
-        def loaded_once(*args, **kwargs):  # every page loads the same model: load it once
-            key = repr((args, sorted(kwargs.items())))
-            if key not in _LOADED:
-                _LOADED[key] = load_target(*args, **kwargs)
-            return _LOADED[key]
+        request.getfixturevalue("cached_default_model")
+        generate_ids = SpeculativeDecoder.generate_ids
 
         def capped(self, prompts, max_new_tokens=128, **kwargs):
             return generate_ids(self, prompts, max_new_tokens=min(max_new_tokens, E2E_MAX_NEW_TOKENS), **kwargs)
 
-        monkeypatch.setattr(specdraft.models, "load_target", loaded_once)
         monkeypatch.setattr(SpeculativeDecoder, "generate_ids", capped)
-    with run_page(page, tmp_path):
-        pass
+    run = runnable_blocks(page)
     capsys.readouterr()
+    with run_page(page, tmp_path) as namespace:
+        missing = set().union(*map(_defined_names, run)) - set(namespace)
+    assert not missing, f"{page.name}: the blocks ran, but did not define {sorted(missing)}"
+    printed = capsys.readouterr().out
+    assert bool(printed.strip()) == any("print(" in code for code in run), printed
 
 
 def test_snippet_runner_catches_a_missing_import(tmp_path):
@@ -191,7 +211,7 @@ def test_tutorial_sampling_drafter_is_exact_and_gains_from_the_counts(tmp_path, 
 
     with run_page(DOCS / "writing-a-drafter.md", tmp_path):
         model = tiny_llama()
-        check_drafter("target-bigram", model, spec_lengths=(1, 4), samples=3000)
+        check_drafter("target-bigram", model, spec_lengths=(1, 4))
         dec = SpeculativeDecoder(model, None, drafter="target-bigram", spec_length=4, adaptive=False)
         prompts = [[5, 6, 7, 5, 6, 7, 5]] * 2
         settings = {"max_new_tokens": 40, "repetition_penalty": 1.3, "presence_penalty": 0.2, "frequency_penalty": 0.1}

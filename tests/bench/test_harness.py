@@ -38,14 +38,8 @@ def test_bad_question_file(tmp_path):
         load_questions(tmp_path / "missing.jsonl")
 
 
-def test_tiny_bench_writes_results(questions, tmp_path):
-    from transformers import AutoTokenizer
-
-    from specdraft.models import resolve_target
-    from specdraft.testing import tiny_llama
-
-    tokenizer = AutoTokenizer.from_pretrained(resolve_target(None)[1])
-    model = tiny_llama(vocab_size=len(tokenizer), seed=4, max_positions=512)
+def test_tiny_bench_writes_results(questions, tmp_path, tiny_target):
+    model, tokenizer = tiny_target
     settings = BenchSettings(questions=str(questions), categories=["copy", "chat"], limit_per_category=1,
                              drafters=["ngram", "prompt-lookup", "ngram-2=ngram"], max_new_tokens=8, peers=["hf"],
                              drafter_options={"ngram": {"max_order": 3}, "ngram-2": {"max_order": 2}})
@@ -87,15 +81,11 @@ def test_drafter_labels(questions):
 
 
 @pytest.fixture(scope="module")
-def tiny_target():
+def tiny_target(smol_tokenizer):
     """The default model's tokenizer (installed offline) with a tiny random Llama of its vocabulary."""
-    from transformers import AutoTokenizer
-
-    from specdraft.models import resolve_target
     from specdraft.testing import tiny_llama
 
-    tokenizer = AutoTokenizer.from_pretrained(resolve_target(None)[1])
-    return tiny_llama(vocab_size=len(tokenizer), seed=4, max_positions=512), tokenizer
+    return tiny_llama(vocab_size=len(smol_tokenizer), seed=4, max_positions=512), smol_tokenizer
 
 
 def _interrupt_on(monkeypatch, question_id, method, exc=KeyboardInterrupt):
@@ -180,39 +170,29 @@ def test_cli_bench_ctrl_c_before_any_prompt_finished_writes_nothing(questions, t
 
 # -- the llama-cpp peer --------------------------------------------------------------------------
 
-def _tiny_bench_parts(questions):
-    from transformers import AutoTokenizer
-
-    from specdraft.models import resolve_target
-    from specdraft.testing import tiny_llama
-
-    tokenizer = AutoTokenizer.from_pretrained(resolve_target(None)[1])
-    return tiny_llama(vocab_size=len(tokenizer), seed=4, max_positions=512), tokenizer
-
-
-def test_llama_cpp_peer_without_the_package_says_how_to_install(questions, monkeypatch, tmp_path):
+def test_llama_cpp_peer_without_the_package_says_how_to_install(questions, monkeypatch, tmp_path, tiny_target):
     monkeypatch.setitem(__import__("sys").modules, "llama_cpp", None)  # import llama_cpp raises ImportError
-    model, tokenizer = _tiny_bench_parts(questions)
+    model, tokenizer = tiny_target
     settings = BenchSettings(questions=str(questions), drafters=[], peers=["llama-cpp"], gguf=str(tmp_path / "m.gguf"))
     with pytest.raises(ConfigError, match=r"the llama-cpp peer needs llama-cpp-python: pip install "
                                           r"'specdraft\[llama-cpp\]'"):
         run_bench(model, tokenizer, settings, progress=False)
 
 
-def test_llama_cpp_peer_needs_a_gguf_target(questions):
-    model, tokenizer = _tiny_bench_parts(questions)
+def test_llama_cpp_peer_needs_a_gguf_target(questions, tiny_target):
+    model, tokenizer = tiny_target
     settings = BenchSettings(questions=str(questions), drafters=[], peers=["llama-cpp"], gguf=None)
     with pytest.raises(ConfigError, match="the llama-cpp peer runs the target's GGUF file"):
         run_bench(model, tokenizer, settings, progress=False)
 
 
 @pytest.mark.e2e
-def test_llama_cpp_peer_runs_the_default_gguf_side_by_side(questions, tmp_path):
+def test_llama_cpp_peer_runs_the_default_gguf_side_by_side(questions, tmp_path, request):
     """With llama-cpp-python installed (the optional extra): a row per prompt beside plain."""
     pytest.importorskip("llama_cpp", reason="needs pip install 'specdraft[llama-cpp]'")
-    from specdraft.models import default_gguf_path, load_target
+    from specdraft.models import DEFAULT_TARGET, default_gguf_path
 
-    model, tokenizer, name = load_target(None)
+    (model, tokenizer), name = request.getfixturevalue("default_f32"), DEFAULT_TARGET  # after the skip: no load
     settings = BenchSettings(questions=str(questions), categories=["chat"], limit_per_category=1, drafters=[],
                              peers=["llama-cpp"], max_new_tokens=8, gguf=str(default_gguf_path()))
     records, summary, env = run_bench(model, tokenizer, settings, name=name, progress=False)

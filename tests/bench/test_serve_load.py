@@ -1,5 +1,5 @@
 """``specdraft bench-serve``: its arithmetic on made-up requests, and one tiny run end to end on
-the default model (structure and completeness only: no timing is asserted)."""
+the default model (structure, completeness and the figures' arithmetic: no timing is asserted)."""
 
 from __future__ import annotations
 
@@ -50,13 +50,36 @@ def test_bench_serve_end_to_end(tmp_path, capsys):
     load = results["load"]
     assert [(r["drafter"], r["concurrency"]) for r in load] == [
         ("none", 1), ("prompt-lookup", 1), ("none", 2), ("prompt-lookup", 2)]
+    plain = {r["concurrency"]: r for r in load if r["drafter"] == "none"}
     for r in load:
         assert r["requests"] == r["finished"] == 2 and not r["errors"]
-        assert all(rec["finish_reason"] in ("stop", "length") and 1 <= rec["completion_tokens"] <= 8
-                   for rec in r["records"])
-        assert r["tokens_per_second"] > 0 and r["speedup"] > 0 and r["mismatches"] == 0
-        assert r["ttft_ms"]["p50"] <= r["ttft_ms"]["p90"] and r["e2e_s"]["p50"] > 0 and r["tokens_per_pass"] >= 1
-    assert [r["drafter"] for r in results["fixed_batch"]["rows"]] == ["none", "prompt-lookup"]
-    assert all(r["mismatches"] == 0 and r["output_tokens"] > 0 for r in results["fixed_batch"]["rows"])
+        records = sorted(r["records"], key=lambda rec: rec["index"])
+        assert [rec["index"] for rec in records] == [0, 1]
+        for rec in records:  # cut by max_tokens at exactly 8 tokens, or stopped by the model after 1 to 8
+            assert (rec["finish_reason"], rec["completion_tokens"]) == ("length", 8) or (
+                rec["finish_reason"] == "stop" and 1 <= rec["completion_tokens"] <= 8)
+            assert 1 <= rec["target_passes"] <= rec["completion_tokens"]  # a pass emits 1 token or more
+            assert rec["ttft_s"] <= rec["e2e_s"] <= r["wall_s"]  # wall: first request sent to last answer
+        # greedy: the same texts, so the same token counts, as plain decoding's
+        assert r["mismatches"] == 0
+        assert [rec["completion_tokens"] for rec in records] == [
+            rec["completion_tokens"] for rec in sorted(plain[r["concurrency"]]["records"], key=lambda x: x["index"])]
+        # the figures are the records' own arithmetic
+        assert r["output_tokens"] == sum(rec["completion_tokens"] for rec in records)
+        assert r["tokens_per_second"] == pytest.approx(r["output_tokens"] / r["wall_s"])
+        assert r["tokens_per_pass"] == pytest.approx(r["output_tokens"] / sum(rec["target_passes"] for rec in records))
+        assert r["speedup"] == pytest.approx(r["tokens_per_second"] / plain[r["concurrency"]]["tokens_per_second"])
+        assert r["ttft_ms"]["p50"] <= r["ttft_ms"]["p90"]
+        if r["drafter"] == "none":  # plain decoding: one token per pass, and its own baseline
+            assert r["tokens_per_pass"] == 1.0 and r["speedup"] == pytest.approx(1.0)
+    fixed = results["fixed_batch"]
+    assert [r["drafter"] for r in fixed["rows"]] == ["none", "prompt-lookup"]
+    assert fixed["rows"][0]["output_tokens"] == fixed["rows"][1]["output_tokens"] >= fixed["requests"] == 2  # greedy
+    for r in fixed["rows"]:
+        assert r["mismatches"] == 0
+        for mode in ("waves", "continuous"):  # each way ran twice, on the same tokens
+            runs = r[mode]["runs_s"]
+            assert len(runs) == 2 and r[mode]["time_s"] == pytest.approx(sum(runs) / 2)
+            assert r[mode]["tokens_per_second"] == pytest.approx(2 * r["output_tokens"] / sum(runs))
     assert "| prompt-lookup | 2 | 2/2 |" in (out / "results.md").read_text()
     assert "| none | 1 | 2/2 |" in capsys.readouterr().out

@@ -3,7 +3,7 @@ dynamic tree over the draft model's own cache): greedy parity in float64 with ba
 different lengths, sampled trees against the target's exact law (chi-square at ALPHA), the
 conformance suite. The draft's cache after tree rounds: tests/drafters/test_draft_model.py.
 
-eagle's trees: tests/drafters/test_eagle_tree.py and tests/engine/test_tree.py.
+eagle's trees: tests/drafters/test_eagle_tree.py (and its sampled trees here).
 """
 
 from __future__ import annotations
@@ -31,7 +31,7 @@ def draft_dir(tmp_path_factory):
 
 
 def _options(kind: str, source: str, **extra) -> dict:
-    own = {"heads": source} if kind == "medusa" else {"model": source, "dtype": "float64"}
+    own = {"model": source, "dtype": "float64"} if kind == "draft-model" else {"heads": source}
     return {**own, **TREE, **extra}
 
 
@@ -64,19 +64,23 @@ def test_batched_greedy_trees_equal_plain_greedy(tiny_model, medusa_heads, draft
 @pytest.mark.parametrize("kind", ["medusa", "draft-model"])
 def test_conforms_with_trees(tiny_model, medusa_heads, draft_dir, kind):
     source = medusa_heads if kind == "medusa" else draft_dir
-    check_drafter(kind, tiny_model, drafter_options=_options(kind, source), spec_lengths=(3,), samples=2000)
+    check_drafter(kind, tiny_model, drafter_options=_options(kind, source), spec_lengths=(3,))
 
 
 @pytest.mark.parametrize("kind,params", [
-    ("medusa", SamplingParams(temperature=1.0)),
+    ("eagle", SamplingParams(temperature=1.0)),
+    ("eagle-gated", SamplingParams(temperature=1.0)),
     ("medusa", SamplingParams(temperature=0.9, top_k=6, repetition_penalty=1.3)),
-    ("draft-model", SamplingParams(temperature=1.0)),
     ("draft-model", SamplingParams(temperature=0.9, top_p=0.9, presence_penalty=0.5)),
 ])
 def test_sampled_trees_match_the_target_law(small_vocab_model, tmp_path, kind, params):
-    """The first two emitted tokens ~ the target's exact joint (chi-square, ALPHA), with every
-    drawn child kept and verified by multi-draft rejection."""
-    if kind == "medusa":
+    """The first K + 1 = 4 emitted tokens ~ the target's exact distribution (chi-square, ALPHA, the
+    power calculation's sample size), with every drawn child kept and verified by multi-draft
+    rejection; eagle with and without a copy gate."""
+    if kind.startswith("eagle"):
+        source = str(random_heads("eagle", small_vocab_model, tmp_path, scale=0.05, copy_gate=kind == "eagle-gated"))
+        kind = "eagle"
+    elif kind == "medusa":
         source = str(random_heads("medusa", small_vocab_model, tmp_path, scale=0.05))
     else:
         draft = tiny_llama(vocab_size=16, seed=9, layers=1)
@@ -85,9 +89,9 @@ def test_sampled_trees_match_the_target_law(small_vocab_model, tmp_path, kind, p
         draft.save_pretrained(tmp_path)
         source = str(tmp_path)
     options = {**_options(kind, source), "tree_budget": 6}
-    dec = SpeculativeDecoder(small_vocab_model, None, drafter=kind, spec_length=3, adaptive=False, max_batch=64,
+    dec = SpeculativeDecoder(small_vocab_model, None, drafter=kind, spec_length=3, adaptive=False, max_batch=512,
                              drafter_options=options)
-    pvalue, results = sampled_joint_pvalue(dec, [3, 5, 3, 5, 3], params, n=4000, seed=0, max_new_tokens=3)
+    pvalue, results = sampled_joint_pvalue(dec, [3, 5, 3, 5, 3], params, seed=0)
     assert pvalue > ALPHA
     assert sum(r.stats.drafted_tokens for r in results) > 2 * sum(r.stats.drafts for r in results)  # trees
     assert sum(r.stats.accepted_tokens for r in results) > len(results) // 10

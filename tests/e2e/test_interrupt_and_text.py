@@ -34,7 +34,7 @@ class _Plugin:
         register("interrupting", InterruptingDrafter)
 
 
-def test_ctrl_c_in_generate_prints_what_was_generated(register_plugin, capsys, default_f32):
+def test_ctrl_c_in_generate_prints_what_was_generated(register_plugin, capsys, default_f32, cached_default_model):
     from specdraft.cli import main
 
     register_plugin(_Plugin(), "interrupting-plugin")

@@ -2,9 +2,6 @@
 
 from __future__ import annotations
 
-import subprocess
-import sys
-
 import pytest
 
 from specdraft import SpeculativeDecoder
@@ -26,11 +23,19 @@ def test_stream_concatenation_equals_generate(default_f32, prompts, stop):
         assert any(len(c.token_ids) > 1 for c in chunks) == (stream.result.stats.accepted_tokens > 0)  # bursts
 
 
-def test_generate_stream_prints_as_it_goes():
-    out = subprocess.run([sys.executable, "-m", "specdraft.cli", "generate", "--stream", "--drafter", "prompt-lookup",
-                          "--max-new-tokens", "24", "Repeat exactly: one two three four five six"],
-                         capture_output=True, text=True, timeout=300)
-    plain = subprocess.run([sys.executable, "-m", "specdraft.cli", "generate", "--drafter", "prompt-lookup",
-                            "--max-new-tokens", "24", "Repeat exactly: one two three four five six"],
-                           capture_output=True, text=True, timeout=300)
-    assert out.returncode == 0 and out.stdout == plain.stdout and out.stdout.strip()
+def test_generate_stream_prints_as_it_goes(cli, monkeypatch):
+    """``specdraft generate --stream`` prints burst after burst, in all the text plain ``generate`` prints."""
+    import builtins
+
+    import specdraft.cli
+
+    args = ["generate", "--drafter", "prompt-lookup", "--max-new-tokens", "24", "--dtype", "float64",
+            "Repeat exactly: one two three four five six"]
+    code, plain, err = cli(*args)
+    assert code == 0 and plain.strip(), err
+    printed = []
+    monkeypatch.setattr(specdraft.cli, "print", lambda *a, **k: printed.append(a) or builtins.print(*a, **k),
+                        raising=False)
+    code, streamed, err = cli(args[0], "--stream", *args[1:])
+    assert code == 0 and streamed == plain, err
+    assert len([a for a in printed if a and a[0]]) > 1  # several bursts, each printed as it came

@@ -12,8 +12,9 @@ from specdraft.engine.sequence import Sequence
 from specdraft.errors import DrafterError
 from specdraft.sampling import SamplingParams
 from specdraft.testing import SIGNIFICANCE as ALPHA
-from specdraft.testing import (chi_square_pvalue, exact_joint_distribution, plain_greedy, random_heads,
-                               repetitive_prompts, tiny_llama)
+from specdraft.testing import (enumerate_plain_sampling, plain_greedy, random_heads, repetitive_prompts,
+                               samples_needed, samples_pvalue, tiny_llama)
+from specdraft.testing.stats import family_size
 
 BUILTINS = ["ngram", "prompt-lookup", "none", "draft-model", "medusa", "eagle", "mlp-speculator"]
 
@@ -71,15 +72,17 @@ def test_a_thousand_short_requests_leave_every_pool_full(tiny_model, options):
 
 
 def test_sampling_is_exact_per_sequence_with_mixed_settings_in_one_batch(small_vocab_model, tmp_path):
-    """Each setting's first two tokens ~ the target's exact joint under that setting (chi-square,
-    ALPHA), with greedy and three sampling settings sharing every batch, and a sampling draft model."""
+    """Each setting's first K + 1 = 4 tokens ~ the target's exact distribution under that setting
+    (chi-square, ALPHA, the power calculation's sample size), with greedy and three sampling
+    settings sharing every batch, and a sampling draft model."""
     tiny_llama(vocab_size=16, seed=5, layers=1).save_pretrained(tmp_path)
     settings = [SamplingParams(temperature=1.0), SamplingParams(temperature=0.7, top_k=5),
                 SamplingParams(temperature=1.3, top_p=0.8, min_p=0.05), SamplingParams()]
-    prompt, n = [3, 5, 3, 5, 3], 4000
-    dec = SpeculativeDecoder(small_vocab_model, None, drafter="draft-model", spec_length=3, max_batch=64,
+    prompt, steps = [3, 5, 3, 5, 3], 4
+    n = samples_needed(15, family_size(steps))
+    dec = SpeculativeDecoder(small_vocab_model, None, drafter="draft-model", spec_length=steps - 1, max_batch=512,
                              drafter_options={"model": str(tmp_path), "dtype": "float64", "min_confidence": 0.0})
-    seqs = [Sequence(tokens=prompt, sampling=settings[i % 4], max_new_tokens=2, max_len=64, seed=i)
+    seqs = [Sequence(tokens=prompt, sampling=settings[i % 4], max_new_tokens=steps, max_len=64, seed=i)
             for i in range(4 * n)]
     from specdraft.engine import Stream
 
@@ -88,18 +91,15 @@ def test_sampling_is_exact_per_sequence_with_mixed_settings_in_one_batch(small_v
     for s in streams:
         for _ in s:
             pass
-    greedy = plain_greedy(small_vocab_model, prompt, 2)
+    greedy = plain_greedy(small_vocab_model, prompt, steps)
     for i, params in enumerate(settings):
         mine = [s.result for s in streams[i::4]]
         if params.greedy:
             assert all(r.token_ids == greedy for r in mine)
             continue
-        exact = exact_joint_distribution(small_vocab_model, prompt, params)
-        counts = torch.zeros_like(exact)
-        for r in mine:
-            counts[tuple(r.token_ids)] += 1
+        exact = enumerate_plain_sampling(small_vocab_model, prompt, params, steps)
         assert sum(r.stats.drafted_tokens for r in mine) > n / 2  # the drafts were really tested
-        assert chi_square_pvalue(counts, exact) > ALPHA, params
+        assert samples_pvalue([r.token_ids for r in mine], exact) > ALPHA, params
 
 
 def test_a_seeded_request_does_not_depend_on_its_batchmates(tiny_model):
@@ -149,16 +149,28 @@ def test_a_failing_drafter_fails_only_its_requests(tiny_model):
 
 
 def test_threads_feed_one_engine_and_batch_together(tiny_model):
+    """Four threads' requests run in one batch: the engine's first step waits until all four are
+    queued, so they batch together however the threads are scheduled."""
     dec = SpeculativeDecoder(tiny_model, None, drafter="prompt-lookup", spec_length=3, max_batch=8)
     sizes = []
-    step = dec.engine.step
-    dec.engine.step = lambda: sizes.append(dec.engine.num_running) or step()
+    all_queued = threading.Event()
+    submit, step = dec._loop.submit, dec.engine.step
+
+    def counting_submit(sequences, limit=True):
+        submit(sequences, limit)
+        if dec.engine.num_waiting + dec.engine.num_running == 4:
+            all_queued.set()
+
+    def held_step():
+        all_queued.wait(30)  # (a bound on a hang only: sizes[0] says whether all four were there)
+        step()
+        sizes.append(dec.engine.num_running)
+
+    dec._loop.submit, dec.engine.step = counting_submit, held_step
     prompts = repetitive_prompts(64, seed=5)
     got = [None] * 4
-    barrier = threading.Barrier(4)
 
     def work(t):
-        barrier.wait()
         got[t] = dec.generate_ids([prompts[t]], max_new_tokens=30)[0].token_ids
 
     threads = [threading.Thread(target=work, args=(t,)) for t in range(4)]
@@ -167,7 +179,7 @@ def test_threads_feed_one_engine_and_batch_together(tiny_model):
     for th in threads:
         th.join()
     assert got == [plain_greedy(tiny_model, p, 30) for p in prompts]
-    assert max(sizes) > 1  # several callers' sequences ran in one step
+    assert sizes[0] == 4  # the four callers' sequences ran in one step (none can finish in one round)
 
 
 @pytest.mark.parametrize("drafter", ["eagle", "draft-model"])

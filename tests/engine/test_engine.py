@@ -11,7 +11,7 @@ import specdraft
 from specdraft import Draft, Drafter, SpeculativeDecoder
 from specdraft.sampling import SamplingParams, logits_to_probs
 from specdraft.testing import SIGNIFICANCE as ALPHA
-from specdraft.testing import chi_square_pvalue, exact_joint_distribution, plain_greedy, repetitive_prompts
+from specdraft.testing import plain_greedy, repetitive_prompts, sampled_joint_pvalue
 
 
 class OracleDrafter(Drafter):
@@ -50,9 +50,12 @@ def _reference(model, prompts, n):
     return {tuple(p): plain_greedy(model, p, n) for p in prompts}
 
 
-@pytest.mark.parametrize("drafter", ["ngram", "prompt-lookup", "none"])
-@pytest.mark.parametrize("k", [1, 3, 5])
-@pytest.mark.parametrize("adaptive", [True, False])
+#: (drafter, k, adaptive): "none" drafts nothing whatever k and adaptive are, so it runs once
+PARITY_RUNS = [(d, k, a) for d in ("ngram", "prompt-lookup") for k in (1, 3, 5) for a in (True, False)]
+PARITY_RUNS.append(("none", 3, True))
+
+
+@pytest.mark.parametrize("drafter,k,adaptive", PARITY_RUNS)
 def test_greedy_parity_builtin_drafters(tiny_model, drafter, k, adaptive):
     prompts = repetitive_prompts(64)
     expected = _reference(tiny_model, prompts, 40)
@@ -95,19 +98,13 @@ def test_greedy_parity_random_drafter(tiny_model):
 ])
 @pytest.mark.parametrize("drafter", ["random", "ngram"])
 def test_sampling_matches_target_joint_distribution(small_vocab_model, params, drafter):
-    """Speculative sampling's first two tokens ~ the target's exact joint (chi-square, ALPHA)."""
-    prompt = [3, 5, 3, 5, 3]
-    n = 12_000
-    exact = exact_joint_distribution(small_vocab_model, prompt, params)
+    """Speculative sampling's first K + 1 tokens ~ the target's exact distribution (chi-square,
+    ALPHA), with the drafts K = 3 deep; the sizes come from the power calculation."""
     d = RandomDrafter(None, None) if drafter == "random" else drafter
-    dec = SpeculativeDecoder(small_vocab_model, None, drafter=d, spec_length=3)
-    results = dec.generate_ids([prompt] * n, max_new_tokens=2, seed=1234, temperature=params.temperature,
-                               top_k=params.top_k, top_p=params.top_p)
-    counts = torch.zeros_like(exact)
-    for r in results:
-        counts[tuple(r.token_ids)] += 1
-    assert sum(r.stats.drafted_tokens for r in results) > n / 2  # the drafts were really tested
-    assert chi_square_pvalue(counts, exact) > ALPHA
+    dec = SpeculativeDecoder(small_vocab_model, None, drafter=d, spec_length=3, max_batch=512)
+    pvalue, results = sampled_joint_pvalue(dec, [3, 5, 3, 5, 3], params, seed=1234)
+    assert sum(r.stats.drafted_tokens for r in results) > len(results) / 2  # the drafts were really tested
+    assert pvalue > ALPHA
 
 
 def test_seeded_sampling_is_reproducible(tiny_model):
@@ -172,11 +169,19 @@ def test_stats_count_positions(tiny_model):
     s = dec.generate_ids([prompt], max_new_tokens=12)[0].stats
     assert s.acceptance_by_position[:3] == [1.0, 1.0, 0.0]
     assert s.tokens_per_pass == s.new_tokens / s.target_passes == 3.0
-    assert s.draft_time_s >= 0 and s.verify_time_s > 0 and s.total_time_s >= s.verify_time_s
+    # 4 rounds drafting 3 and accepting 2, the last one's draft cut to 2 by the 12-token budget
+    assert (s.prompt_tokens, s.new_tokens, s.target_passes, s.drafts) == (len(prompt), 12, 4, 4)
+    assert (s.drafted_tokens, s.accepted_tokens) == (3 + 3 + 3 + 2, 2 + 2 + 2 + 2)
+    assert s.drafted_per_position[:3] == [4, 4, 3] and s.accepted_per_position[:3] == [4, 4, 0]
+    # each part was timed, and they are disjoint stretches of the request's life on one monotonic
+    # clock: together no longer than its total (a part counted twice, or per row, breaks this)
+    assert s.prefill_time_s > 0 and s.draft_time_s > 0 and s.verify_time_s > 0
+    assert s.prefill_time_s + s.draft_time_s + s.verify_time_s <= s.total_time_s
 
 
-def test_adaptive_verifier_stops_verifying_hopeless_drafts(tiny_model):
-    """A drafter that is always wrong: the adaptive loop soon stops paying verify width for it."""
+def test_adaptive_verifier_stops_verifying_hopeless_drafts(tiny_model, step_clock):
+    """A drafter that is always wrong: the adaptive loop soon stops paying verify width for it,
+    even with wide passes costing no more than one-token ones (the clock is a fixed step)."""
     prompt = repetitive_prompts(64)[1]
     reference = plain_greedy(tiny_model, prompt, 60)
     wrong = OracleDrafter({tuple(prompt): reference}, correct=0)

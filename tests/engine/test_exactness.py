@@ -216,31 +216,17 @@ def test_the_penalties_change_the_distribution(small_vocab_model):
         assert (penalized - plain).abs().sum() > 0.05, stage
 
 
-class _FixedClock:
-    """Stands in for the engine's ``time`` module: every reading is a millisecond after the last,
-    so the adaptive policy sees the same costs on every machine."""
-
-    def __init__(self):
-        self.now = 0.0
-
-    def perf_counter(self):
-        self.now += 1e-3
-        return self.now
-
-
-def test_unseeded_adaptive_sampling_follows_the_target(small_vocab_model, monkeypatch):
+def test_unseeded_adaptive_sampling_follows_the_target(small_vocab_model, monkeypatch, step_clock):
     """The server's default path: no seed (so the policy measures costs and picks each round's
     draft length) and adaptive drafting. Its randomness is pinned another way: the engine's
     clock is a fixed-step counter and the per-request entropy comes from a seeded generator."""
     import random
     import types
 
-    from specdraft.engine import engine as engine_module
     from specdraft.engine import sequence as sequence_module
 
     rng = random.Random(2024)
     monkeypatch.setattr(sequence_module, "random", types.SimpleNamespace(SystemRandom=lambda: rng))
-    monkeypatch.setattr(engine_module, "time", _FixedClock())
     params = STAGES["all"]
     dec = SpeculativeDecoder(small_vocab_model, None, drafter=TargetDrafter(small_vocab_model), spec_length=4,
                              adaptive=True, max_batch=512)

@@ -1,69 +1,20 @@
-"""Tiny random transformers models of each supported architecture, float64."""
+"""The runner's fixtures: tiny random transformers models of each supported architecture
+(built by :mod:`specdraft.testing.architectures`, which test modules import directly)."""
 
 from __future__ import annotations
 
-import math
-
 import pytest
-import torch
 
-COMMON = dict(
-    vocab_size=96, hidden_size=64, intermediate_size=112, num_hidden_layers=2, num_attention_heads=4,
-    num_key_value_heads=2, max_position_embeddings=256, bos_token_id=None, eos_token_id=None, pad_token_id=0,
-)
-LLAMA3_ROPE = {  # original_max_position_embeddings small, so every branch of the scaling applies
-    "rope_type": "llama3", "rope_theta": 500000.0, "factor": 8.0, "low_freq_factor": 1.0,
-    "high_freq_factor": 4.0, "original_max_position_embeddings": 16,
-}
-
-
-def _config(kind: str, **overrides):
-    from transformers import LlamaConfig, MistralConfig, Qwen2Config, Qwen3Config
-
-    configs = {
-        "llama": lambda: LlamaConfig(**COMMON, tie_word_embeddings=False),
-        "llama3-tied": lambda: LlamaConfig(**COMMON, tie_word_embeddings=True, rope_parameters=dict(LLAMA3_ROPE)),
-        "mistral-window": lambda: MistralConfig(**COMMON, tie_word_embeddings=False, sliding_window=5),
-        "qwen2-tied": lambda: Qwen2Config(**COMMON, tie_word_embeddings=True),
-        # head_dim 24 is not hidden_size / heads (16); one KV head for all four query heads
-        "qwen3": lambda: Qwen3Config(**(COMMON | dict(num_key_value_heads=1)), head_dim=24, tie_word_embeddings=False),
-    }
-    config = configs[kind]()
-    for key, value in overrides.items():
-        setattr(config, key, value)
-    return config
-
-
-def randomize(model, seed: int = 0):
-    """Weights far from transformers' init (norm weights 1, biases 0), so a missed term shows."""
-    gen = torch.Generator().manual_seed(seed)
-    with torch.no_grad():
-        for name, p in model.named_parameters():
-            noise = torch.randn(p.shape, generator=gen, dtype=torch.float64).to(p.dtype)
-            if p.ndim == 1:
-                p.copy_(1 + 0.3 * noise if "norm" in name else 0.5 * noise)
-            else:
-                p.copy_(noise / math.sqrt(p.shape[1]))
-    return model
-
-
-def tiny_hf(kind: str, seed: int = 0, dtype=torch.float64):
-    """A random 2-layer transformers model of ``kind`` (see ``KINDS``), in eval mode."""
-    from transformers import AutoModelForCausalLM
-
-    torch.manual_seed(seed)
-    model = AutoModelForCausalLM.from_config(_config(kind))
-    return randomize(model, seed).to(dtype).eval()
-
-
-KINDS = ["llama", "llama3-tied", "mistral-window", "qwen2-tied", "qwen3"]
+from specdraft.testing.architectures import tiny_config, tiny_hf
 
 
 @pytest.fixture(scope="session")
 def hf_factory():
+    """``hf_factory(kind, seed=0, dtype=None)``: a random transformers model (see ``tiny_hf``)."""
     return tiny_hf
 
 
 @pytest.fixture(scope="session")
 def config_factory():
-    return _config
+    """``config_factory(kind, **overrides)``: its config alone (see ``tiny_config``)."""
+    return tiny_config

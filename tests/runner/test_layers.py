@@ -10,14 +10,13 @@ import torch
 from torch import nn
 
 from specdraft.runner.layers import LayerRunner, layers_from_transformers
+from specdraft.testing.architectures import KINDS
 
 ATOL = 1e-10  # float64: the two paths differ only by summation order
 #: compiled against eager: the norms normalise in float32 (as transformers' do), and the compiled
 #: kernel's float32 rsqrt may differ from eager's by an ulp, which moves a position by ~1e-7
 COMPILED_ATOL = 1e-6
 DIM = 64
-#: conftest's model kinds (named here: importing ``conftest`` fails when other test folders' run beside)
-KINDS = ["llama", "llama3-tied", "mistral-window", "qwen2-tied", "qwen3"]
 
 
 def close(actual, expected, atol=ATOL):
@@ -179,7 +178,10 @@ def test_compiled_equals_eager(attention_norm):
     block; the padding is cut and never attended to."""
     layer = Layer(attention_norm, seed=4)
     eager, compiled = runner_for(layer, attention_norm), runner_for(layer, attention_norm, compile=True)
-    assert compiled.compiled and compiled.info["compiled"]
+    assert compiled.compiled and compiled.info["compiled"] and eager._compiled_block is None
+    widths = []  # of the passes through the compiled block: a fallback to eager would leave it empty
+    block = compiled._compiled_block
+    compiled._compiled_block = lambda module, x, *rest: widths.append(x.shape[1]) or block(module, x, *rest)
     true_e, seen_e = _drafting_rounds(eager, layer, torch.Generator().manual_seed(1))
     true_c, seen_c = _drafting_rounds(compiled, layer, torch.Generator().manual_seed(1), COMPILED_ATOL)
     assert len(seen_c) == len(seen_e)
@@ -187,7 +189,8 @@ def test_compiled_equals_eager(attention_norm):
         assert a.shape == b.shape  # padded to the bucket, cut back
         close(a, b, COMPILED_ATOL)
     assert torch.equal(compiled.lengths, eager.lengths)
-    assert compiled.compile_seconds > 0 == eager.compile_seconds  # the compiled block ran
+    # every pass (one layer: one block call each) ran compiled, padded to its bucket
+    assert len(widths) == len(seen_c) and sorted(set(widths)) == [1, 2, 4, 8]
     for mine, ref in zip(compiled.cache.keys + compiled.cache.values, eager.cache.keys + eager.cache.values):
         for b, t in enumerate(true_e):
             close(mine[b, :, : len(t)], ref[b, :, : len(t)], COMPILED_ATOL)

@@ -6,12 +6,12 @@ from __future__ import annotations
 
 import pytest
 import torch
-from conftest import tiny_hf
 from torch import nn
 
 from specdraft.runner import from_transformers
 from specdraft.runner.quantize import (Int4Linear, Int8Linear, quantize_groups, quantize_int4, quantize_int8,
                                        quantize_rows)
+from specdraft.testing.architectures import tiny_hf
 
 ROWS = 33  # row counts 1..33: a verify pass of K+1 positions against one-token steps
 #: (in, out): SmolLM2-135M's gate/up-sized product, a vocabulary-sized head, and widths the kernels

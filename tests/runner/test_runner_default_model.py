@@ -5,15 +5,14 @@ from __future__ import annotations
 import pytest
 import torch
 
-from specdraft.models import load_target
 from specdraft.runner import from_transformers
 
 pytestmark = pytest.mark.e2e
 
 
 @torch.no_grad()
-def test_logits_equal_transformers_on_a_real_prompt():
-    hf, tok, _ = load_target(None, dtype=torch.float64)
+def test_logits_equal_transformers_on_a_real_prompt(default_f64):
+    hf, tok = default_f64
     model, reason = from_transformers(hf)
     assert model is not None, reason
     prompt = tok.apply_chat_template(
@@ -35,14 +34,14 @@ def test_logits_equal_transformers_on_a_real_prompt():
 
 @pytest.mark.parametrize("quantize", ["int8", "int4"])
 @torch.inference_mode()
-def test_quantized_verify_pass_equals_one_token_steps_bit_for_bit(quantize):
+def test_quantized_verify_pass_equals_one_token_steps_bit_for_bit(default_f32, quantize):
     """On the real model, a 5-token pass of the quantized runner gives exactly the logits of five
     one-token steps (what makes greedy speculation equal plain decoding of the quantized model);
     float32 attention and the fused kernels did not (logits 0.4 apart, 16 of 26 outputs differing)."""
     from specdraft.runner import load_runner
 
-    hf, tok, _ = load_target(None)
-    runner = load_runner(hf, quantize=quantize)
+    hf, tok = default_f32
+    runner = load_runner(hf, quantize=quantize)  # quantizes a converted copy: the shared model is unchanged
     ids = tok.apply_chat_template([{"role": "user", "content": "Explain photosynthesis in simple words."}],
                                   add_generation_prompt=True)["input_ids"]
     runner.reset(1, len(ids) + 8)

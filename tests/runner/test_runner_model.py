@@ -4,9 +4,9 @@ from __future__ import annotations
 
 import pytest
 import torch
-from conftest import KINDS
 
 from specdraft.runner import from_transformers
+from specdraft.testing.architectures import KINDS
 
 ATOL = 1e-10  # float64: the two paths differ only by summation order
 

@@ -78,7 +78,8 @@ class FakeDrafter:
 
 class FakeStream:
     """Token ``i`` of the output is ``100 + (prompt length + i) % 50``, written `` t<id>``; bursts of
-    up to 3 tokens every ``decoder.delay`` seconds, once the request has a place in the batch."""
+    up to 3 tokens every ``decoder.delay`` seconds, once the request has a place in the batch (and,
+    when ``decoder.bursts`` is a semaphore, each burst has taken one of its permits)."""
 
     def __init__(self, decoder: "FakeDecoder", prompt_ids: list[int], max_new_tokens: int, stop) -> None:
         self.decoder, self.max_new_tokens = decoder, max_new_tokens
@@ -116,7 +117,7 @@ class FakeStream:
         if self.closed.is_set() or self.result is not None:
             self._finish("aborted")
             raise StopIteration
-        if self.closed.wait(self.decoder.delay):
+        if self.closed.wait(self.decoder.delay) or not self._permit():
             self._finish("aborted")
             raise StopIteration
         if self.decoder.fail:
@@ -141,6 +142,14 @@ class FakeStream:
             self._finish("length")
         return StreamChunk(text, burst)
 
+    def _permit(self) -> bool:
+        """Take a permit for the next burst from ``decoder.bursts`` (False: closed while waiting)."""
+        gate = self.decoder.bursts
+        while gate is not None and not gate.acquire(timeout=0.01):
+            if self.closed.is_set():
+                return False
+        return True
+
     def close(self) -> None:
         self.closed.set()
         self.decoder.closed += 1
@@ -148,7 +157,12 @@ class FakeStream:
 
 
 class FakeDecoder:
-    """Bytes of the prompt as token ids; the chat template is ``role: content`` lines."""
+    """Bytes of the prompt as token ids; the chat template is ``role: content`` lines.
+
+    Tests that need a request to stay running (or waiting) set ``bursts`` to a
+    ``threading.Semaphore`` of the bursts allowed so far (0: none), instead of relying on a delay
+    being long enough; ``arrived`` is set when ``stream_ids`` has taken a request.
+    """
 
     def __init__(self, max_batch: int = 4, max_waiting: int | None = 4, delay: float = 0.005) -> None:
         self.target, self.drafter = FakeTarget(), FakeDrafter()
@@ -158,6 +172,8 @@ class FakeDecoder:
         self.fail = False  # the next burst raises DrafterError
         self.closed = 0  # close() calls
         self.calls: list[dict] = []  # stream_ids' arguments
+        self.bursts: threading.Semaphore | None = None  # None: bursts flow freely
+        self.arrived = threading.Event()  # a request was taken (running or waiting)
         self._lock = threading.Lock()
 
     @property
@@ -196,6 +212,7 @@ class FakeDecoder:
                 raise QueueFull(f"{len(self.waiting)} requests already wait for the engine; retry later")
             else:
                 self.waiting.append(stream)
+        self.arrived.set()
         return stream
 
     def _leave(self, stream: FakeStream) -> None:

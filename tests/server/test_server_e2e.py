@@ -36,8 +36,14 @@ PROMPTS = [
 
 
 @pytest.fixture(scope="module")
-def decoder():
-    return SpeculativeDecoder.from_pretrained(drafter="prompt-lookup")
+def decoder(default_f32):
+    """What ``from_pretrained(drafter="prompt-lookup")`` builds, on the session's loaded model
+    (test_specdraft_serve_out_of_the_box loads it the way ``specdraft serve`` does)."""
+    from specdraft.models import DEFAULT_TARGET
+
+    model, tokenizer = default_f32
+    with SpeculativeDecoder(model, tokenizer, drafter="prompt-lookup", target_name=DEFAULT_TARGET) as dec:
+        yield dec
 
 
 @pytest.fixture(scope="module")

@@ -1,5 +1,6 @@
-"""Shared by the training tests: the default target's tokenizer (a real chat template) and a
-tiny random model built for it, also saved as a folder the CLI can load."""
+"""Shared by the training tests: a tiny random model built for the default target's tokenizer
+(``smol_tokenizer``, from tests/conftest.py: a real chat template), also saved as a folder the
+CLI can load."""
 
 from __future__ import annotations
 
@@ -8,15 +9,6 @@ import json
 import pytest
 
 from specdraft.testing import tiny_llama
-
-
-@pytest.fixture(scope="session")
-def smol_tokenizer():
-    from transformers import AutoTokenizer
-
-    from specdraft.models import resolve_target
-
-    return AutoTokenizer.from_pretrained(resolve_target(None)[1])
 
 
 @pytest.fixture(scope="session")
