@@ -60,15 +60,11 @@ def _self_drafter(model, report, honest: bool):
     import torch
 
     from specdraft import Draft, Drafter
+    from specdraft.testing.drafters import last_logits
 
     class SelfDrafter(Drafter):
         def propose(self, ctx, k):
-            known = {}  # context -> the target's logits there (the sampled check repeats one prompt)
-            with torch.no_grad():
-                for ids in map(tuple, ctx.token_ids):
-                    if ids not in known:
-                        known[ids] = model(torch.tensor([ids])).logits[0, -1]
-            logits = torch.stack([known[tuple(ids)] for ids in ctx.token_ids])
+            logits = last_logits(model, ctx.token_ids)  # [batch, vocab]
             if ctx.sampling.greedy:
                 return Draft(token_ids=logits.argmax(-1)[:, None])
             probs = report(logits, ctx)  # [batch, vocab]

@@ -6,6 +6,24 @@ from ..drafters.base import Drafter
 from ..types import Draft
 
 
+def last_logits(model, rows: list[list[int]]):
+    """``model``'s logits after each row's last token, one forward per group of rows of equal
+    length (a transformers model, no cache: tiny models only), in its dtype  # [batch, vocab]"""
+    import torch
+
+    out = [None] * len(rows)
+    groups: dict[int, list[int]] = {}
+    for b, ids in enumerate(rows):
+        groups.setdefault(len(ids), []).append(b)
+    with torch.no_grad():
+        for members in groups.values():
+            ids = torch.tensor([list(rows[b]) for b in members], device=model.device)
+            logits = model(ids).logits[:, -1].cpu()
+            for i, b in enumerate(members):
+                out[b] = logits[i]
+    return torch.stack(out)
+
+
 class TargetDrafter(Drafter):
     """Drafts ``k`` tokens from the target's own logits times ``scale``, through the sampling
     pipeline with each position's context (``ctx.counts_after``), each row from its own
@@ -24,22 +42,6 @@ class TargetDrafter(Drafter):
         super().__init__(None, None)
         self.model, self.scale, self.one_hot = model, scale, one_hot
 
-    def _next_logits(self, rows: list[list[int]]):
-        """The model's last logits for each row, one forward per group of equal length  # [batch, vocab]"""
-        import torch
-
-        out = [None] * len(rows)
-        groups: dict[int, list[int]] = {}
-        for b, ids in enumerate(rows):
-            groups.setdefault(len(ids), []).append(b)
-        with torch.no_grad():
-            for members in groups.values():
-                ids = torch.tensor([rows[b] for b in members], device=self.model.device)
-                logits = self.model(ids).logits[:, -1].float().cpu()
-                for i, b in enumerate(members):
-                    out[b] = logits[i]
-        return torch.stack(out) * self.scale
-
     def propose(self, ctx, k):
         import torch
 
@@ -49,7 +51,7 @@ class TargetDrafter(Drafter):
         drafted, dists = [], []
         params = ctx.sampling if isinstance(ctx.sampling, RowSampling) else RowSampling([ctx.sampling] * len(rows))
         for _ in range(k):
-            logits = self._next_logits(rows)  # [batch, vocab]
+            logits = last_logits(self.model, rows) * self.scale  # [batch, vocab]
             counts = ctx.counts_after(drafted)
             if params.greedy or self.one_hot:
                 tokens = greedy_tokens(logits, params, counts) if params.greedy else \
