@@ -108,21 +108,24 @@ def cached_default_model(monkeypatch, request):
 
 @pytest.fixture(autouse=True)
 def closing_decoders(monkeypatch):
-    """Every SpeculativeDecoder made during a test is closed after it: an idle decoder's engine
-    thread keeps the decoder, and so its KV cache and drafter, alive for the rest of the session
-    (a sampled test's 512-row cache is about 100 MB)."""
+    """Every SpeculativeDecoder made during a test and still alive after it is closed then, so
+    its KV cache and drafter go at once (a sampled test's 512-row cache is about 100 MB). Held by
+    weak reference: the test of a dropped decoder being freed must not be defeated by this."""
+    import weakref
+
     from specdraft import SpeculativeDecoder
 
     made, init = [], SpeculativeDecoder.__init__
 
     def recording_init(self, *args, **kwargs):
-        made.append(self)
+        made.append(weakref.ref(self))
         init(self, *args, **kwargs)
 
     monkeypatch.setattr(SpeculativeDecoder, "__init__", recording_init)
     yield
-    for decoder in made:
-        if hasattr(decoder, "_loop"):  # __init__ finished
+    for ref in made:
+        decoder = ref()
+        if decoder is not None and hasattr(decoder, "_loop"):  # __init__ finished
             decoder.close()
 
 

@@ -205,3 +205,23 @@ def test_a_long_prompt_joining_a_long_running_sequence(tiny_model, options, draf
         assert seq.error is None, seq.error
         assert seq.new_tokens == plain_greedy(tiny_model, seq.tokens[: seq.prompt_len], len(seq.new_tokens))
     dec.close()
+
+
+def test_a_dropped_decoder_is_freed(tiny_model):
+    """The engine's thread ends when its work does: an idle thread waiting for more kept a dropped
+    decoder's engine (its KV cache, its drafter) alive for the life of the process. The next
+    request starts a new thread."""
+    import gc
+    import weakref
+
+    dec = SpeculativeDecoder(tiny_model, None, drafter="ngram", spec_length=3)
+    prompt = repetitive_prompts(64)[0]
+    first = dec.generate_ids([prompt], max_new_tokens=6)[0].token_ids
+    assert dec.generate_ids([prompt], max_new_tokens=6)[0].token_ids == first  # a second thread serves it
+    thread, engine = dec._loop._thread, weakref.ref(dec.engine)
+    if thread is not None:  # still on its way out after delivering the last tokens
+        thread.join(30)
+    assert dec._loop._thread is None
+    del dec
+    gc.collect()
+    assert engine() is None, "a dropped decoder's engine is still alive"

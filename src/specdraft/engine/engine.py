@@ -506,7 +506,9 @@ class Engine:
 
 class EngineLoop:
     """Steps an :class:`Engine` on a thread of its own while it has work: callers on any thread
-    submit sequences and read each one's ``events``; their sequences batch together."""
+    submit sequences and read each one's ``events``; their sequences batch together. The thread
+    ends when the work does (the next submit starts another), so an idle thread never keeps a
+    dropped decoder's engine, cache and drafter alive."""
 
     def __init__(self, engine: Engine) -> None:
         self.engine = engine
@@ -521,7 +523,7 @@ class EngineLoop:
             if self._stopping:
                 raise SpecdraftError("this decoder has been closed")
             self.engine.add(sequences, limit=limit)
-            if self._thread is None or not self._thread.is_alive():
+            if self._thread is None:  # the last one ended (under this lock) with nothing to do
                 self._thread = threading.Thread(target=self._run, name="specdraft-engine", daemon=True)
                 self._thread.start()
             self.wake.notify()
@@ -533,8 +535,9 @@ class EngineLoop:
             for seq in list(self.engine.waiting) + list(self.engine.running):
                 self.engine.abort(seq)
             self.wake.notify()
-        if self._thread is not None and self._thread is not threading.current_thread():
-            self._thread.join(timeout)
+            thread = self._thread
+        if thread is not None and thread is not threading.current_thread():
+            thread.join(timeout)
 
     def abort(self, seq: Sequence) -> None:
         self.engine.abort(seq)
@@ -544,9 +547,8 @@ class EngineLoop:
     def _run(self) -> None:
         while True:
             with self.wake:
-                while not self.engine.has_work() and not self._stopping:
-                    self.wake.wait()
-                if self._stopping and not self.engine.running:
+                if not self.engine.has_work() or (self._stopping and not self.engine.running):
+                    self._thread = None  # under the lock: a submit from now on starts a new thread
                     return
             with self.step_lock:
                 self.engine.step()
