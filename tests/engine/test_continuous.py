@@ -5,7 +5,6 @@ from __future__ import annotations
 import threading
 
 import pytest
-import torch
 
 from specdraft import Drafter, SpeculativeDecoder
 from specdraft.engine.sequence import Sequence

@@ -7,7 +7,6 @@ from collections import deque
 import pytest
 import torch
 
-import specdraft
 from specdraft import Draft, Drafter, SpeculativeDecoder
 from specdraft.sampling import SamplingParams, logits_to_probs
 from specdraft.testing import SIGNIFICANCE as ALPHA

@@ -11,7 +11,10 @@ from __future__ import annotations
 
 from collections import Counter
 from dataclasses import dataclass
-from typing import Sequence
+from typing import TYPE_CHECKING, Sequence
+
+if TYPE_CHECKING:  # pragma: no cover
+    import torch
 
 
 def plain_greedy(model, prompt: Sequence[int], max_new_tokens: int) -> list[int]:
