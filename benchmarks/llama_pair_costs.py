@@ -28,6 +28,7 @@ from transformers import LlamaConfig, LlamaForCausalLM
 
 from specdraft import Draft, Drafter, SpeculativeDecoder
 from specdraft.runner import default_compile, load_runner
+from specdraft.runner.kernels import PackedLinear
 
 SHAPES = {  # Llama-3.2 1B and 3B: hidden, layers, heads, kv heads, intermediate
     "draft (1B)": (2048, 16, 32, 8, 8192),
@@ -97,7 +98,8 @@ def weight_bytes(runner) -> int:
     tensors = {id(t): t for t in list(model.parameters()) + list(model.buffers())}
     if tied is not None and id(tied) in skip:  # a tied head is read in full
         skip.discard(id(tied))
-    return sum(t.numel() * t.element_size() for k, t in tensors.items() if k not in skip)
+    packed = sum(m.nbytes for m in model.modules() if isinstance(m, PackedLinear))  # oneDNN's copies of weights
+    return packed + sum(t.numel() * t.element_size() for k, t in tensors.items() if k not in skip)
 
 
 class _Fixed(Drafter):

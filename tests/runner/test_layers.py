@@ -180,8 +180,8 @@ def test_compiled_equals_eager(attention_norm):
     eager, compiled = runner_for(layer, attention_norm), runner_for(layer, attention_norm, compile=True)
     assert compiled.compiled and compiled.info["compiled"] and eager._compiled_block is None
     widths = []  # of the passes through the compiled block: a fallback to eager would leave it empty
-    block = compiled._compiled_block
-    compiled._compiled_block = lambda module, x, *rest: widths.append(x.shape[1]) or block(module, x, *rest)
+    block = compiled._block_fn
+    compiled._block_fn = lambda module, x, *rest: widths.append(x.shape[1]) or block(module, x, *rest)
     true_e, seen_e = _drafting_rounds(eager, layer, torch.Generator().manual_seed(1))
     true_c, seen_c = _drafting_rounds(compiled, layer, torch.Generator().manual_seed(1), COMPILED_ATOL)
     assert len(seen_c) == len(seen_e)

@@ -34,7 +34,8 @@ def test_unsupported_architecture_falls_back_with_parity(build, reason, drafter)
     model = build()
     prompts = repetitive_prompts(64, seed=0)[:3]
     dec = SpeculativeDecoder(model, None, drafter=drafter, spec_length=3)
-    assert dec.runner_info == {"implementation": "transformers", "compiled": False, "quantization": None}
+    assert dec.runner_info == {"implementation": "transformers", "compiled": False, "quantization": None,
+                               "dtype": str(model.dtype).removeprefix("torch."), "dtype_reason": "the loaded model's own"}
     assert reason in dec.runner.fallback_reason
     expected = [plain_greedy(model, p, 16) for p in prompts]
     assert [r.token_ids for r in dec.generate_ids(prompts, max_new_tokens=16)] == expected

@@ -116,20 +116,3 @@ def test_same_input_gives_bit_identical_logits(hf_factory):
         runs.append(torch.cat([first, model(step, cache).logits], dim=1))
     assert runs[0].dtype == torch.float32
     assert torch.equal(runs[0], runs[1]) and torch.equal(runs[0], runs[2])
-
-
-@pytest.mark.parametrize("rows", [(1, 1), (1, 3), (2, 2), (1, 16), (3, 7)])
-def test_vocab_logits_equal_the_head(rows):
-    """The few-row CPU form of the output head gives the head's logits (to float rounding),
-    the same ones every call, whatever the number of rows."""
-    from specdraft.runner.model import vocab_logits
-
-    torch.manual_seed(0)
-    head = torch.nn.Linear(64, 3000, bias=False)
-    hidden = torch.randn(*rows, 64)
-    got = vocab_logits(head, hidden)
-    assert got.shape == (*rows, 3000)
-    torch.testing.assert_close(got, head(hidden), rtol=1e-5, atol=1e-5)
-    assert torch.equal(got, vocab_logits(head, hidden.clone()))
-    with_bias = torch.nn.Linear(64, 3000)  # anything but a plain bias-free head is called as it is
-    assert torch.equal(vocab_logits(with_bias, hidden), with_bias(hidden))

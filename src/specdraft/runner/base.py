@@ -37,4 +37,5 @@ class RunnerBase:
 
     @property
     def info(self) -> dict:
-        return {"implementation": self.implementation, "compiled": self.compiled, "quantization": self.quantization}
+        return {"implementation": self.implementation, "compiled": self.compiled, "quantization": self.quantization,
+                "dtype": str(self.dtype).removeprefix("torch.")}

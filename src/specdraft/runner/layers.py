@@ -9,20 +9,20 @@ A :class:`LayerRunner` is a :class:`~specdraft.runner.runner.ModelRunner` whose 
 of :class:`~specdraft.runner.model.TransformerBlock`\\ s (:class:`LayerStack`) fed hidden states
 instead of token ids: the same cache interface (``reset``, ``reserve``, ``lengths``,
 ``set_lengths``, ragged rows through ``advance``), and with ``compile=True`` the same width
-buckets and compiled block (no CUDA graphs yet). Its output is the last block's, with no final norm.
+buckets, compiled block and CUDA graphs. Its output is the last block's, with no final norm.
 """
 
 from __future__ import annotations
 
-import time
-
 import torch
 from torch import nn
 
+from .base import attention_backends
 from .cache import KVCache
 from .convert import ARCHITECTURES, block_weights, config_args, placement_reason
+from .kernels import pack_linears
 from .model import ModelArgs, TransformerBlock, rope_inv_freq, run_block, run_blocks
-from .runner import WIDTH_BUCKETS, ModelRunner, _as_lengths, _tree_kwargs, pad_tree, width_bucket
+from .runner import ModelRunner, _tree_kwargs
 
 
 class LayerStack(nn.Module):
@@ -40,7 +40,6 @@ class LayerStack(nn.Module):
             for block in self.layers:
                 block.attention_norm = nn.Identity()
         self.register_buffer("rope_inv_freq", rope_inv_freq(args), persistent=False)
-        self.block_fn = run_block  # the runner's compile swaps in a compiled one
 
     @property
     def dtype(self) -> torch.dtype:
@@ -56,13 +55,14 @@ class LayerStack(nn.Module):
 
     def forward(self, x: torch.Tensor, cache: KVCache, advance: torch.Tensor | None = None,
                 rows: torch.Tensor | None = None, tree_mask: torch.Tensor | None = None,
-                depths: torch.Tensor | None = None) -> torch.Tensor:
+                depths: torch.Tensor | None = None, span: int | None = None, block_fn=None) -> torch.Tensor:
         """``x # [B, W, dim]`` after each row's stored positions (the cache slots ``rows # [B]``;
         None: every slot, in order) -> the last block's output ``[B, W, dim]``. Lengths grow by
         ``W``, or by ``advance # [B]``. ``tree_mask``, ``depths``: a tree, as for
-        :meth:`~specdraft.runner.model.SpecdraftModel.forward`."""
+        :meth:`~specdraft.runner.model.SpecdraftModel.forward`; ``span``, ``block_fn``: see
+        :func:`~specdraft.runner.model.run_blocks`."""
         out = run_blocks(self.layers, x, cache, rows, self.rope_inv_freq, self.args.sliding_window, tree_mask,
-                         self.block_fn, None, depths)
+                         block_fn or run_block, span, depths)
         cache.advance(rows, x.shape[1] if advance is None else advance)
         return out
 
@@ -70,17 +70,11 @@ class LayerStack(nn.Module):
 class LayerRunner(ModelRunner):
     """A :class:`LayerStack` over its own static cache; see the module's docstring.
 
-    The cache interface (``reset``, ``reserve``, ``lengths``, ``set_lengths``) and the compiled
-    block are :class:`ModelRunner`'s own; only the forward differs (hidden states in and out).
-    Compiled passes run eagerly around the compiled block, without CUDA-graph capture.
+    Everything but the model's call is :class:`ModelRunner`'s own: the cache interface (``reset``,
+    ``reserve``, ``lengths``, ``set_lengths``), spans, width buckets and their padding, the
+    compiled block and CUDA-graph capture. Its inputs are hidden states and its output the last
+    block's.
     """
-
-    def __init__(self, stack: LayerStack, compile: bool = False) -> None:
-        super().__init__(stack, compile=compile)
-
-    @property
-    def cuda_graphs(self) -> bool:
-        return False
 
     def forward(self, x: torch.Tensor, advance=None, slots=None, tree_mask: torch.Tensor | None = None,
                 depths: torch.Tensor | None = None) -> torch.Tensor:
@@ -91,41 +85,19 @@ class LayerRunner(ModelRunner):
         the cache rows the pass runs on (default: every row, in order), as for a model runner.
         ``tree_mask # [rows, W, P]`` and ``depths # [rows, W]``: a tree (see ``ModelRunner.forward``).
         """
-        rows, width, dim = x.shape
-        if advance is not None:
-            advance = _as_lengths(advance, x.device)
-        slots = self._slots(slots, rows)
-        rows_t = None if slots is None else _as_lengths(slots, x.device)
-        bucket = width_bucket(width) if self.compiled else None
         tree = None if tree_mask is None else (tree_mask, depths)
-        if bucket is None:  # eager: any width
-            return self.model(x, self.cache, advance=advance, rows=rows_t, **_tree_kwargs(tree))
-        if bucket > width:  # pad; the padding's keys land past each row's new length
-            x = torch.cat([x, x.new_zeros(rows, bucket - width, dim)], dim=1)
-            if advance is None:
-                advance = torch.full((rows,), width, dtype=torch.long, device=x.device)
-            tree = pad_tree(tree, bucket - width)
-        key = (rows, bucket, advance is None, rows_t is None, None if tree is None else tree[0].shape[-1])
-        start = None if key in self._seen else time.perf_counter()
-        self.model.block_fn = self._compiled_block
-        try:
-            out = self.model(x, self.cache, advance=advance, rows=rows_t, **_tree_kwargs(tree))
-        finally:
-            self.model.block_fn = run_block
-        if start is not None:
-            self._seen.add(key)
-            self.compile_seconds += time.perf_counter() - start
-        return out[:, :width]
+        with attention_backends(x.device):
+            return self._forward(x, None, False, advance, self._slots(slots, x.shape[0]), tree)[0]
 
-    def warm_up(self, rows: int, widths) -> None:
-        """Compile every width bucket that passes of ``widths`` positions use (rows ``rows``); the cache is emptied."""
-        if not self.compiled:
-            return
-        self.reset(rows, 2 * WIDTH_BUCKETS[-1])
-        with torch.inference_mode():
-            for bucket in sorted({width_bucket(w) for w in widths} - {None}):
-                self.forward(torch.zeros((rows, bucket, self.model.args.dim), dtype=self.dtype, device=self.device))
-                self.set_lengths([0] * rows)
+    def _run(self, inputs, cache, rows, logits_at, hidden, advance, span, tree, block_fn):
+        return self.model(inputs, cache, advance=advance, rows=rows, span=span, block_fn=block_fn,
+                          **_tree_kwargs(tree)), None
+
+    def _warm_variants(self, bucket: int) -> tuple[bool, ...]:
+        return (False,)
+
+    def _blank(self, rows: int, width: int) -> torch.Tensor:
+        return torch.zeros((rows, width, self.model.args.dim), dtype=self.dtype, device=self.device)
 
 
 def layers_from_transformers(hf_layers, config, attention_norm: bool = True,
@@ -171,7 +143,9 @@ def layers_from_transformers(hf_layers, config, attention_norm: bool = True,
     if missing or unexpected:  # a weight left on the meta device would fail far from here
         raise RuntimeError(f"converting {kinds[0]}: missing {missing}, unexpected {unexpected}")
     stack.rope_inv_freq = rope_inv_freq(args).to(stack.device)  # the meta one holds no values
-    return LayerRunner(stack.requires_grad_(False).eval(), compile=compile), ""
+    stack.requires_grad_(False).eval()
+    pack_linears(stack)
+    return LayerRunner(stack, compile=compile), ""
 
 
 __all__ = ["LayerRunner", "LayerStack", "layers_from_transformers"]

@@ -25,6 +25,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from .cache import KVCache, attention_mask, pass_positions, write_kv
+from .kernels import decode_attention, decode_attention_applies, tree_attention, tree_order
 
 
 @dataclass(frozen=True)
@@ -110,7 +111,7 @@ class Attention(nn.Module):
 
     def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, mask: torch.Tensor,
                 k_buf: torch.Tensor, v_buf: torch.Tensor, slot: torch.Tensor, positions: torch.Tensor,
-                gather: bool) -> torch.Tensor:
+                gather: bool, order: torch.Tensor | None = None) -> torch.Tensor:
         batch, width, _ = x.shape  # x: [B, W, dim]
         q_size, kv_size = self.n_heads * self.head_dim, self.n_kv_heads * self.head_dim
         q, k, v = self.wqkv(x).split([q_size, kv_size, kv_size], dim=-1)
@@ -123,42 +124,20 @@ class Attention(nn.Module):
         q = q * cos + rotate_half(q) * sin
         k = k * cos + rotate_half(k) * sin
         keys, values = write_kv(k_buf, v_buf, slot, positions, k, v, gather)  # [B, kv_heads, max_len, head_dim]
-        if self.row_invariant and width <= ROW_INVARIANT_WIDTH:
-            y = row_invariant_attention(q, keys, values, mask, self.head_dim**-0.5)
+        if width <= DECODE_WIDTH and decode_attention_applies(q):  # a verify pass equals its one-token steps
+            if order is None:
+                y = decode_attention(q, keys, values, mask, self.head_dim**-0.5)
+            else:  # a tree: each token against its own ancestors, laid out as in one-token steps
+                y = tree_attention(q, keys, values, mask, order, self.head_dim**-0.5)
         else:
             y = F.scaled_dot_product_attention(q, keys, values, attn_mask=mask, scale=self.head_dim**-0.5,
                                                enable_gqa=self.n_heads != self.n_kv_heads)  # [B, heads, W, head_dim]
         return self.wo(y.transpose(1, 2).reshape(batch, width, q_size))
 
-    #: compute decode-width passes with :func:`row_invariant_attention` (the runner sets it where needed)
-    row_invariant = False
 
-
-#: Passes up to this wide use :func:`row_invariant_attention` when a model asks for it (prefill does not:
-#: plain and speculative decoding share it, so its rounding cannot make them differ).
-ROW_INVARIANT_WIDTH = 32
-
-
-def row_invariant_attention(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, mask: torch.Tensor,
-                            scale: float) -> torch.Tensor:
-    """Attention whose every query row is computed from that row alone, in an order that does not
-    depend on how many queries the pass has: elementwise products and reductions over one axis
-    (no BLAS call, whose kernel choice depends on the row count, and no fused attention kernel,
-    whose blocking does). So a (K+1)-token verify pass gives, bit for bit, what K+1 one-token steps
-    give, which is what exact greedy speculation needs where the model rounds coarsely (bfloat16).
-
-    ``q # [B, heads, W, D]``, ``keys``/``values # [B, kv_heads, L, D]``, ``mask # [B, 1, W, L]`` bool.
-    Scores and softmax in float32.  # [B, heads, W, D]
-    """
-    batch, heads, width, dim = q.shape
-    kv_heads = keys.shape[1]
-    q = q.reshape(batch, kv_heads, heads // kv_heads, width, 1, dim).float()  # [B, kvH, G, W, 1, D]
-    k = keys[:, :, None, None].float()  # [B, kvH, 1, 1, L, D]
-    scores = (q * k).sum(-1) * scale  # [B, kvH, G, W, L]
-    scores = scores.masked_fill(~mask[:, :, None], float("-inf"))
-    probs = scores.softmax(-1)  # [B, kvH, G, W, L]
-    out = (probs[..., None] * values[:, :, None, None].float()).sum(-2)  # [B, kvH, G, W, D]
-    return out.reshape(batch, heads, width, dim).to(values.dtype)
+#: Passes up to this wide use :func:`~specdraft.runner.kernels.decode_attention` on CPU (prefill
+#: does not: plain and speculative decoding share it, so its rounding cannot make them differ).
+DECODE_WIDTH = 32
 
 
 class FeedForward(nn.Module):
@@ -180,13 +159,13 @@ class TransformerBlock(nn.Module):
         self.ffn_norm = RMSNorm(args.dim, args.norm_eps)
         self.feed_forward = FeedForward(args)
 
-    def forward(self, x, cos, sin, mask, k_buf, v_buf, slot, positions, gather: bool) -> torch.Tensor:
-        h = x + self.attention(self.attention_norm(x), cos, sin, mask, k_buf, v_buf, slot, positions, gather)
+    def forward(self, x, cos, sin, mask, k_buf, v_buf, slot, positions, gather: bool, order=None) -> torch.Tensor:
+        h = x + self.attention(self.attention_norm(x), cos, sin, mask, k_buf, v_buf, slot, positions, gather, order)
         return h + self.feed_forward(self.ffn_norm(h))
 
 
 def run_block(block: nn.Module, *args) -> torch.Tensor:
-    """One decoder block, eagerly; the runner swaps in a compiled version of this very function."""
+    """One decoder block, eagerly; a compiled runner passes a compiled version of this very function."""
     return block(*args)
 
 
@@ -210,35 +189,12 @@ def run_blocks(blocks, x: torch.Tensor, cache: KVCache, rows: torch.Tensor | Non
     mask = attention_mask(starts, width, span, tree_mask, window, depths)  # [B, 1, W, span]
     rotated = positions if depths is None else starts[:, None] + depths  # [B, W]
     cos, sin = rope_tables(inv_freq, rotated, x.dtype)  # [B, 1, W, head_dim]
+    order = tree_order(mask) if tree_mask is not None and width <= DECODE_WIDTH else None  # [B, W, span]
     slot = torch.arange(cache.slots, device=x.device) if rows is None else rows  # [B]
     for i, block in enumerate(blocks):
         keys, values = cache.keys[i][:, :, :span], cache.values[i][:, :, :span]  # views: writes land in the cache
-        x = block_fn(block, x, cos, sin, mask, keys, values, slot, positions, rows is not None)
+        x = block_fn(block, x, cos, sin, mask, keys, values, slot, positions, rows is not None, order)
     return x
-
-
-#: Up to this many rows, a float output head on CPU runs as ``(W @ h.T).T`` (:func:`vocab_logits`).
-FEW_ROWS = 16
-
-
-def vocab_logits(head: nn.Module, hidden: torch.Tensor) -> torch.Tensor:
-    """``head(hidden)`` ``# [B, N, vocab]`` from ``hidden # [B, N, dim]``.
-
-    On CPU, ``F.linear`` of a handful of rows against a vocabulary-wide weight takes a slow path:
-    for SmolLM2's 49152 x 576 head, measured on an AMD EPYC, 14.6 ms at 2 rows and 19.6 ms at 3
-    (more than a 5-row product, so a 3-token verify pass cost more than a 5-token one), against
-    2.4 and 3.1 ms for ``(W @ h.T).T``; one row takes a matrix-vector path that a duplicated row
-    avoids (6.7 against 2.4 ms). So a plain float ``nn.Linear`` head with at most
-    :data:`FEW_ROWS` rows is computed that way on CPU, always (a fixed rule, not a choice by
-    timing: the same inputs give the same logits run after run). Quantized heads, other devices
-    and wider passes call the head as it is."""
-    rows = hidden.shape[0] * hidden.shape[1]
-    if hidden.device.type != "cpu" or type(head) is not nn.Linear or head.bias is not None or rows > FEW_ROWS:
-        return head(hidden)
-    flat = hidden.reshape(rows, hidden.shape[-1])
-    if rows == 1:
-        flat = torch.cat([flat, flat])  # a real copy: a stride-0 expand takes the slow path again
-    return torch.mm(head.weight, flat.T).T[:rows].reshape(*hidden.shape[:2], -1)
 
 
 class SpecdraftModel(nn.Module):
@@ -255,7 +211,6 @@ class SpecdraftModel(nn.Module):
             self.output.weight = self.tok_embeddings.weight
         # float32 whatever the model's dtype; not in the state dict (recomputed from args)
         self.register_buffer("rope_inv_freq", rope_inv_freq(args), persistent=False)
-        self.block_fn = run_block  # the runner's compile swaps in a compiled one
 
     @property
     def dtype(self) -> torch.dtype:
@@ -286,7 +241,7 @@ class SpecdraftModel(nn.Module):
     def forward(self, tokens: torch.Tensor, cache: KVCache, rows: torch.Tensor | None = None,
                 logits_at: torch.Tensor | None = None, return_hidden: bool = False,
                 advance: torch.Tensor | None = None, tree_mask: torch.Tensor | None = None,
-                span: int | None = None, depths: torch.Tensor | None = None) -> ForwardOutput:
+                span: int | None = None, depths: torch.Tensor | None = None, block_fn=None) -> ForwardOutput:
         """One pass of ``W`` new tokens per row over the cache.
 
         ``tokens # [B, W]`` long. ``rows # [B]`` long: the cache slots the batch rows use, distinct
@@ -301,15 +256,15 @@ class SpecdraftModel(nn.Module):
         bool: which tokens of the pass (and of the ``P - W`` positions before it) each token sees
         (default causal); ``depths # [B, W]``: the tokens' positions are ``lengths + depths``
         (default ``lengths + 0..W-1``); they are stored at ``lengths + 0..W-1`` either way.
-        ``span``: see :func:`run_blocks`.
+        ``span``, ``block_fn`` (what runs each block; default :func:`run_block`): see :func:`run_blocks`.
         """
         x = self.tok_embeddings(tokens)  # [B, W, dim]
         x = run_blocks(self.layers, x, cache, rows, self.rope_inv_freq, self.args.sliding_window, tree_mask,
-                       self.block_fn, span, depths)
+                       block_fn or run_block, span, depths)
         hidden = self.norm(x)  # [B, W, dim]
         cache.advance(rows, tokens.shape[1] if advance is None else advance)
         if logits_at is not None:
             hidden_at = hidden.gather(1, logits_at[..., None].expand(-1, -1, hidden.shape[-1]))  # [B, N, dim]
         else:
             hidden_at = hidden
-        return ForwardOutput(vocab_logits(self.output, hidden_at), hidden if return_hidden else None)
+        return ForwardOutput(self.output(hidden_at), hidden if return_hidden else None)

@@ -57,6 +57,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from .kernels import replace_linears
+
 #: dtypes ``_weight_int8pack_mm`` accepts (its scales must have the input's dtype)
 KERNEL_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 #: the CPU kernel steps through the input features 16 (AVX-512) or 8 (AVX2, NEON) at a time
@@ -186,22 +188,7 @@ def quantize_int8(model: nn.Module, compute_dtype: torch.dtype | None = None) ->
     appears twice in the tree is replaced by one shared module. ``compute_dtype``: see
     :class:`Int8Linear` (``torch.bfloat16`` for a float32 model on CPU, where only the bfloat16
     kernel is fast)."""
-    return _replace_linears(model, lambda m: Int8Linear.from_linear(m, compute_dtype))
-
-
-def _replace_linears(model: nn.Module, convert) -> int:
-    if type(model) is nn.Linear:
-        raise TypeError("this replaces the linears inside a module; convert a lone nn.Linear with from_linear")
-    done: dict[int, nn.Module] = {}
-    for parent in list(model.modules()):
-        for name, child in list(parent._modules.items()):  # named_children() skips a second name of one module
-            if type(child) is nn.Linear:  # not subclasses (MultiheadAttention reads its out_proj.weight)
-                if id(child) not in done:
-                    done[id(child)] = convert(child)
-                setattr(parent, name, done[id(child)])
-        # specdraft.fastpath caches a model's plain nn.Linear modules here; they are gone now
-        parent.__dict__.pop("_specdraft_linears", None)
-    return len(done)
+    return len(replace_linears(model, lambda m: Int8Linear.from_linear(m, compute_dtype)))
 
 
 #: group sizes ``_weight_int4pack_mm_for_cpu`` accepts
@@ -314,4 +301,4 @@ class Int4Linear(nn.Module):
 def quantize_int4(model: nn.Module, group_size: int = 32, compute_dtype: torch.dtype = torch.bfloat16) -> int:
     """:func:`quantize_int8`'s 4-bit twin: every ``nn.Linear`` (exact type) inside ``model``
     becomes an :class:`Int4Linear` (CPU only), in place; returns how many were replaced."""
-    return _replace_linears(model, lambda m: Int4Linear.from_linear(m, group_size, compute_dtype))
+    return len(replace_linears(model, lambda m: Int4Linear.from_linear(m, group_size, compute_dtype)))

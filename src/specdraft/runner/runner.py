@@ -34,6 +34,7 @@ import torch
 from .base import RunnerBase, attention_backends
 from .cache import KVCache
 from .convert import from_transformers
+from .kernels import pack_linears
 from .model import SpecdraftModel, run_block
 
 #: Pass widths a compiled runner pads to (a verify pass is K+1 <= 17 tokens; trees go wider).
@@ -82,18 +83,22 @@ class ModelRunner(RunnerBase):
 
             compiled = torch.compile(run_block, fullgraph=True, dynamic=False)
 
-            def block(layer, x, cos, sin, mask, keys, values, slot, positions, gather):
+            def block(layer, x, cos, sin, mask, keys, values, slot, positions, gather, order=None):
                 _raise_recompile_limits()
                 # one graph for every span and every batch of two or more rows (continuous batching
                 # changes the batch every few steps): those dimensions are symbolic, the rest static
-                for t, dim in ((mask, 3), (keys, 2), (values, 2)):
+                spans = ((mask, 3), (keys, 2), (values, 2)) + (() if order is None else ((order, 2),))
+                for t, dim in spans:
                     torch._dynamo.mark_dynamic(t, dim)
                 if x.shape[0] > 1:  # keys and values have the batch's rows, or (gather) every slot
-                    for t in (x, cos, sin, mask, slot, positions) + (() if gather else (keys, values)):
+                    batch = (x, cos, sin, mask, slot, positions) + (() if order is None else (order,))
+                    for t in batch + (() if gather else (keys, values)):
                         torch._dynamo.maybe_mark_dynamic(t, 0)
-                return compiled(layer, x, cos, sin, mask, keys, values, slot, positions, gather)
+                return compiled(layer, x, cos, sin, mask, keys, values, slot, positions, gather, order)
 
             self._compiled_block = block
+        #: what runs each decoder block of a bucketed pass: fixed when the runner is built (wider passes run eagerly)
+        self._block_fn = self._compiled_block or run_block
         self._seen: set[tuple] = set()
         # per row, an upper bound of its length known on the host (no copy needed): the span
         self._bounds: list[int] = []
@@ -167,9 +172,17 @@ class ModelRunner(RunnerBase):
         self.reset(rows, MIN_SPAN)
         with torch.inference_mode():
             for bucket in sorted({width_bucket(w) for w in widths} - {None}):
-                for hidden in (False, True) if bucket > 1 else (False,):
-                    self.forward(torch.zeros((rows, bucket), dtype=torch.long, device=self.device), hidden=hidden)
+                for hidden in self._warm_variants(bucket):
+                    self._forward(self._blank(rows, bucket), None, hidden, None, None)
                     self.set_lengths([0] * rows)
+
+    def _warm_variants(self, bucket: int) -> tuple[bool, ...]:
+        """The ``hidden`` settings a pass of ``bucket`` tokens is compiled for."""
+        return (False, True) if bucket > 1 else (False,)
+
+    def _blank(self, rows: int, width: int) -> torch.Tensor:
+        """Inputs of a pass of ``rows x width`` (what warm-up runs): token ids."""
+        return torch.zeros((rows, width), dtype=torch.long, device=self.device)
 
     # -- the forward ---------------------------------------------------------------------
 
@@ -211,10 +224,12 @@ class ModelRunner(RunnerBase):
             raise ValueError(f"{len(slots)} slots for a pass of {rows} rows")
         return None if slots == list(range(self.cache.slots)) else slots
 
-    def _forward(self, tokens, logits_at, hidden, advance, slots, tree=None):
-        rows, width = tokens.shape
+    def _forward(self, inputs, logits_at, hidden, advance, slots, tree=None):
+        """A pass of ``inputs # [rows, W, ...]`` (token ids, or hidden states for a :class:`LayerRunner`): the
+        span it attends over, the width bucket and its padding, and the compiled or CUDA-graphed call."""
+        rows, width = inputs.shape[:2]
         if advance is not None:
-            advance = _as_lengths(advance, tokens.device)
+            advance = _as_lengths(advance, inputs.device)
         bucket = width_bucket(width) if self.compiled else None
         used = range(len(self._bounds)) if slots is None else slots
         bound = max((self._bounds[s] for s in used), default=0)
@@ -227,24 +242,21 @@ class ModelRunner(RunnerBase):
         cache, first = self.cache, None
         if slots is not None and slots == list(range(slots[0], slots[0] + len(slots))):  # a run: views, no gather
             cache, first, slots = self.cache.narrow(slots[0], len(slots)), slots[0], None
-        rows_t = None if slots is None else _as_lengths(slots, tokens.device)
+        rows_t = None if slots is None else _as_lengths(slots, inputs.device)
         if bucket is None:  # eager: any width
-            self.model.block_fn = run_block
-            out = self.model(tokens, cache, rows=rows_t, logits_at=logits_at, return_hidden=hidden,
-                             advance=advance, span=span, **_tree_kwargs(tree))
-            return out.logits, out.hidden
+            return self._run(inputs, cache, rows_t, logits_at, hidden, advance, span, tree, run_block)
         if bucket > width:  # pad; the padding's keys land past each row's new length
-            tokens = torch.cat([tokens, tokens.new_zeros(rows, bucket - width)], dim=1)
+            inputs = torch.cat([inputs, inputs.new_zeros((rows, bucket - width) + tuple(inputs.shape[2:]))], dim=1)
             if advance is None:
-                advance = torch.full((rows,), width, dtype=torch.long, device=tokens.device)
+                advance = torch.full((rows,), width, dtype=torch.long, device=inputs.device)
             tree = pad_tree(tree, bucket - width)
         key = (rows, bucket, span, None if logits_at is None else tuple(logits_at.shape), hidden, advance is None,
                rows_t is None, first, None if tree is None else tree[0].shape[-1])
         start = time.perf_counter() if key not in self._seen else None
         if self.cuda_graphs:
-            logits, states = self._replay(key, tokens, logits_at, hidden, advance, span, rows_t, cache, tree)
+            logits, states = self._replay(key, inputs, logits_at, hidden, advance, span, rows_t, cache, tree)
         else:
-            logits, states = self._compiled(tokens, logits_at, hidden, advance, span, rows_t, cache, tree)
+            logits, states = self._run(inputs, cache, rows_t, logits_at, hidden, advance, span, tree, self._block_fn)
         if start is not None:
             self._seen.add(key)
             self.compile_seconds += time.perf_counter() - start
@@ -254,46 +266,47 @@ class ModelRunner(RunnerBase):
             states = states[:, :width]
         return logits, states
 
-    def _compiled(self, tokens, logits_at, hidden, advance, span, rows=None, cache=None, tree=None):
-        self.model.block_fn = self._compiled_block
-        try:
-            out = self.model(tokens, self.cache if cache is None else cache, rows=rows, logits_at=logits_at,
-                             return_hidden=hidden, advance=advance, span=span, **_tree_kwargs(tree))
-        finally:
-            self.model.block_fn = run_block
+    def _run(self, inputs, cache, rows, logits_at, hidden, advance, span, tree, block_fn):
+        """The model's forward over ``cache``: ``(logits, hidden states or None)``."""
+        out = self.model(inputs, cache, rows=rows, logits_at=logits_at, return_hidden=hidden, advance=advance,
+                         span=span, block_fn=block_fn, **_tree_kwargs(tree))
         return out.logits, out.hidden
 
-    def _replay(self, key, tokens, logits_at, hidden, advance, span, rows, cache, tree=None):
+    def _replay(self, key, inputs, logits_at, hidden, advance, span, rows, cache, tree=None):
         """The pass as a CUDA graph: captured on first use of ``key``, replayed on static buffers."""
         graph = self._graphs.get(key)
         if graph is None:
-            graph = self._capture(tokens, logits_at, hidden, advance, span, rows, cache, tree)
+            graph = self._capture(inputs, logits_at, hidden, advance, span, rows, cache, tree)
             self._graphs[key] = graph
         cuda_graph, static_in, static_out = graph
-        for buf, value in zip(static_in, (tokens, logits_at, advance, rows) + (tree or (None, None))):
+        for buf, value in zip(static_in, (inputs, logits_at, advance, rows) + (tree or (None, None))):
             if buf is not None:
                 buf.copy_(value)
         cuda_graph.replay()
         logits, states = static_out
         return logits.clone(), None if states is None else states.clone()
 
-    def _capture(self, tokens, logits_at, hidden, advance, span, rows, cache, tree=None):
+    def _capture(self, inputs, logits_at, hidden, advance, span, rows, cache, tree=None):
         static_in = tuple(None if t is None else t.clone()
-                          for t in (tokens, logits_at, advance, rows) + (tree or (None, None)))
+                          for t in (inputs, logits_at, advance, rows) + (tree or (None, None)))
         static_tree = None if tree is None else static_in[4:]
+
+        def run():
+            return self._run(static_in[0], cache, static_in[3], static_in[1], hidden, static_in[2], span,
+                             static_tree, self._block_fn)
+
         saved = self.cache.lengths.clone()
         stream = torch.cuda.Stream(self.device)
         stream.wait_stream(torch.cuda.current_stream(self.device))
         with torch.cuda.stream(stream):  # warm up (compiles) outside the capture
             for _ in range(2):
                 self.cache.lengths.copy_(saved)
-                self._compiled(*static_in[:2], hidden, static_in[2], span, static_in[3], cache, static_tree)
+                run()
         torch.cuda.current_stream(self.device).wait_stream(stream)
         self.cache.lengths.copy_(saved)
         cuda_graph = torch.cuda.CUDAGraph()
         with torch.cuda.graph(cuda_graph):
-            static_out = self._compiled(static_in[0], static_in[1], hidden, static_in[2], span, static_in[3], cache,
-                                        static_tree)
+            static_out = run()
         self.cache.lengths.copy_(saved)  # the capture did not run the pass; the replay will
         return cuda_graph, static_in, static_out
 
@@ -391,17 +404,13 @@ def load_runner(hf_model, compile: bool = False, quantize: str | None = None):
         from .quantize import quantize_int4, quantize_int8
 
         if model.dtype == torch.float32:
-            # The low-bit kernels multiply in bfloat16 and round each product to it; with float32
-            # around them, float32 attention's row-dependent rounding (a 1-query pass and a 5-query
-            # pass differ by ~1e-5) flips those roundings, so a verify pass and plain steps disagreed
-            # (16 of 26 Spec-Bench outputs). In bfloat16 throughout, every kernel computes a row
-            # from that row alone: a K+1-token pass equals K+1 one-token steps bit for bit.
+            # the low-bit kernels are vectorised in bfloat16 only (see .quantize); a float64 model keeps
+            # float64 products for the parity tests
             model.to_dtype(torch.bfloat16)
-        for layer in model.layers:  # and attention too (fused attention kernels block by query count)
-            layer.attention.row_invariant = True
         if quantize == "int8":  # a float64 model (the parity tests) multiplies dequantized weights in float64
             quantize_int8(model, compute_dtype=None if model.dtype == torch.float64 else torch.bfloat16)
         else:
             quantize_int4(model, group_size=32)  # float64 inputs take the dequantized weights in float64
+    model.kernels = pack_linears(model)  # float linears that are left: oneDNN, row-invariant (see .kernels)
     converted[quantize] = model
     return ModelRunner(model, compile=compile, quantization=quantize)

@@ -1,0 +1,226 @@
+"""The property exact speculative decoding rests on (see specdraft.runner.kernels): a row's logits
+from a pass of W tokens are bit-identical to what W one-token steps give it, for widths 1..16 and
+for rows passed alone, in a batch and in a subset of the cache's rows, in float32, bfloat16,
+int8 and int4 on CPU, for every architecture the runner reproduces and for the default model.
+A bfloat16 model whose wide passes round differently flips greedy argmaxes (it did: 9 of 13
+Spec-Bench outputs differed from plain decoding), so these tests compare bits, not closeness."""
+
+from __future__ import annotations
+
+import threading
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from specdraft.runner import load_runner
+from specdraft.runner.kernels import (CHECKED_ROWS, PackedLinear, decode_attention, elementwise_attention,
+                                      grouped_attention, pack_linears, checked_row_counts)
+from specdraft.testing.architectures import KINDS, tiny_hf
+
+WIDTHS = range(1, 17)
+#: (dtype the model loads in, quantize)
+SETTINGS = {"float32": (torch.float32, None), "bfloat16": (torch.bfloat16, None), "int8": (torch.bfloat16, "int8"),
+            "int4": (torch.bfloat16, "int4")}
+
+
+def _one_token_steps(runner, prompts, tokens):
+    """Each row alone (one cache slot per pass), one token per pass.  # [rows, T, vocab]"""
+    rows = len(prompts)
+    runner.reset(rows, 128)
+    out = []
+    for slot, prompt in enumerate(prompts):
+        runner.forward(prompt[None], slots=[slot])
+        out.append(torch.cat([runner.forward(tokens[slot:slot + 1, t:t + 1], slots=[slot])[0]
+                              for t in range(tokens.shape[1])], dim=1))
+    return torch.cat(out), [len(p) for p in prompts]
+
+
+def _assert_row_invariant(runner, vocab, seed=0, widths=WIDTHS):
+    """Three rows with prompts of different lengths: passes of every width over all rows, and over
+    rows 0 and 2 only (a gathered subset), give each row the bits of its one-token steps."""
+    gen = torch.Generator().manual_seed(seed)
+    prompts = [torch.randint(vocab, (n,), generator=gen) for n in (9, 4, 13)]
+    tokens = torch.randint(vocab, (3, max(widths)), generator=gen)
+    steps, lengths = _one_token_steps(runner, prompts, tokens)
+    with torch.inference_mode():
+        for width in widths:
+            runner.set_lengths(lengths)
+            logits, _ = runner.forward(tokens[:, :width])
+            assert torch.equal(logits, steps[:, :width]), f"all rows, width {width}"
+            runner.set_lengths(lengths)
+            logits, _ = runner.forward(tokens[[0, 2], :width], slots=[0, 2])
+            assert torch.equal(logits, steps[[0, 2], :width]), f"rows 0 and 2, width {width}"
+
+
+@pytest.mark.parametrize("setting", list(SETTINGS))
+@pytest.mark.parametrize("kind", KINDS)
+def test_tiny_models_are_row_invariant(kind, setting):
+    dtype, quantize = SETTINGS[setting]
+    runner = load_runner(tiny_hf(kind, dtype=dtype), quantize=quantize)
+    assert runner.dtype == (torch.float32 if setting == "float32" else torch.bfloat16)
+    if quantize is None:  # every float linear runs through the packed kernel
+        assert runner.model.kernels == {"packed": 4 * 2 + 1}
+    _assert_row_invariant(runner, 96)
+
+
+@pytest.mark.e2e
+@pytest.mark.parametrize("setting", list(SETTINGS))
+def test_default_model_is_row_invariant(request, setting):
+    dtype, quantize = SETTINGS[setting]
+    model, _ = request.getfixturevalue("default_f32" if dtype == torch.float32 else "default_bf16")
+    runner = load_runner(model, quantize=quantize)
+    _assert_row_invariant(runner, model.config.vocab_size, widths=[1, 2, 3, 5, 8, 16])
+
+
+#: a tree of 6 nodes: parents (-1: the root, after the committed tokens), stored parents first
+PARENTS = [-1, 0, 0, 1, 2, 3]
+
+
+@pytest.mark.parametrize("setting", ["float32", "bfloat16"])
+@pytest.mark.parametrize("compile", [False, True], ids=["eager", "compiled"])
+def test_tree_passes_give_each_node_its_paths_one_token_steps(setting, compile):
+    """A tree verify pass stores nodes side by side but each sees only its ancestors: its logits
+    are bit-identical to one-token steps along its path (the keys meet the attention's sums in
+    the order, and at the places, those steps give them)."""
+    dtype, _ = SETTINGS[setting]
+    runner = load_runner(tiny_hf("llama3-tied", dtype=dtype), compile=compile)
+    gen = torch.Generator().manual_seed(6)
+    prompt, tokens = torch.randint(96, (1, 11), generator=gen), torch.randint(96, (1, len(PARENTS)), generator=gen)
+    paths = []
+    for node, parent in enumerate(PARENTS):
+        paths.append((paths[parent] if parent >= 0 else []) + [node])
+    mask = torch.zeros(1, len(PARENTS), len(PARENTS), dtype=torch.bool)
+    for node, path in enumerate(paths):
+        mask[0, node, path] = True
+    depths = torch.tensor([[len(p) - 1 for p in paths]])
+    with torch.inference_mode():
+        runner.reset(1, 64)
+        runner.forward(prompt)
+        tree, _ = runner.forward(tokens, tree_mask=mask, depths=depths)
+        for node, path in enumerate(paths):
+            runner.set_lengths([prompt.shape[1]])
+            for t in path:
+                step, _ = runner.forward(tokens[:, t:t + 1])
+            assert torch.equal(tree[:, node], step[:, 0]), f"node {node}"
+
+
+def test_compiled_passes_are_row_invariant():
+    """A compiled runner pads each pass to its width bucket: the padded rows change nothing either."""
+    runner = load_runner(tiny_hf("llama", dtype=torch.bfloat16), compile=True)
+    _assert_row_invariant(runner, 96, widths=[1, 3, 5])
+
+
+def test_an_eager_and_a_compiled_runner_of_one_model_on_two_threads():
+    """Runners of one model share its converted weights; what runs each block is fixed per runner, so
+    an eager and a compiled runner on two threads at once give what each gives alone."""
+    hf = tiny_hf("qwen2-tied", dtype=torch.bfloat16)
+    runners = {"eager": load_runner(hf), "compiled": load_runner(hf, compile=True)}
+    assert runners["eager"].model is runners["compiled"].model  # one conversion, shared
+    gen = torch.Generator().manual_seed(3)
+    prompt, tokens = torch.randint(96, (2, 7), generator=gen), torch.randint(96, (2, 5), generator=gen)
+
+    def passes(runner):
+        runner.reset(2, 64)
+        with torch.inference_mode():
+            out = [runner.forward(prompt)[0]]
+            for _ in range(6):
+                out.append(runner.forward(tokens)[0])
+                out.append(runner.forward(tokens[:, :1])[0])
+        return out
+
+    alone = {name: passes(r) for name, r in runners.items()}
+    together, errors = {}, []
+
+    def run(name):
+        try:
+            together[name] = passes(runners[name])
+        except Exception as exc:  # noqa: BLE001 (re-raised below, on the test's thread)
+            errors.append(exc)
+
+    threads = [threading.Thread(target=run, args=(name,)) for name in runners]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    assert not errors, errors
+    for name in runners:
+        assert all(torch.equal(a, b) for a, b in zip(alone[name], together[name], strict=True)), name
+
+
+# -- the kernels themselves ------------------------------------------------------------------------
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("inner, bias", [(64, True), (1536, False)])  # from 1152 inputs one row sums differently
+def test_packed_linear_rows_equal_each_row_alone(dtype, inner, bias):
+    torch.manual_seed(0)
+    linear = torch.nn.Linear(inner, 96, bias=bias).to(dtype)
+    packed = PackedLinear(linear)
+    packed.counts = checked_row_counts(packed)
+    assert packed.counts == CHECKED_ROWS
+    x = torch.randn(300, inner).to(dtype)
+    alone = torch.cat([packed(x[i:i + 1]) for i in range(x.shape[0])])
+    for rows in (1, 2, 3, 5, 16, 64, 70, 136, 300):  # 70, 136 and 300 run as products of checked counts
+        assert torch.equal(packed(x[:rows]), alone[:rows]), rows
+    assert packed(x[None, :5]).shape == (1, 5, 96)
+    tol = 1e-5 if dtype == torch.float32 else 2e-2
+    torch.testing.assert_close(packed(x), linear(x), rtol=tol, atol=tol)
+
+
+def test_a_shape_that_fails_the_row_check_runs_in_products_that_passed(monkeypatch):
+    """A kernel whose products of 5 rows or more sum differently (as a processor's BLAS may) is caught
+    by the row check and run 4 rows at a time, which keeps every row equal to its product alone."""
+    torch.manual_seed(1)
+    packed = PackedLinear(torch.nn.Linear(32, 24, bias=False))
+    honest = packed.product
+    monkeypatch.setattr(packed, "product", lambda flat: honest(flat) * (1 + 2**-20 * (flat.shape[0] >= 5)))
+    monkeypatch.setattr("specdraft.runner.kernels._ROW_CHUNKS", {})
+    packed.counts = checked_row_counts(packed)
+    assert packed.counts == (1, 2, 3, 4)
+    x = torch.randn(11, 32)
+    assert torch.equal(packed(x), torch.cat([packed(x[i:i + 1]) for i in range(11)]))
+
+
+def test_pack_linears_replaces_float_cpu_linears_and_reports():
+    model = torch.nn.Sequential(torch.nn.Linear(16, 8), torch.nn.ReLU(), torch.nn.Linear(8, 4).double())
+    report = pack_linears(model)
+    assert report == {"packed": 1}
+    assert isinstance(model[0], PackedLinear) and type(model[2]) is torch.nn.Linear  # float64 is left alone
+    x = torch.randn(3, 16)
+    assert model[0](x).shape == (3, 8) and model[2](x[:, :8].double()).shape == (3, 4)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("heads, kv_heads", [(4, 2), (2, 2)])  # grouped, and one query head per KV head
+def test_decode_attention_rows_do_not_depend_on_width_or_span(dtype, heads, kv_heads):
+    gen = torch.Generator().manual_seed(2)
+    dim, stored = 16, 40
+    q = torch.randn(2, heads, 16, dim, generator=gen).to(dtype)
+    keys, values = (torch.randn(2, kv_heads, 256, dim, generator=gen).to(dtype) for _ in range(2))
+    positions = torch.arange(256)
+
+    def attend(start, width, span):
+        mask = (positions[:span][None, :] <= start + torch.arange(width)[:, None])[None, None].expand(2, 1, -1, -1)
+        return decode_attention(q[:, :, start - stored:start - stored + width], keys[:, :, :span],
+                                values[:, :, :span], mask, dim**-0.5)
+
+    alone = torch.cat([attend(stored + i, 1, 64) for i in range(16)], dim=2)
+    for width in WIDTHS:
+        for span in (64, 128, 256):
+            assert torch.equal(attend(stored, width, span), alone[:, :, :width]), (width, span)
+    mask = (positions[:64][None, :] <= stored + torch.arange(16)[:, None])[None, None]
+    expected = F.scaled_dot_product_attention(q.double(), keys[:, :, :64].double(), values[:, :, :64].double(),
+                                              attn_mask=mask, enable_gqa=True)
+    torch.testing.assert_close(alone.double(), expected, rtol=2e-2, atol=2e-2)
+
+
+def test_both_attention_forms_compute_attention():
+    gen = torch.Generator().manual_seed(4)
+    q, keys, values = (torch.randn(1, 4, 3, 8, generator=gen) for _ in range(3))
+    keys, values = keys[:, :2].repeat(1, 1, 3, 1), values[:, :2].repeat(1, 1, 3, 1)  # 2 KV heads, 9 positions
+    mask = torch.rand(1, 1, 3, 9, generator=gen) < 0.7
+    mask[..., 0] = True
+    expected = F.scaled_dot_product_attention(q, keys, values, attn_mask=mask, enable_gqa=True)
+    torch.testing.assert_close(elementwise_attention(q, keys, values, mask, 8**-0.5), expected)
+    got = grouped_attention(q.bfloat16(), keys.bfloat16(), values.bfloat16(), mask, 8**-0.5)
+    torch.testing.assert_close(got.float(), expected, rtol=3e-2, atol=3e-2)
