@@ -75,22 +75,30 @@ def default_f64():
 
 @pytest.fixture(scope="session")
 def default_f32():
-    """``(model, tokenizer)`` of the real default model in float32 (the CPU default), loaded once."""
-    model, tokenizer, _ = real_load_target(None)
+    """``(model, tokenizer)`` of the real default model in float32, loaded once."""
+    model, tokenizer, _ = real_load_target(None, dtype=torch.float32)
+    return model, tokenizer
+
+
+@pytest.fixture(scope="session")
+def default_bf16():
+    """``(model, tokenizer)`` of the real default model in bfloat16 (the CPU default where the processor
+    multiplies bfloat16 natively), loaded once."""
+    model, tokenizer, _ = real_load_target(None, dtype=torch.bfloat16)
     return model, tokenizer
 
 
 @pytest.fixture
 def cached_default_model(monkeypatch, request):
     """Paths that load the default model themselves (``specdraft.cli.main``, ``from_pretrained``)
-    get the session's loaded copy (float32, or float64 for ``--dtype float64``) instead of loading
+    get the session's loaded copy (in float32, bfloat16 or float64, as asked or by default) instead of loading
     it again; any other target, dtype or device loads as usual. Loading the default model itself
     stays covered: the fixtures above call ``load_target``, and ``specdraft generate`` and
     ``specdraft serve`` run in fresh processes in tests/e2e/test_cli.py and
     tests/server/test_server_e2e.py."""
     import specdraft.models as models
 
-    cached = {torch.float32: "default_f32", torch.float64: "default_f64"}
+    cached = {torch.float32: "default_f32", torch.float64: "default_f64", torch.bfloat16: "default_bf16"}
 
     def load(target=None, dtype=None, device=None, require_tokenizer=True, option="--target"):
         if target is None:

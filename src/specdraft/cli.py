@@ -178,9 +178,11 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def format_runner(info: dict) -> str:
-    """``{"implementation": ..., "compiled": ..., "quantization": ...}`` in a few words."""
+    """``{"implementation": ..., "compiled": ..., "quantization": ..., "dtype": ...}`` in a few words."""
+    dtype = info.get("dtype")
+    reason = f" ({info['dtype_reason']})" if info.get("dtype_reason") else ""
     return (f"{info['implementation']} model code, {'compiled' if info['compiled'] else 'eager'}, "
-            f"{info['quantization'] or 'unquantized'} weights")
+            f"{info['quantization'] or 'unquantized'} weights" + (f", {dtype}{reason}" if dtype else ""))
 
 
 def format_stats(stats, drafter: str, spec_length: int, runner: dict | None = None) -> str:

@@ -161,6 +161,8 @@ class SpeculativeDecoder:
             raise ConfigError(f"compile must be True, False or None (the device's default), got {compile!r}")
         self.model = model.eval()
         self.tokenizer = tokenizer
+        #: why the target has its dtype (``from_pretrained`` says when it chose it)
+        self.dtype_reason = "the loaded model's own"
         self.target = describe_target(model, tokenizer, target_name)
         if compile is None:
             compile = default_compile(self.target.device)
@@ -210,9 +212,13 @@ class SpeculativeDecoder:
         """
         from .models import load_target
 
+        from .models import default_dtype, resolve_device
+
         model, tokenizer, name = load_target(target, dtype=dtype, device=device)
-        return cls(model, tokenizer, drafter, spec_length, drafter_options, adaptive=adaptive, target_name=name,
-                   compile=compile, quantize=quantize, max_batch=max_batch, max_waiting=max_waiting)
+        decoder = cls(model, tokenizer, drafter, spec_length, drafter_options, adaptive=adaptive, target_name=name,
+                      compile=compile, quantize=quantize, max_batch=max_batch, max_waiting=max_waiting)
+        decoder.dtype_reason = "asked for" if dtype is not None else default_dtype(resolve_device(device))[1]
+        return decoder
 
     def warm_up(self, rows: int = 1) -> None:
         """Compile (or capture) the target's passes of every width a round can use, for ``rows``
@@ -247,8 +253,9 @@ class SpeculativeDecoder:
     @property
     def runner_info(self) -> dict:
         """How the target runs: ``{"implementation": "specdraft" | "transformers", "compiled": bool,
-        "quantization": None | "int8" | "int4"}``."""
-        return dict(self.runner.info)
+        "quantization": None | "int8" | "int4", "dtype": "bfloat16" | ..., "dtype_reason": str}``
+        (a quantized target's products run in bfloat16 on CPU, whatever it was loaded in)."""
+        return dict(self.runner.info, dtype_reason=self.dtype_reason)
 
     # -- generation ---------------------------------------------------------------------
 

@@ -64,11 +64,47 @@ def default_gguf_path() -> Path:
     return path
 
 
+#: CPU flags of native bfloat16 dot products (AMX tiles, AVX-512 BF16), the first found names the reason
+BF16_CPU_FLAGS = ("amx_bf16", "avx512_bf16")
+
+
+def cpu_flags() -> set[str]:
+    """This processor's feature flags as Linux reports them (empty elsewhere)."""
+    try:
+        with open("/proc/cpuinfo", encoding="utf-8") as f:
+            for line in f:
+                if line.startswith("flags"):
+                    return set(line.split(":", 1)[1].split())
+    except OSError:
+        pass
+    return set()
+
+
+def default_dtype(device: Any) -> tuple[Any, str]:
+    """The dtype a model loads in on ``device`` when none is asked for, and why.
+
+    CUDA: bfloat16. CPU: bfloat16 where the processor multiplies it natively (``amx_bf16`` or
+    ``avx512_bf16``; specdraft's kernels are exact in it, see ``specdraft.runner.kernels``), where
+    a bfloat16 decode step is about half the bytes and time of a float32 one; float32 elsewhere
+    (bfloat16 products would be emulated, slower than float32)."""
+    import torch
+
+    device = torch.device(device)
+    if device.type == "cuda":
+        return torch.bfloat16, "the GPU default"
+    if device.type == "cpu":
+        flag = next((f for f in BF16_CPU_FLAGS if f in cpu_flags()), None)
+        if flag and torch.backends.mkldnn.is_available() and torch.ops.mkldnn._is_mkldnn_bf16_supported():
+            return torch.bfloat16, f"the CPU default where bfloat16 products are native ({flag})"
+        return torch.float32, "the CPU default without native bfloat16 products (no avx512_bf16 or AMX)"
+    return torch.float32, f"the {device.type} default"
+
+
 def resolve_dtype(dtype: Any, device: Any):
     import torch
 
     if dtype is None:
-        return torch.bfloat16 if torch.device(device).type == "cuda" else torch.float32
+        return default_dtype(device)[0]
     if isinstance(dtype, torch.dtype):
         return dtype
     if isinstance(dtype, str) and dtype in DTYPES:

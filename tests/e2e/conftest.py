@@ -20,9 +20,25 @@ PROMPTS = {
 }
 
 
+#: Five more kinds (writing, math, translation, extraction, roleplay): with PROMPTS, the fixed subset
+#: the bfloat16 parity tests run in one batch.
+MORE_PROMPTS = {
+    "writing": "Write a short poem about the sea at night.",
+    "math": "A train travels 120 kilometres in 1.5 hours. What is its average speed? Explain each step.",
+    "translation": "Translate into French: 'The library opens at nine and closes at six on weekdays.'",
+    "extraction": "List every number in this sentence: 'In 2019, 45 students and 3 teachers visited 12 museums.'",
+    "roleplay": "You are a tour guide in Rome. Greet a group of visitors and describe the plan for the day.",
+}
+
+
 @pytest.fixture(scope="session")
 def prompts():
     return PROMPTS
+
+
+@pytest.fixture(scope="session")
+def eight_prompts():
+    return PROMPTS | MORE_PROMPTS
 
 
 @pytest.fixture

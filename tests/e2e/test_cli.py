@@ -73,7 +73,7 @@ def test_generate_prints_plain_text_and_the_apis_stats(cli, monkeypatch, plain_d
     lines = err.splitlines()
     assert len(lines) == 7, err
     assert lines[0] == (f"drafter: {decoder.drafter.name or drafter}  spec_length: 4  target: specdraft model code, "
-                        "eager, unquantized weights")
+                        "eager, unquantized weights, float64 (asked for)")
     assert lines[1].startswith(f"new tokens: {stats.new_tokens}  time: ")
     assert lines[2] == f"target passes: {stats.target_passes}  tokens per pass: {stats.tokens_per_pass:.2f}"
     assert lines[3] == (f"drafted: {stats.drafted_tokens}  accepted: {stats.accepted_tokens}  "

@@ -16,6 +16,7 @@ from specdraft import Draft, Drafter, SamplingParams, SpeculativeDecoder
 from specdraft.sampling import TokenCounts
 from specdraft.testing import SIGNIFICANCE as ALPHA
 from specdraft.testing import (
+    RunnerAsModel,
     TargetDrafter,
     chi_square_pvalue,
     enumerate_plain_sampling,
@@ -147,6 +148,23 @@ def test_tree_sampling_in_bfloat16(saved_draft):
     drafted, accepted = _traffic(results)
     assert drafted > 2 * sum(r.stats.drafts for r in results)  # trees, not chains
     assert 0 < accepted < drafted
+    assert pvalue > ALPHA
+
+
+@pytest.mark.parametrize("runner", [{"compile": True}, {"quantize": "int8"}, {"quantize": "int4"}],
+                         ids=["compiled", "int8", "int4"])
+def test_sampling_through_compiled_and_quantized_runners_in_bfloat16(runner):
+    """The target is what the runner computes: a quantized model's distribution is its own, so the
+    reference enumerates the runner's logits (RunnerAsModel), not transformers' forward."""
+    target = _sharp(torch.bfloat16)
+    dec = SpeculativeDecoder(target, None, drafter=TargetDrafter(target), spec_length=3, adaptive=False,
+                             max_batch=512, **runner)
+    assert dec.runner.dtype == torch.bfloat16 and (dec.runner.compiled or dec.runner.quantization)
+    params = SamplingParams(temperature=1.0)
+    exact = enumerate_plain_sampling(RunnerAsModel(dec.runner.__class__(dec.runner.model), 16), PROMPT, params, 4)
+    pvalue, results = sampled_joint_pvalue(dec, PROMPT, params, seed=7, exact=exact)
+    drafted, accepted = _traffic(results)
+    assert drafted >= 3 * len(results) and 0 < accepted < drafted
     assert pvalue > ALPHA
 
 

@@ -88,3 +88,31 @@ def repetitive_prompts(vocab_size: int, seed: int = 0) -> list[list[int]]:
     ]
 
 
+
+
+class RunnerAsModel:
+    """A model runner seen as a transformers causal LM for the test references: ``model(ids).logits``
+    runs each batch of contexts through ``runner`` from an empty cache, so references such as
+    :func:`~specdraft.testing.reference.enumerate_plain_sampling` see the distribution the runner
+    computes (a quantized or compiled target's own, which transformers' forward does not give).
+    Contexts up to 32 tokens run through the runner's decode kernels, whose rows equal those of
+    prefill plus one-token steps bit for bit (``specdraft.runner.kernels``)."""
+
+    def __init__(self, runner, vocab_size: int) -> None:
+        self.runner, self.vocab_size = runner, vocab_size
+        self.device = runner.device
+
+    def get_output_embeddings(self):
+        import torch
+
+        return torch.nn.Linear(1, self.vocab_size, bias=False, device="meta")  # its weight's shape is what is read
+
+    def __call__(self, ids):
+        from types import SimpleNamespace
+
+        import torch
+
+        self.runner.reset(ids.shape[0], ids.shape[1])
+        with torch.inference_mode():
+            logits, _ = self.runner.forward(ids.to(self.device))
+        return SimpleNamespace(logits=logits.float().clone())
