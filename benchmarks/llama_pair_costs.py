@@ -21,6 +21,7 @@ bytes over the device's measured read bandwidth. Run on a GPU:
 from __future__ import annotations
 
 import argparse
+import statistics
 import time
 
 import torch
@@ -55,7 +56,8 @@ def time_pass(runner, width, context, reps, device):
     """Seconds per ``width``-token pass of ``runner`` over a cache of about ``context`` tokens.
 
     Each timed pass starts one token further along, as in decoding, so the key length is new
-    every time (attention kernels that cache per-length plans pay for that here too).
+    every time (attention kernels that cache per-length plans pay for that here too). The median
+    of the passes: a shared machine's stalls move the mean by several percent from run to run.
     """
     runner.reset(1, context + reps + 16)
     vocab = runner.model.config.get_text_config().vocab_size if hasattr(runner.model, "config") else \
@@ -66,13 +68,15 @@ def time_pass(runner, width, context, reps, device):
         for i in range(3):  # warm-up (compiles the width's graph when compiled)
             runner.set_lengths([context - 3 + i])
             runner.forward(ids[:, context - 3 + i:context - 3 + i + width])
-        sync(device)
-        start = time.perf_counter()
+        times = []
         for i in range(reps):
             runner.set_lengths([context + i])
+            sync(device)
+            start = time.perf_counter()
             runner.forward(ids[:, context + i:context + i + width])
-        sync(device)
-    return (time.perf_counter() - start) / reps
+            sync(device)
+            times.append(time.perf_counter() - start)
+    return statistics.median(times)
 
 
 def read_bandwidth(device, megabytes: int = 1024) -> float:

@@ -107,11 +107,15 @@ def environment(model, settings: BenchSettings, name: str) -> dict:
     except OSError:
         pass
     device = model.device
+    from ..models import cpu_flags
+
+    flags = [f for f in ("avx2", "avx512f", "avx512_bf16", "amx_bf16") if f in cpu_flags()]
     return {
         "date": datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%d %H:%M UTC"),
         "model": name,
         "dtype": str(model.dtype).replace("torch.", ""),
-        "device": torch.cuda.get_device_name(device) if device.type == "cuda" else f"cpu ({cpu}, {os.cpu_count()} cores)",
+        "device": torch.cuda.get_device_name(device) if device.type == "cuda" else
+        f"cpu ({cpu}, {os.cpu_count()} cores; {', '.join(flags) or 'no AVX2'})",
         "torch_threads": torch.get_num_threads(),
         **({"llama-cpp": f"llama-cpp-python {_version('llama-cpp-python')}, {Path(settings.gguf).name}, "
                          f"{torch.get_num_threads()} threads"} if "llama-cpp" in settings.peers else {}),
