@@ -15,6 +15,11 @@ import torch  # noqa: E402
 
 from specdraft.testing import tiny_llama  # noqa: E402
 
+# pytest-xdist runs a worker per core: each gets its share of the cores for torch's threads. With
+# more OpenMP threads than cores, the workers' spin-waiting threads take the cores from each other
+# (the suite took well over twice as long).
+if os.environ.get("PYTEST_XDIST_WORKER_COUNT"):
+    torch.set_num_threads(max(1, (os.cpu_count() or 1) // int(os.environ["PYTEST_XDIST_WORKER_COUNT"])))
 
 
 @pytest.fixture(scope="session")

@@ -149,6 +149,7 @@ class SpeculativeDecoder:
     ) -> None:
         from .drafters.base import Drafter
         from .engine import Engine, EngineLoop
+        from .engine.engine import release_openmp_workers
         from .plugins import get_registry
         from .runner import default_compile, load_runner
 
@@ -177,6 +178,8 @@ class SpeculativeDecoder:
         self.engine = Engine(self.runner, self.drafter, self.target, spec_length, adaptive=adaptive,
                              max_batch=max_batch, max_waiting=max_waiting)
         self._loop = EngineLoop(self.engine)
+        # this thread built the model (OpenMP workers of its own); a server submits from other threads
+        release_openmp_workers()
 
     @classmethod
     def from_pretrained(
