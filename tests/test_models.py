@@ -258,3 +258,29 @@ def test_a_conversion_killed_with_sigkill_leaves_nothing_behind(tmp_path, cache)
     _converted(cache, gguf.read_bytes())
     models._converted_gguf_dir(gguf)
     assert not os.path.exists(tmp)
+
+
+@pytest.mark.parametrize("flags, dtype, reason", [
+    ({"avx512f", "avx512_bf16"}, "bfloat16", "native: avx512_bf16"),
+    ({"avx512f", "amx_bf16", "avx512_bf16"}, "bfloat16", "native: amx_bf16"),
+    ({"avx2", "avx512f"}, "float32", "no avx512_bf16 or AMX"),
+])
+def test_the_cpu_default_dtype_follows_native_bfloat16(monkeypatch, flags, dtype, reason):
+    import torch
+
+    if dtype == "bfloat16" and not torch.ops.mkldnn._is_mkldnn_bf16_supported():
+        pytest.skip("this processor's oneDNN has no bfloat16 products at all")
+    monkeypatch.setattr(models, "cpu_flags", lambda: flags)
+    chosen, why = models.default_dtype("cpu")
+    assert chosen == getattr(torch, dtype) and reason in why
+    assert models.resolve_dtype(None, "cpu") == chosen and models.resolve_dtype("float64", "cpu") == torch.float64
+    assert models.default_dtype("cuda")[0] == torch.bfloat16
+
+
+def test_from_pretrained_says_why_the_target_has_its_dtype(cached_default_model):
+    with SpeculativeDecoder.from_pretrained(drafter="none") as dec:
+        info = dec.runner_info
+    assert info["dtype"] == str(models.default_dtype("cpu")[0]).removeprefix("torch.")
+    assert info["dtype_reason"] == models.default_dtype("cpu")[1]
+    with SpeculativeDecoder.from_pretrained(drafter="none", dtype="float32") as dec:
+        assert (dec.runner_info["dtype"], dec.runner_info["dtype_reason"]) == ("float32", "asked for")

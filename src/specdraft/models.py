@@ -95,8 +95,8 @@ def default_dtype(device: Any) -> tuple[Any, str]:
     if device.type == "cpu":
         flag = next((f for f in BF16_CPU_FLAGS if f in cpu_flags()), None)
         if flag and torch.backends.mkldnn.is_available() and torch.ops.mkldnn._is_mkldnn_bf16_supported():
-            return torch.bfloat16, f"the CPU default where bfloat16 products are native ({flag})"
-        return torch.float32, "the CPU default without native bfloat16 products (no avx512_bf16 or AMX)"
+            return torch.bfloat16, f"the CPU default where bfloat16 products are native: {flag}"
+        return torch.float32, "the CPU default without native bfloat16 products: no avx512_bf16 or AMX"
     return torch.float32, f"the {device.type} default"
 
 

@@ -174,7 +174,7 @@ def test_a_shape_that_fails_the_row_check_runs_in_products_that_passed(monkeypat
     packed = PackedLinear(torch.nn.Linear(32, 24, bias=False))
     honest = packed.product
     monkeypatch.setattr(packed, "product", lambda flat: honest(flat) * (1 + 2**-20 * (flat.shape[0] >= 5)))
-    monkeypatch.setattr("specdraft.runner.kernels._ROW_CHUNKS", {})
+    monkeypatch.setattr("specdraft.runner.kernels._CHECKED_COUNTS", {})
     packed.counts = checked_row_counts(packed)
     assert packed.counts == (1, 2, 3, 4)
     x = torch.randn(11, 32)

@@ -51,7 +51,7 @@ PACK_HINT = 16
 #: float dtypes :class:`PackedLinear` serves on CPU
 PACKED_DTYPES = (torch.float32, torch.bfloat16)
 
-_ROW_CHUNKS: dict[tuple, tuple[int, ...]] = {}  # (out, in, dtype, bias, threads) -> row counts that passed
+_CHECKED_COUNTS: dict[tuple, tuple[int, ...]] = {}  # (out, in, dtype, bias, threads) -> row counts that passed
 
 
 def packable(linear: nn.Module) -> bool:
@@ -59,9 +59,7 @@ def packable(linear: nn.Module) -> bool:
     if type(linear) is not nn.Linear or linear.weight.device.type != "cpu" or not torch.backends.mkldnn.is_available():
         return False
     dtype = linear.weight.dtype
-    if dtype == torch.bfloat16:
-        return torch.ops.mkldnn._is_mkldnn_bf16_supported()
-    return dtype == torch.float32
+    return dtype in PACKED_DTYPES and (dtype != torch.bfloat16 or torch.ops.mkldnn._is_mkldnn_bf16_supported())
 
 
 class PackedLinear(nn.Module):
@@ -141,8 +139,8 @@ def checked_row_counts(module: PackedLinear) -> tuple[int, ...]:
     up to the first that fails, on random rows (a fixed seed: deterministic). Remembered per shape,
     dtype and thread count. ``(1,)`` means row by row."""
     key = (module.out_features, module.in_features, module.dtype, module.bias is not None, torch.get_num_threads())
-    if key in _ROW_CHUNKS:
-        return _ROW_CHUNKS[key]
+    if key in _CHECKED_COUNTS:
+        return _CHECKED_COUNTS[key]
     generator = torch.Generator().manual_seed(0)
     x = torch.randn(CHECKED_ROWS[-1], module.in_features, generator=generator).to(module.dtype)
     with torch.inference_mode():
@@ -152,7 +150,7 @@ def checked_row_counts(module: PackedLinear) -> tuple[int, ...]:
             if not torch.equal(module.product(x[:n]), alone[:n]):
                 break
             passed += (n,)
-    _ROW_CHUNKS[key] = passed
+    _CHECKED_COUNTS[key] = passed
     return passed
 
 
