@@ -19,7 +19,12 @@ set -uo pipefail
 cd "$(dirname "$0")/.."
 REPORT=${1:-gpu-checklist.md}
 TORCH=${TORCH:-torch==2.13.0}
-QUESTIONS=${QUESTIONS:-../shared/data/spec_bench/question.jsonl}
+# Spec-Bench's questions: QUESTIONS=FILE, else ../shared/data/... or shared/data/... (the device
+# tool copies a checkout's shared/ folder along)
+QUESTIONS=${QUESTIONS:-}
+for q in "$QUESTIONS" ../shared/data/spec_bench/question.jsonl shared/data/spec_bench/question.jsonl; do
+    [ -n "$q" ] && [ -f "$q" ] && QUESTIONS=$q && break
+done
 PY=.venv-gpu/bin/python
 
 echo "# GPU checklist, $(date -u +%Y-%m-%dT%H:%MZ)" > "$REPORT"
