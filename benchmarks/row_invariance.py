@@ -26,31 +26,7 @@ import torch.nn.functional as F
 from specdraft.models import load_target
 from specdraft.runner import load_runner
 from specdraft.runner.kernels import PackedLinear, packable
-
-
-def model_widths(runner, vocab: int, widths, device) -> tuple[list[int], list[int]]:
-    """Widths at which all rows / a subset of rows differ from one-token steps."""
-    gen = torch.Generator().manual_seed(0)
-    prompts = [torch.randint(vocab, (n,), generator=gen).to(device) for n in (37, 20, 51)]
-    tokens = torch.randint(vocab, (3, max(widths)), generator=gen).to(device)
-    runner.reset(3, 256)
-    steps = []
-    with torch.inference_mode():
-        for slot, prompt in enumerate(prompts):
-            runner.forward(prompt[None], slots=[slot])
-            steps.append(torch.cat([runner.forward(tokens[slot:slot + 1, t:t + 1], slots=[slot])[0]
-                                    for t in range(tokens.shape[1])], dim=1))
-        steps = torch.cat(steps)
-        lengths = [len(p) for p in prompts]
-        bad_all, bad_subset = [], []
-        for width in widths:
-            runner.set_lengths(lengths)
-            if not torch.equal(runner.forward(tokens[:, :width])[0], steps[:, :width]):
-                bad_all.append(width)
-            runner.set_lengths(lengths)
-            if not torch.equal(runner.forward(tokens[[0, 2], :width], slots=[0, 2])[0], steps[[0, 2], :width]):
-                bad_subset.append(width)
-    return bad_all, bad_subset
+from specdraft.testing import differing_widths
 
 
 def _time(fn, device) -> float:
@@ -106,7 +82,7 @@ def main() -> None:
     for dtype in args.dtype:
         model, _, name = load_target(args.target, dtype=dtype, device=args.device)
         runner = load_runner(model, compile=args.compile, quantize=args.quantize)
-        bad_all, bad_subset = model_widths(runner, model.config.vocab_size, widths, model.device)
+        bad_all, bad_subset = differing_widths(runner, model.config.vocab_size, widths, prompt_lengths=(37, 20, 51))
         verdict = "row-invariant" if not bad_all and not bad_subset else "NOT row-invariant"
         print(f"\n{name}, {runner.dtype}, {model.device}, {runner.info}, threads {torch.get_num_threads()}: "
               f"{verdict} at widths 1..16 (differing widths: all rows {bad_all or 'none'}, "

@@ -68,16 +68,21 @@ def default_gguf_path() -> Path:
 BF16_CPU_FLAGS = ("amx_bf16", "avx512_bf16")
 
 
-def cpu_flags() -> set[str]:
-    """This processor's feature flags as Linux reports them (empty elsewhere)."""
+def cpu_field(name: str) -> str | None:
+    """A field of this processor's ``/proc/cpuinfo`` entry ("model name", "flags"; None elsewhere)."""
     try:
         with open("/proc/cpuinfo", encoding="utf-8") as f:
             for line in f:
-                if line.startswith("flags"):
-                    return set(line.split(":", 1)[1].split())
+                if line.startswith(name):
+                    return line.split(":", 1)[1].strip()
     except OSError:
         pass
-    return set()
+    return None
+
+
+def cpu_flags() -> set[str]:
+    """This processor's feature flags as Linux reports them (empty elsewhere)."""
+    return set((cpu_field("flags") or "").split())
 
 
 def default_dtype(device: Any) -> tuple[Any, str]:

@@ -98,17 +98,10 @@ def environment(model, settings: BenchSettings, name: str) -> dict:
 
     from .. import __version__
 
-    cpu = platform.processor() or platform.machine()
-    try:
-        for line in Path("/proc/cpuinfo").read_text().splitlines():
-            if line.startswith("model name"):
-                cpu = line.split(":", 1)[1].strip()
-                break
-    except OSError:
-        pass
-    device = model.device
-    from ..models import cpu_flags
+    from ..models import cpu_field, cpu_flags
 
+    cpu = cpu_field("model name") or platform.processor() or platform.machine()
+    device = model.device
     flags = [f for f in ("avx2", "avx512f", "avx512_bf16", "amx_bf16") if f in cpu_flags()]
     return {
         "date": datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%d %H:%M UTC"),

@@ -516,10 +516,8 @@ def release_openmp_workers() -> None:
     thread, and a one-token step 28-30 ms against 15-17 ms; with the submitting thread's pool
     freed, the engine's thread ran as fast as the main thread. A no-op where the runtime has no
     such function."""
-    pause = _OMP_PAUSE[0]
-    if pause is None:
-        return
-    pause(1)  # omp_pause_soft: this thread's pool only; -1 (ignored) inside a parallel region
+    if _OMP_PAUSE is not None:
+        _OMP_PAUSE(1)  # omp_pause_soft: this thread's pool only; -1 (ignored) inside a parallel region
 
 
 def _find_omp_pause():
@@ -531,7 +529,7 @@ def _find_omp_pause():
         return None
 
 
-_OMP_PAUSE = [_find_omp_pause()]
+_OMP_PAUSE = _find_omp_pause()
 
 
 class EngineLoop:

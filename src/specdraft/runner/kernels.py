@@ -37,6 +37,7 @@ float64 (the parity tests' dtype: its rounding is too fine to flip a greedy argm
 
 from __future__ import annotations
 
+import itertools
 import weakref
 
 import torch
@@ -75,7 +76,6 @@ class PackedLinear(nn.Module):
 
     def __init__(self, linear: nn.Linear) -> None:
         super().__init__()
-        global _NEXT_HANDLE
         self.in_features, self.out_features = linear.in_features, linear.out_features
         weight = linear.weight.detach()
         self.dtype = weight.dtype
@@ -83,9 +83,9 @@ class PackedLinear(nn.Module):
         self.packed = torch.ops.mkldnn._reorder_linear_weight(weight, PACK_HINT)
         self.register_buffer("bias", None if linear.bias is None else linear.bias.detach().clone())
         self.counts = CHECKED_ROWS
-        _NEXT_HANDLE += 1
-        _PACKED[_NEXT_HANDLE] = self
-        self.register_buffer("handle", torch.tensor(_NEXT_HANDLE), persistent=False)
+        handle = next(_HANDLES)
+        _PACKED[handle] = self
+        self.register_buffer("handle", torch.tensor(handle), persistent=False)
 
     def product(self, flat: torch.Tensor) -> torch.Tensor:
         """One oneDNN product of ``flat # [rows, in]`` (at least 2 rows).  # [rows, out]"""
@@ -119,7 +119,7 @@ class PackedLinear(nn.Module):
 
 
 _PACKED: "weakref.WeakValueDictionary[int, PackedLinear]" = weakref.WeakValueDictionary()
-_NEXT_HANDLE = 0
+_HANDLES = itertools.count(1)
 
 
 @torch.library.custom_op("specdraft::packed_linear", mutates_args=())

@@ -116,3 +116,35 @@ class RunnerAsModel:
         with torch.inference_mode():
             logits, _ = self.runner.forward(ids.to(self.device))
         return SimpleNamespace(logits=logits.float().clone())
+
+
+def differing_widths(runner, vocab_size: int, widths, prompt_lengths=(9, 4, 13), seed: int = 0):
+    """Where ``runner`` is not row-invariant: three rows with prompts of ``prompt_lengths`` tokens
+    (one cache slot each), their one-token steps (each row alone) against passes of every width
+    in ``widths`` over all rows and over rows 0 and 2 only (a gathered subset). Returns
+    ``(widths where all rows differ, widths where the subset differs)`` by bit-identity of the
+    logits: ``([], [])`` for a row-invariant runner (see ``specdraft.runner.kernels``)."""
+    import torch
+
+    gen = torch.Generator().manual_seed(seed)
+    device = runner.device
+    prompts = [torch.randint(vocab_size, (n,), generator=gen).to(device) for n in prompt_lengths]
+    tokens = torch.randint(vocab_size, (len(prompts), max(widths)), generator=gen).to(device)
+    runner.reset(len(prompts), max(prompt_lengths) + max(widths) + 1)
+    lengths = [len(p) for p in prompts]
+    bad_all, bad_subset = [], []
+    with torch.inference_mode():
+        steps = []
+        for slot, prompt in enumerate(prompts):
+            runner.forward(prompt[None], slots=[slot])
+            steps.append(torch.cat([runner.forward(tokens[slot:slot + 1, t:t + 1], slots=[slot])[0]
+                                    for t in range(tokens.shape[1])], dim=1))
+        steps = torch.cat(steps)  # [rows, max(widths), vocab]
+        for width in widths:
+            runner.set_lengths(lengths)
+            if not torch.equal(runner.forward(tokens[:, :width])[0], steps[:, :width]):
+                bad_all.append(width)
+            runner.set_lengths(lengths)
+            if not torch.equal(runner.forward(tokens[[0, 2], :width], slots=[0, 2])[0], steps[[0, 2], :width]):
+                bad_subset.append(width)
+    return bad_all, bad_subset
