@@ -18,7 +18,7 @@ import torch
 
 from specdraft.sampling import SamplingParams, logits_to_probs
 from specdraft.testing import chi_square_pvalue
-from specdraft.engine import rejection_sample
+from specdraft.verifier import rejection_sample
 
 
 def main() -> None:

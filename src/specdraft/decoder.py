@@ -327,7 +327,7 @@ class SpeculativeDecoder:
             for stream in streams:
                 stream.close()
             from .engine.stream import result_of
-            from .engine.verify import output_text
+            from .engine.output import output_text
 
             results = []
             for s in seqs:

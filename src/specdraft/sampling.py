@@ -209,7 +209,7 @@ class TokenCounts:
     def along_tree(self, tokens: "torch.Tensor", ancestors: "torch.Tensor") -> "TokenCounts":
         """Counts at each pass index of a tree ``# [batch, n + 1, vocab]``: index ``j`` after the
         tokens of its ancestors and itself (``tokens # [batch, n]`` the nodes, ``ancestors
-        # [batch, n + 1, n + 1]`` bool as :func:`~specdraft.engine.rejection.tree_ancestors` gives)."""
+        # [batch, n + 1, n + 1]`` bool as :func:`~specdraft.verifier.tree.tree_ancestors` gives)."""
         added = ancestors[:, :, 1:].to(self.in_output.dtype) @ self._one_hot(tokens)  # [batch, n + 1, vocab]
         return TokenCounts(self.in_context[:, None] | (added > 0), self.in_output[:, None] + added)
 

@@ -12,7 +12,7 @@ import torch
 
 from specdraft import SamplingParams, SpeculativeDecoder
 from specdraft.drafters.base import layer_runner
-from specdraft.engine import check_draft
+from specdraft.verifier import check_draft
 from specdraft.sampling import logits_to_probs
 from specdraft.testing import check_drafter, plain_greedy, random_heads, repetitive_prompts
 

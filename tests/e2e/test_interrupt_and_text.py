@@ -7,7 +7,7 @@ import pytest
 from specdraft import SpeculativeDecoder, hookimpl
 from specdraft.drafters.prompt_lookup import PromptLookupDrafter
 from specdraft.engine import GenerationInterrupted
-from specdraft.engine.verify import INCOMPLETE, output_text
+from specdraft.engine.output import INCOMPLETE, output_text
 
 pytestmark = pytest.mark.e2e
 

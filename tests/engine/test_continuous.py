@@ -45,7 +45,7 @@ def test_greedy_parity_as_sequences_join_and_leave(tiny_model, options, drafter)
     joins = []  # at each join: how many running sequences had already been through a round
 
     def on_join(seq_id, prompt, join=dec.drafter.on_join):
-        joins.append(sum(s.stats.target_passes > 0 for s in dec.engine.running))
+        joins.append(sum(s.stats.target_passes > 0 for s in dec.engine.scheduler.running))
         join(seq_id, prompt)
 
     dec.drafter.on_join = on_join
@@ -56,7 +56,7 @@ def test_greedy_parity_as_sequences_join_and_leave(tiny_model, options, drafter)
     for p, n, s in zip(prompts, budgets, streams):
         assert s.result.token_ids == plain_greedy(tiny_model, p, n)
     assert len(joins) == len(prompts) and max(joins) >= 1  # newcomers joined a batch mid-flight
-    assert dec.engine.free_slots == [0, 1] and not dec.engine.running
+    assert dec.engine.scheduler.free_slots == [0, 1] and not dec.engine.scheduler.running
 
 
 def test_a_thousand_short_requests_leave_every_pool_full(tiny_model, options):
@@ -65,7 +65,7 @@ def test_a_thousand_short_requests_leave_every_pool_full(tiny_model, options):
     prompts = [repetitive_prompts(64, seed=i % 7)[i % 4][: 3 + i % 11] for i in range(1000)]
     results = dec.generate_ids(prompts, max_new_tokens=2)
     assert all(len(r.token_ids) == 2 for r in results)
-    assert dec.engine.free_slots == [0, 1, 2, 3] and not dec.engine.running and not dec.engine.waiting
+    assert dec.engine.scheduler.free_slots == [0, 1, 2, 3] and not dec.engine.scheduler.running and not dec.engine.scheduler.waiting
     slots = dec.drafter._slots
     assert not slots.slot and not dec.drafter._fed and sorted(slots.free) == list(range(slots.size)) and slots.size <= 4
 
@@ -121,7 +121,7 @@ def test_a_closed_stream_frees_its_slot_at_once(tiny_model):
     stream.close()
     later = dec.generate_ids([repetitive_prompts(64)[1]], max_new_tokens=4)[0]  # runs after the abort
     assert later.finish_reason == "length"
-    assert dec.engine.free_slots == [0, 1] and stream.seq.finish_reason == "aborted"
+    assert dec.engine.scheduler.free_slots == [0, 1] and stream.seq.finish_reason == "aborted"
 
 
 class FailingDrafter(Drafter):

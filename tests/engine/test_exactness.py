@@ -31,7 +31,7 @@ from specdraft.testing import (
     tiny_llama,
 )
 from specdraft.testing.stats import family_size
-from specdraft.engine import rejection_sample
+from specdraft.verifier import rejection_sample
 
 PROMPT = [3, 5, 3, 5, 3]
 

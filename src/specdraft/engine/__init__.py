@@ -1,10 +1,9 @@
-"""The engine: sequences, continuous batching, one batched K+1 target pass per step, exact acceptance."""
+"""The engine: sequences, scheduling, continuous batching; each step's round runs the verifier."""
 
 from .engine import Engine, EngineLoop
-from .rejection import greedy_accept, rejection_sample
+from .output import GenerationInterrupted
+from .scheduler import Scheduler
 from .sequence import Sequence
 from .stream import Stream, StreamChunk
-from .verify import GenerationInterrupted, check_draft
 
-__all__ = ["Engine", "EngineLoop", "GenerationInterrupted", "Sequence", "Stream", "StreamChunk", "check_draft",
-           "greedy_accept", "rejection_sample"]
+__all__ = ["Engine", "EngineLoop", "GenerationInterrupted", "Scheduler", "Sequence", "Stream", "StreamChunk"]

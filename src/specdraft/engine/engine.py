@@ -5,11 +5,13 @@ One step, for the sequences running in it (each holds a row of the target's cach
     schedule  retire aborted sequences; admit waiting ones into free slots and prefill them
     propose   d_1..d_k'          <- drafter.propose(ctx, k)          (k' <= k, per sequence)
     verify    logits             <- target([last, d_1..d_k'])        one pass over the running slots
-    accept    n, next            <- greedy_accept / rejection_sample (per sequence: its settings,
+    accept    n, next            <- greedy or rejection sampling      (per sequence: its settings,
                                                                       its own generator)
     commit    emit d_1..d_n, next (stop conditions token by token); cache length += n + 1;
               finished sequences leave at once and free their slot
 
+The :class:`~specdraft.engine.scheduler.Scheduler` decides who runs; the
+:class:`~specdraft.verifier.Verifier` turns the draft into a proposal, runs the pass and accepts.
 The cache holds every token of a sequence but its last one, which is fed first in the next
 round. A round where nobody drafted anything is a plain one-token decoding step.
 """
@@ -20,21 +22,18 @@ import atexit
 import threading
 import time
 import weakref
-from collections import deque
+from dataclasses import dataclass
 
 import torch
 
-from ..errors import DrafterError, QueueFull, SpecdraftError
-from ..sampling import RowSampling, TokenCounts, greedy_tokens, logits_to_probs
+from ..errors import DrafterError, SpecdraftError
+from ..sampling import RowSampling, TokenCounts
 from ..types import DraftContext, TargetInfo
+from ..verifier import Outcome, Proposal, Verifier
 from .policy import AdaptiveDraftLength
-from .rejection import (first_chain, greedy_accept, greedy_tree_accept, rejection_sample, tree_ancestors,
-                        tree_rejection_sample)
+from .scheduler import Scheduler
 from .sequence import Sequence, Status, mix_seed
-from .verify import DEBUG, check_draft
-
-#: Prompt tokens one step prefills at most (the first newcomer is always admitted).
-PREFILL_BUDGET = 4096
+from .waves import WaveDrafter
 
 
 def _rows_bucket(rows: int) -> int:
@@ -45,10 +44,31 @@ def _rows_bucket(rows: int) -> int:
     return bucket
 
 
+def drafter_label(drafter) -> str:
+    """How errors name a drafter: its registered name (or class) and its plugin."""
+    name = getattr(drafter, "name", "") or type(drafter).__name__
+    plugin = getattr(drafter, "plugin", "")
+    return f"{name!r}" + (f" (plugin {plugin!r})" if plugin else "")
+
+
+@dataclass
+class _Plan:
+    """A round before it runs: the drafter's context, each row's cap and the draft length asked for."""
+
+    ctx: DraftContext
+    caps: list[int]  # [batch] tokens (a tree's levels) each row may have verified
+    policy: AdaptiveDraftLength | None
+
+    @property
+    def k(self) -> int:
+        return max(self.caps)
+
+
 class Engine:
     """Runs speculative decoding of the target's ``runner`` with ``drafter`` for sequences that
     join and leave between steps. ``add`` and ``abort`` may be called from any thread; ``step``
-    from one thread at a time (:class:`EngineLoop` does)."""
+    from one thread at a time (:class:`EngineLoop` does). A drafter of API version 1 runs through
+    :class:`~specdraft.engine.waves.WaveDrafter`, in waves."""
 
     def __init__(self, runner, drafter, target: TargetInfo, spec_length: int, adaptive: bool = True,
                  max_batch: int = 8, max_waiting: int | None = None) -> None:
@@ -57,61 +77,130 @@ class Engine:
         self.target = target
         self.spec_length = spec_length
         self.adaptive = adaptive
-        self.max_batch = max_batch
-        self.max_waiting = max_waiting
+        waves = getattr(drafter, "api_version", 1) < 2
+        self.scheduler = Scheduler(max_batch, max_waiting, waves=waves)
+        self.verifier = Verifier(runner, target.vocab_size, target.device, who=drafter_label(drafter))
+        self._drafting = WaveDrafter(drafter, self.verifier) if waves else drafter  # what the rounds call
         #: draft-length policies per batch-size bucket: verify costs differ with the batch
         self.policies: dict[int, AdaptiveDraftLength] = {}
-        self.waiting: deque[Sequence] = deque()
-        self.running: list[Sequence] = []
-        #: API-version-1 drafters: the wave of sequences the drafter knows, by row index
-        self.wave: list[Sequence] = []
-        self.per_sequence = getattr(drafter, "api_version", 1) >= 2
-        self.free_slots = list(range(max_batch))
-        self.lock = threading.Lock()  # the queues and abort flags, shared with callers' threads
-        # Full value checks of every draft cost device-to-host copies; free on CPU.
-        self.validate_drafts = DEBUG or torch.device(target.device).type == "cpu"
         self._drafted_last = False
         self._shared: torch.Generator | None = None  # the round's one generator (``ctx.generator``)
         self.reset_cache()
 
     def reset_cache(self) -> None:
         """An empty target cache with a row per slot (nothing may be running)."""
-        self.runner.reset(self.max_batch, 256)
+        self.runner.reset(self.scheduler.max_batch, 256)
 
     # -- requests (any thread) ------------------------------------------------------------
 
     def add(self, sequences: list[Sequence], limit: bool = True) -> None:
         """Queue ``sequences``; QueueFull (none queued) when ``limit`` and the waiting queue is full."""
-        with self.lock:
-            # requests a free slot will take at the next step do not count as waiting
-            queued = len(self.waiting) + len(sequences) - len(self.free_slots)
-            if limit and self.max_waiting is not None and queued > self.max_waiting:
-                raise QueueFull(f"the server is busy: {len(self.waiting)} requests are waiting (at most "
-                                f"{self.max_waiting}); retry later")
-            self.waiting.extend(sequences)
+        self.scheduler.add(sequences, limit)
 
     def abort(self, seq: Sequence) -> None:
         """Stop ``seq``: a waiting one at once, a running one at the start of the next step."""
-        with self.lock:
-            if seq.status is Status.FINISHED:
-                return
-            seq.aborted = True
-            if seq.status is Status.WAITING:
-                self.waiting.remove(seq)
-                self._finish(seq, "aborted")
+        self.scheduler.abort(seq)
 
     def has_work(self) -> bool:
-        return bool(self.waiting or self.running)
+        return self.scheduler.has_work()
 
     @property
     def num_running(self) -> int:
-        return len(self.running)
+        return len(self.scheduler.running)
 
     @property
     def num_waiting(self) -> int:
-        return len(self.waiting)
+        return len(self.scheduler.waiting)
 
     # -- one step -------------------------------------------------------------------------
+
+    def step(self) -> None:
+        """schedule -> propose -> verify -> accept -> commit; a failure fails only the requests it touched."""
+        with torch.inference_mode():
+            for s in self.scheduler.aborted():
+                self._leave(s, "aborted")
+            joined = self.scheduler.admit()
+            if joined:
+                self._guarded(joined, self._prefill)
+            if self.scheduler.running:
+                self._guarded(list(self.scheduler.running), self._round)
+
+    def _round(self, batch: list[Sequence]) -> None:
+        t0 = time.perf_counter()
+        plan = self._plan(batch)
+        draft = self._call("propose", plan.ctx, plan.k) if plan.k > 0 else None
+        proposal = self.verifier.proposal(draft, plan.caps)  # validated once; a chain or a tree
+        t1 = time.perf_counter()
+        logits, hidden = self.verifier.verify(proposal, [s.tokens[-1] for s in batch], [s.slot for s in batch],
+                                              max(s.cached for s in batch), hidden=self.wants_hidden)
+        outcome = self.verifier.accept(proposal, logits, plan.ctx.sampling, self._generators(batch), plan.ctx.counts,
+                                       hidden)
+        t2 = time.perf_counter()
+        committed = self._commit(batch, outcome)
+        self._learn(plan, proposal, outcome, draft_s=t1 - t0, verify_s=t2 - t1)
+        self._report(plan.ctx, outcome, committed)
+        t3 = time.perf_counter()
+        for s in batch:
+            s.stats.draft_time_s += (t1 - t0) + (t3 - t2)
+            s.stats.verify_time_s += t2 - t1
+        for s in [s for s in batch if s.finish_reason is not None]:
+            self._leave(s, s.finish_reason)
+
+    def _plan(self, batch: list[Sequence]) -> _Plan:
+        """How far each row may draft this round (the length policy's choice, its budget and
+        context left), the tree budget, and the drafter's context (with the penalties' counts)."""
+        policy = self.policy(len(batch)) if self.adaptive else None
+        if policy is not None:
+            policy.measure_costs = not any(s.fixed_draft_length for s in batch)
+        want = policy.choose() if policy is not None else self.spec_length
+        caps = [min(self.spec_length if s.fixed_draft_length else want, s.max_new_tokens - len(s.new_tokens) - 1,
+                    s.max_len - len(s.tokens)) for s in batch]
+        ctx = self._context(batch)
+        ctx.tree_budget = self._tree_budget(policy, batch, max(caps))
+        if ctx.sampling.penalized:  # the penalties' context, shared by the drafter and the verify pass
+            ctx.counts = TokenCounts.of(ctx.token_ids, ctx.prompt_lengths, self.target.vocab_size, self.target.device)
+        return _Plan(ctx, caps, policy)
+
+    def _commit(self, batch: list[Sequence], outcome: Outcome) -> list[int]:
+        """Append each row's new tokens up to its first stop and send them to its reader; the cache
+        keeps them (a tree's path moved into place) and nothing after. Returns each row's count."""
+        committed, paths = [], []
+        for b, s in enumerate(batch):
+            before, start = len(s.tokens), s.cached
+            s.stats.record_round(outcome.drafted[b], outcome.num_accepted[b], outcome.depths[b])
+            for token in outcome.committed(b):
+                s.tokens.append(token)
+                s.finish_reason = self._finish_reason(s, token)
+                if s.finish_reason:
+                    break
+            s.cached = len(s.tokens) - 1
+            committed.append(len(s.tokens) - before)
+            s.events.put(("tokens", s.tokens[before:]))
+            if s.finish_reason is None and outcome.branched(b):
+                paths.append((s.slot, start, outcome.paths[b]))
+        live = [s for s in batch if s.finish_reason is None]
+        if paths:
+            self._keep_paths(paths)
+        if live:
+            self.runner.set_lengths([s.cached for s in live], slots=[s.slot for s in live])
+        return committed
+
+    def _learn(self, plan: _Plan, proposal: Proposal, outcome: Outcome, draft_s: float, verify_s: float) -> None:
+        """The length policy hears what the round cost and kept."""
+        if plan.policy is not None:
+            tree_round = {"budget": plan.ctx.tree_budget} if getattr(self.drafter, "tree_budget", 1) > 1 else {}
+            plan.policy.observe(proposal.width + 1, verify_s, outcome.depths, outcome.num_accepted,
+                                draft_seconds=draft_s if self._drafted_last and plan.k > 0 else None, **tree_round)
+        self._drafted_last = plan.k > 0
+
+    def _report(self, ctx: DraftContext, outcome: Outcome, committed: list[int]) -> None:
+        """The drafter hears what was verified and kept (and, if it asks, the target's hidden states)."""
+        ctx.num_verified = outcome.drafted
+        ctx.accepted_nodes = outcome.paths
+        if self.wants_hidden:  # the states of the positions whose next token is now known
+            self._hand_hidden(ctx, [None if outcome.hidden is None else outcome.hidden_at(b, n)
+                                    for b, n in enumerate(committed)])
+        self._call("on_verified", ctx, [a if d else 0 for a, d in zip(outcome.num_accepted, outcome.drafted)])
 
     def policy(self, rows: int) -> AdaptiveDraftLength:
         bucket = _rows_bucket(rows)
@@ -119,153 +208,11 @@ class Engine:
             self.policies[bucket] = AdaptiveDraftLength(self.spec_length)
         return self.policies[bucket]
 
-    def step(self) -> None:
-        """Schedule, then one round of draft -> verify -> accept -> commit for the running sequences."""
-        with torch.inference_mode():
-            self._retire_aborted()
-            joined = self._admit()
-            if joined:
-                try:
-                    self._join(joined)
-                except (Exception, KeyboardInterrupt) as exc:  # noqa: BLE001 - fails those requests only
-                    self._fail(joined, exc)
-            if not self.running:
-                return
-            batch = list(self.running)
-            try:
-                self._round(batch)
-            except (Exception, KeyboardInterrupt) as exc:  # noqa: BLE001 - fails those requests only
-                self._fail([s for s in batch if s.status is Status.RUNNING], exc)
-
-    def _round(self, batch: list[Sequence]) -> None:
-        target, device, runner = self.target, self.target.device, self.runner
-        now = time.perf_counter
-        t0 = now()
-        rows = self._drafter_rows()
-        ctx = self._context(rows)
-        where = {s.id: i for i, s in enumerate(rows)}
-        index = [where[s.id] for s in batch]  # drafter row of each batch row
-        policy = self.policy(len(batch)) if self.adaptive else None
-        if policy is not None:
-            policy.measure_costs = not any(s.fixed_draft_length for s in batch)
-        want = policy.choose() if policy is not None else self.spec_length
-        caps = [min(self.spec_length if s.fixed_draft_length else want, s.max_new_tokens - len(s.new_tokens) - 1,
-                    s.max_len - len(s.tokens)) for s in batch]
-        k = max(caps)
-        ctx.tree_budget = self._tree_budget(policy, batch, k)
-        if ctx.sampling.penalized:  # the penalties' context, shared by the drafter and the verify pass
-            ctx.counts = TokenCounts.of(ctx.token_ids, ctx.prompt_lengths, target.vocab_size, device)
-        tree = None  # (parents, valid, ancestors, depths) when the draft is a tree
-        if k > 0:
-            draft = self._call("propose", ctx, k)
-            ids, lengths, probs, parents = check_draft(draft, len(rows), k, target.vocab_size, self._label, device,
-                                                       full=self.validate_drafts)
-            if len(rows) != len(batch) or index != list(range(len(batch))):  # finished wave rows
-                pick = torch.tensor(index, device=device)
-                ids, lengths = ids[pick], lengths[pick]
-                probs = None if probs is None else probs[pick]
-                parents = None if parents is None else parents[pick]
-            caps_t = torch.tensor(caps, device=device)
-            if parents is not None and ids.shape[1] == 0:  # an empty tree is an empty chain
-                parents = None
-            if parents is not None:
-                ancestors, valid, depths = tree_ancestors(parents, lengths, max_depth=caps_t)
-                if not getattr(runner, "supports_tree", False):  # verify its first chain instead
-                    ids, lengths, probs = first_chain(ids, parents, valid, probs)
-                    parents = None
-            if parents is None:
-                lengths = torch.minimum(lengths, caps_t)
-                used = lengths
-            else:
-                used = torch.where(valid, torch.arange(ids.shape[1], device=device) + 1, 0).max(1).values
-            # no wider a pass than the largest draft: free to know on a CPU, a copy on a GPU
-            width = int(used.max()) if used.device.type == "cpu" and used.numel() else ids.shape[1]
-            ids = ids[:, :width]
-            probs = probs[:, :width] if probs is not None else None
-            if parents is not None:
-                lengths = valid[:, :width].sum(1)
-                if width:  # else nothing valid was drafted: a plain step
-                    tree = (parents[:, :width], valid[:, :width], ancestors[:, : width + 1, : width + 1],
-                            depths[:, :width])
-        else:
-            ids = torch.zeros((len(batch), 0), dtype=torch.long, device=device)
-            lengths = torch.zeros(len(batch), dtype=torch.long, device=device)
-            probs = None
-        width = ids.shape[1]
-        t1 = now()
-
-        last = torch.tensor([[s.tokens[-1]] for s in batch], device=device)  # [batch, 1]
-        slots = [s.slot for s in batch]
-        runner.reserve(max(s.cached for s in batch) + width + 1)
-        shape = {} if tree is None else {"tree_mask": tree[2],
-                                         "depths": torch.cat([torch.zeros_like(last), tree[3]], 1)}
-        logits, hidden = runner.forward(torch.cat([last, ids], dim=1), hidden=self.wants_hidden, slots=slots, **shape)
-        # logits [batch, width+1, vocab], hidden [batch, width+1, dim] | None
-        counts = None
-        if ctx.counts is not None:
-            mine = ctx.counts.select(torch.tensor(index))
-            counts = mine.along(ids) if tree is None else mine.along_tree(ids, tree[2])
-        num_accepted, next_token, path = self._accept(batch, ids, lengths, probs, logits, counts, tree)
-        depth = lengths if tree is None else tree[3].max(1).values
-        kept = ids.gather(1, path.clamp(max=max(width - 1, 0))) if width else path  # the accepted tokens
-        # the round's one copy to the host: [accepted, next token, drafted, depth, path..., tokens...] per row
-        summary = torch.cat([num_accepted[:, None], next_token[:, None], lengths[:, None], depth[:, None], path, kept],
-                            dim=1).tolist()
-        t2 = now()
-
-        committed, accepted, drafted = [0] * len(rows), [0] * len(rows), [0] * len(rows)
-        paths: list[list[int]] = [[] for _ in rows]
-        finished, moves = [], []
-        for b, s in enumerate(batch):
-            n, token, d, levels = summary[b][:4]
-            chosen, tokens = summary[b][4 : 4 + width][:n], summary[b][4 + width :][:n]
-            r = index[b]
-            accepted[r], drafted[r], paths[r] = n, d, chosen
-            before, start = len(s.tokens), s.cached
-            s.stats.record_round(d, n, levels)
-            for token in tokens + [token]:
-                s.tokens.append(token)
-                reason = self._finish_reason(s, token)
-                if reason:
-                    s.finish_reason = reason
-                    finished.append(s)
-                    break
-            s.cached = len(s.tokens) - 1
-            committed[r] = len(s.tokens) - before
-            if s.finish_reason is None and chosen != list(range(n)):  # a branch off the first-drafted line
-                moves.append((s.slot, [start + 1 + j for j in chosen], [start + 1 + m for m in range(n)]))
-        live = [s for s in batch if s.finish_reason is None]
-        if moves:
-            self._keep_paths(moves)
-        if live:
-            runner.set_lengths([s.cached for s in live], slots=[s.slot for s in live])
-        if policy is not None:
-            tree_round = {"budget": ctx.tree_budget} if getattr(self.drafter, "tree_budget", 1) > 1 else {}
-            policy.observe(width + 1, t2 - t1, [summary[b][3] for b in range(len(batch))],
-                           [summary[b][0] for b in range(len(batch))],
-                           draft_seconds=(t1 - t0) if self._drafted_last and k > 0 else None, **tree_round)
-        self._drafted_last = k > 0
-        ctx.num_verified = drafted
-        ctx.accepted_nodes = paths
-        if self.wants_hidden:  # the states of the positions whose next token is now known
-            states = [None] * len(rows)
-            for b in range(len(batch)):
-                r = index[b]
-                if hidden is not None:
-                    at = torch.tensor([0] + [j + 1 for j in paths[r]][: committed[r] - 1], device=device)
-                    states[r] = hidden[b, at]
-            self._hand_hidden(ctx, states)
-        self._call("on_verified", ctx, [a if d else 0 for a, d in zip(accepted, drafted)])
-        t3 = now()
-        for b, s in enumerate(batch):
-            s.stats.draft_time_s += (t1 - t0) + (t3 - t2)
-            s.stats.verify_time_s += t2 - t1
-            s.events.put(("tokens", s.tokens[len(s.tokens) - committed[index[b]]:]))
-        for s in finished:
-            self._retire(s)
-
-    def _keep_paths(self, moves: list[tuple[int, list[int], list[int]]]) -> None:
-        """Move each tree's accepted path into place in the target's cache: ``(slot, from, to)`` positions."""
+    def _keep_paths(self, paths: list[tuple[int, int, list[int]]]) -> None:
+        """Move each tree's accepted path into place in the target's cache: ``(slot, start, nodes)``,
+        node ``j`` stored at ``start + 1 + j`` and kept at ``start + 1 + its place on the path``."""
+        moves = [(slot, [start + 1 + j for j in nodes], [start + 1 + m for m in range(len(nodes))])
+                 for slot, start, nodes in paths]
         width = max(len(src) for _, src, _ in moves)
 
         def tail(dst: list[int]) -> list[int]:  # padding: positions moved onto themselves
@@ -280,96 +227,21 @@ class Engine:
         """Nodes the drafter may propose this round (``ctx.tree_budget``; 1 for a chain): the
         drafter's own ``tree_budget`` option, or what the policy finds pays at this batch size."""
         most = int(getattr(self.drafter, "tree_budget", 1) or 1)
-        if most <= 1 or k <= 0 or not getattr(self.runner, "supports_tree", False):
+        if most <= 1 or k <= 0 or not self.verifier.trees:
             return 1
         if policy is None or any(s.fixed_draft_length for s in batch):
             return most
         return policy.choose_budget(most, k)
 
-    def _accept(self, batch, ids, lengths, probs, logits, counts, tree=None):
-        """Each sequence's accepted count, next token and accepted nodes ``# [batch], [batch],
-        [batch, width]``: greedy rows together, sampled rows one by one with their own settings and
-        generator (float32 or wider). ``tree``: the draft is a tree (see :meth:`_round`)."""
-        device = logits.device
-        batch_size, width = ids.shape
-        params = RowSampling(s.sampling for s in batch)
-        greedy = [b for b, s in enumerate(batch) if s.sampling.greedy]
-        chain = torch.arange(width, device=device).expand(batch_size, width)
+    # -- joining and leaving ----------------------------------------------------------------
 
-        def greedy_rows(rows: list[int] | None):
-            pick = slice(None) if rows is None else torch.tensor(rows, device=device)
-            wanted = greedy_tokens(logits[pick], params if rows is None else RowSampling(params[b] for b in rows),
-                                   None if counts is None else counts.select(pick))
-            if tree is None:
-                n, t = greedy_accept(ids[pick], lengths[pick], wanted)
-                return n, t, chain[pick]
-            return greedy_tree_accept(ids[pick], tree[0][pick], tree[1][pick], wanted)
-
-        if len(greedy) == len(batch):
-            return greedy_rows(None)
-        num_accepted = torch.zeros(batch_size, dtype=torch.long, device=device)
-        next_token = torch.zeros(batch_size, dtype=torch.long, device=device)
-        path = torch.full((batch_size, width), width, dtype=torch.long, device=device)
-        if greedy:
-            g = torch.tensor(greedy, device=device)
-            num_accepted[g], next_token[g], path[g] = greedy_rows(greedy)
-        drafted = lengths.tolist()
-        for b, s in enumerate(batch):
-            if s.sampling.greedy:
-                continue
-            generator = s.generator(1, device)
-            if tree is not None:  # the row's own valid nodes only: its draws do not depend on the pass's width
-                row_counts = None if counts is None else counts.select(slice(b, b + 1))
-                target_probs = logits_to_probs(logits[b : b + 1], s.sampling, row_counts)[0]
-                nodes, t = tree_rejection_sample(ids[b], tree[0][b], tree[1][b], None if probs is None else probs[b],
-                                                 target_probs, generator)
-                num_accepted[b], next_token[b] = len(nodes), t
-                path[b, : len(nodes)] = torch.tensor(nodes, dtype=torch.long)
-                continue
-            d = drafted[b]  # the row's own draft only: its random draws do not depend on the pass's width
-            row_counts = None if counts is None else TokenCounts(counts.in_context[b : b + 1, : d + 1],
-                                                                 counts.in_output[b : b + 1, : d + 1])
-            target_probs = logits_to_probs(logits[b : b + 1, : d + 1], s.sampling, row_counts)
-            n, t = rejection_sample(ids[b : b + 1, :d], lengths[b : b + 1], None if probs is None else probs[b : b + 1, :d],
-                                    target_probs, generator)
-            num_accepted[b], next_token[b] = n[0], t[0]
-            path[b] = chain[b]
-        return num_accepted, next_token, path
-
-    # -- scheduling -----------------------------------------------------------------------
-
-    def _admit(self) -> list[Sequence]:
-        """Waiting sequences that get a slot this step (first come, first served)."""
-        joined: list[Sequence] = []
-        with self.lock:
-            if not self.per_sequence and self.running:
-                return joined  # an API-1 drafter's wave runs to its end before the next starts
-            budget = PREFILL_BUDGET
-            while self.waiting and self.free_slots:
-                seq = self.waiting[0]
-                if joined and seq.prompt_len > budget:
-                    break
-                self.waiting.popleft()
-                budget -= seq.prompt_len
-                seq.slot = self.free_slots.pop(0)
-                seq.status = Status.RUNNING
-                joined.append(seq)
-        return joined
-
-    def _join(self, joined: list[Sequence]) -> None:
+    def _prefill(self, joined: list[Sequence]) -> None:
         """Give the newcomers their cache rows, tell the drafter, prefill their prompts."""
         runner, device = self.runner, self.target.device
-        runner.reserve(max(s.max_len for s in joined) + self.spec_length + 1, rows=self.max_batch)
+        runner.reserve(max(s.max_len for s in joined) + self.spec_length + 1, rows=self.scheduler.max_batch)
         runner.set_lengths([0] * len(joined), slots=[s.slot for s in joined])
-        # in slot order: a full batch is then every slot in order, a pass over the cache's own
-        # buffers (out of order, every pass gathered the rows' buffers in every layer)
-        self.running = sorted(self.running + joined, key=lambda s: s.slot)
-        if self.per_sequence:
-            for s in joined:
-                self._call("on_join", s.id, list(s.tokens))
-        else:
-            self.wave = list(self.running)
-            self._call("reset")
+        for s in joined:
+            self._call("on_join", s.id, list(s.tokens))
         start = time.perf_counter()
         # Prefill everything but each prompt's last token (right-padded; padding is never read).
         longest = max(s.prompt_len for s in joined) - 1
@@ -385,7 +257,7 @@ class Engine:
         for s in joined:
             s.cached = s.prompt_len - 1
         if self.wants_hidden:  # [joined, longest, hidden_size]
-            rows = self._drafter_rows()
+            rows = list(self.scheduler.running)
             where = {s.id: b for b, s in enumerate(joined)}
             states = [hidden[where[s.id], : s.prompt_len - 1] if s.id in where and hidden is not None else None
                       for s in rows]
@@ -394,13 +266,34 @@ class Engine:
         for s in joined:
             s.stats.prefill_time_s += took
 
-    def _drafter_rows(self) -> list[Sequence]:
-        """The sequences the drafter sees, in row order: the running ones, or an API-1 drafter's wave."""
-        return list(self.running) if self.per_sequence else list(self.wave)
+    def _guarded(self, sequences: list[Sequence], work) -> None:
+        """``work(sequences)``; when it fails (a drafter's or the model's failure), only those requests fail."""
+        try:
+            work(sequences)
+        except (Exception, KeyboardInterrupt) as exc:  # noqa: BLE001 - fails those requests only
+            self._fail([s for s in sequences if s.status is Status.RUNNING], exc)
+
+    def _fail(self, sequences: list[Sequence], exc: BaseException) -> None:
+        """End ``sequences`` with ``exc``."""
+        interrupted = isinstance(exc, KeyboardInterrupt)
+        if not interrupted and not isinstance(exc, SpecdraftError):
+            exc = SpecdraftError(f"generation failed: {type(exc).__name__}: {exc}")
+        for s in sequences:
+            if s.status is not Status.FINISHED:
+                s.error = None if interrupted else exc
+                self._leave(s, "interrupted" if interrupted else "error")
+
+    def _leave(self, s: Sequence, reason: str) -> None:
+        """``s`` leaves the batch: its slot is free for the next newcomer, the drafter forgets it."""
+        if self.scheduler.release(s):
+            try:
+                self._call("on_leave", s.id)
+            except DrafterError:
+                pass  # the sequence is done either way; the drafter's next call will say more
+        s.finish(reason)
 
     def _context(self, rows: list[Sequence]) -> DraftContext:
         device = self.target.device
-        running = [s.status is Status.RUNNING for s in rows]
         generators = [s.generator(0, device) for s in rows]
         if self._shared is None:
             self._shared = torch.Generator(device=device)
@@ -408,7 +301,7 @@ class Engine:
         return DraftContext(
             token_ids=[s.tokens for s in rows],
             prompt_lengths=[s.prompt_len for s in rows],
-            active=running,
+            active=[s.status is Status.RUNNING for s in rows],
             vocab_size=self.target.vocab_size,
             device=device,
             sampling=RowSampling(s.sampling for s in rows),
@@ -416,6 +309,10 @@ class Engine:
             generators=generators,
             seq_ids=[s.id for s in rows],
         )
+
+    def _generators(self, batch: list[Sequence]) -> list:
+        """Each sampled row's verification generator (None for greedy rows)."""
+        return [None if s.sampling.greedy else s.generator(1, self.target.device) for s in batch]
 
     def _finish_reason(self, s: Sequence, token: int) -> str | None:
         if token in self.target.eos_token_ids:
@@ -428,50 +325,6 @@ class Engine:
         if len(s.new_tokens) >= s.max_new_tokens or len(s.tokens) >= s.max_len:
             return "length"
         return None
-
-    def _retire_aborted(self) -> None:
-        for s in [s for s in self.running if s.aborted]:
-            s.finish_reason = "aborted"
-            self._retire(s)
-
-    def _retire(self, s: Sequence) -> None:
-        """``s`` leaves the batch: its slot is free for the next newcomer."""
-        if s in self.running:
-            self.running.remove(s)
-            if self.per_sequence:
-                try:
-                    self._call("on_leave", s.id)
-                except DrafterError:
-                    pass  # the sequence is done either way; the drafter's next call will say more
-            elif not self.running:
-                self.wave = []
-        if s.slot is not None:
-            with self.lock:
-                self.free_slots.append(s.slot)
-                self.free_slots.sort()
-            s.slot = None
-        self._finish(s, s.finish_reason or "aborted")
-
-    def _finish(self, s: Sequence, reason: str) -> None:
-        s.finish_reason = reason
-        s.status = Status.FINISHED
-        s.stats.new_tokens = len(s.new_tokens)
-        s.stats.total_time_s = time.perf_counter() - s.submitted
-        s.events.put(("done", None))
-
-    def _fail(self, sequences: list[Sequence], exc: BaseException) -> None:
-        """End ``sequences`` with ``exc`` (a drafter's or the model's failure): only those requests fail."""
-        interrupted = isinstance(exc, KeyboardInterrupt)
-        if not interrupted and not isinstance(exc, SpecdraftError):
-            exc = SpecdraftError(f"generation failed: {type(exc).__name__}: {exc}")
-        for s in sequences:
-            if s.status is Status.FINISHED:
-                continue
-            s.error = None if interrupted else exc
-            s.finish_reason = "interrupted" if interrupted else "error"
-            self._retire(s)
-        if not self.per_sequence and not self.running:
-            self.wave = []
 
     # -- the drafter ----------------------------------------------------------------------
 
@@ -487,20 +340,14 @@ class Engine:
         rows = [empty if h is None else h.to(self.target.dtype) for h in states]
         self._call("on_hidden_states", ctx, rows)
 
-    @property
-    def _label(self) -> str:
-        name = getattr(self.drafter, "name", "") or type(self.drafter).__name__
-        plugin = getattr(self.drafter, "plugin", "")
-        return f"{name!r}" + (f" (plugin {plugin!r})" if plugin else "")
-
     def _call(self, method: str, *args):
         try:
-            return getattr(self.drafter, method)(*args)
+            return getattr(self._drafting, method)(*args)
         except SpecdraftError:
             raise
         except Exception as exc:  # noqa: BLE001 - a drafter's own failure, named
             raise DrafterError(
-                f"drafter {self._label} raised {type(exc).__name__} in {method}(): {exc}"
+                f"drafter {self.verifier.who} raised {type(exc).__name__} in {method}(): {exc}"
             ) from exc
 
 
@@ -566,7 +413,7 @@ class EngineLoop:
         """Abort everything, then end the thread (after its current step)."""
         with self.wake:
             self._stopping = True
-            for seq in list(self.engine.waiting) + list(self.engine.running):
+            for seq in list(self.engine.scheduler.waiting) + list(self.engine.scheduler.running):
                 self.engine.abort(seq)
             self.wake.notify()
             thread = self._thread

@@ -91,6 +91,14 @@ class Sequence:
         gen.manual_seed(mix_seed(self._seed, len(self.tokens), kind))
         return gen
 
+    def finish(self, reason: str) -> None:
+        """The request is over (``reason``: its ``finish_reason``); its reader gets ``("done", None)``."""
+        self.finish_reason = reason
+        self.status = Status.FINISHED
+        self.stats.new_tokens = len(self.new_tokens)
+        self.stats.total_time_s = time.perf_counter() - self.submitted
+        self.events.put(("done", None))
+
 
 def sequences_for(prompts: Seq[Seq[int]], sampling: SamplingParams, max_new_tokens: int, max_context: int,
                   stop: Seq[str] = (), seed: int | None = None) -> list[Sequence]:

@@ -7,7 +7,7 @@ from typing import Sequence as Seq
 
 from ..types import GenerationResult
 from .sequence import Sequence, Status
-from .verify import INCOMPLETE, output_text
+from .output import INCOMPLETE, output_text
 
 
 @dataclass
@@ -21,7 +21,7 @@ class StreamChunk:
 
 class TextSoFar:
     """Text deltas of a growing token list whose concatenation is exactly the final text
-    (:func:`~specdraft.engine.verify.output_text`): what could still change is held back."""
+    (:func:`~specdraft.engine.output.output_text`): what could still change is held back."""
 
     def __init__(self, tokenizer, stop: Seq[str] = ()) -> None:
         self.tokenizer, self.stop = tokenizer, tuple(stop)

@@ -68,7 +68,7 @@ def check_continuous_batching(
     import threading
 
     from ..decoder import SpeculativeDecoder
-    from ..engine import check_draft
+    from ..verifier import check_draft
     from ..sampling import SamplingParams
 
     vocab = model.get_output_embeddings().weight.shape[0]
@@ -184,7 +184,7 @@ def check_drafter(
 
     from ..decoder import SpeculativeDecoder
     from ..sampling import SamplingParams
-    from ..engine import check_draft
+    from ..verifier import check_draft
 
     vocab = model.get_output_embeddings().weight.shape[0]
     prompts = repetitive_prompts(vocab)

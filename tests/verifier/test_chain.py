@@ -8,7 +8,7 @@ import torch
 from specdraft.sampling import SamplingParams, logits_to_probs
 from specdraft.testing import SIGNIFICANCE as ALPHA
 from specdraft.testing import chi_square_pvalue
-from specdraft.engine.rejection import greedy_accept, rejection_sample
+from specdraft.verifier.chain import greedy_accept, rejection_sample
 
 V = 8  # vocabulary of the synthetic distributions
 N = 40_000  # independent rows per statistical test

@@ -9,7 +9,7 @@ import pytest
 import torch
 
 from specdraft import Draft, Drafter, SpeculativeDecoder
-from specdraft.engine.rejection import first_chain, greedy_tree_accept, tree_ancestors, tree_rejection_sample
+from specdraft.verifier.tree import first_chain, greedy_tree_accept, tree_ancestors, tree_rejection_sample
 from specdraft.errors import DrafterError
 from specdraft.sampling import SamplingParams, logits_to_probs
 from specdraft.testing import SIGNIFICANCE as ALPHA

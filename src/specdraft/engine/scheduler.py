@@ -1,0 +1,87 @@
+"""Who runs: the waiting queue, the running batch and the target cache's rows (slots)."""
+
+from __future__ import annotations
+
+import threading
+from collections import deque
+
+from ..errors import QueueFull
+from .sequence import Sequence, Status
+
+#: Prompt tokens one step prefills at most (the first newcomer is always admitted).
+PREFILL_BUDGET = 4096
+
+
+class Scheduler:
+    """First come, first served: at most ``max_batch`` sequences run, each holding a row of the
+    target's cache (its slot) while it runs; a step admits waiting ones into free slots up to
+    :data:`PREFILL_BUDGET` prompt tokens. ``waves``: newcomers wait until the running batch is
+    empty (an API-version-1 drafter's waves). ``add`` and ``abort`` may be called from any thread;
+    the rest from the engine's."""
+
+    def __init__(self, max_batch: int, max_waiting: int | None = None, waves: bool = False) -> None:
+        self.max_batch = max_batch
+        self.max_waiting = max_waiting
+        self.waves = waves
+        self.waiting: deque[Sequence] = deque()
+        self.running: list[Sequence] = []  # in slot order: a full batch is then a pass over the cache's own buffers
+        self.free_slots = list(range(max_batch))
+        self.lock = threading.Lock()  # the queue, the free slots and abort flags, shared with callers' threads
+
+    def add(self, sequences: list[Sequence], limit: bool = True) -> None:
+        """Queue ``sequences``; QueueFull (none queued) when ``limit`` and the waiting queue is full."""
+        with self.lock:
+            # requests a free slot will take at the next step do not count as waiting
+            queued = len(self.waiting) + len(sequences) - len(self.free_slots)
+            if limit and self.max_waiting is not None and queued > self.max_waiting:
+                raise QueueFull(f"the server is busy: {len(self.waiting)} requests are waiting (at most "
+                                f"{self.max_waiting}); retry later")
+            self.waiting.extend(sequences)
+
+    def abort(self, seq: Sequence) -> None:
+        """Stop ``seq``: a waiting one at once, a running one at the start of the next step (:meth:`aborted`)."""
+        with self.lock:
+            if seq.status is Status.FINISHED:
+                return
+            seq.aborted = True
+            if seq.status is Status.WAITING:
+                self.waiting.remove(seq)
+                seq.finish("aborted")
+
+    def aborted(self) -> list[Sequence]:
+        """Running sequences whose caller aborted them: they leave now."""
+        return [s for s in self.running if s.aborted]
+
+    def admit(self) -> list[Sequence]:
+        """Waiting sequences that get a slot this step (they join the running batch)."""
+        joined: list[Sequence] = []
+        with self.lock:
+            if self.waves and self.running:
+                return joined  # a wave runs to its end before the next starts
+            budget = PREFILL_BUDGET
+            while self.waiting and self.free_slots:
+                seq = self.waiting[0]
+                if joined and seq.prompt_len > budget:
+                    break
+                self.waiting.popleft()
+                budget -= seq.prompt_len
+                seq.slot = self.free_slots.pop(0)
+                seq.status = Status.RUNNING
+                joined.append(seq)
+        self.running = sorted(self.running + joined, key=lambda s: s.slot)
+        return joined
+
+    def release(self, seq: Sequence) -> bool:
+        """``seq`` leaves the batch and frees its slot; whether it was running."""
+        was_running = seq in self.running
+        if was_running:
+            self.running.remove(seq)
+        if seq.slot is not None:
+            with self.lock:
+                self.free_slots.append(seq.slot)
+                self.free_slots.sort()
+            seq.slot = None
+        return was_running
+
+    def has_work(self) -> bool:
+        return bool(self.waiting or self.running)

@@ -1,0 +1,160 @@
+"""The verifier core: a drafter's draft in, one batched target pass, exact acceptance, one :class:`Outcome` out.
+
+    verifier = Verifier(runner, vocab_size, device, who="'ngram'")
+    proposal = verifier.proposal(draft, caps)                # validated; a chain or a tree, decided here
+    logits, hidden = verifier.verify(proposal, last, slots, longest)   # [last, d_1..d_k] in one pass
+    outcome = verifier.accept(proposal, logits, sampling, generators, counts, hidden)
+
+Acceptance keeps the target's output law exactly: greedy rows take the longest prefix (a tree: the
+path) the target's argmax agrees with; sampled rows run rejection sampling, each with its own
+settings and generator, over its own drafted positions only, so its random draws do not depend
+on what else shares the pass. Arithmetic in float32 or wider (:mod:`.chain`, :mod:`.tree`).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from ..sampling import RowSampling, TokenCounts, greedy_tokens, logits_to_probs
+from .chain import greedy_accept, rejection_sample
+from .proposal import DEBUG, Proposal, empty_proposal, make_proposal
+from .tree import greedy_tree_accept, tree_rejection_sample
+
+
+@dataclass
+class Outcome:
+    """What a round kept, per row, on the host (the round's one device-to-host copy)."""
+
+    num_accepted: list[int]  # [batch] draft tokens (a tree's path nodes) accepted
+    next_token: list[int]  # [batch] the recovered or bonus token after them
+    paths: list[list[int]]  # [batch][num_accepted] accepted nodes, root's child first (a chain's 0..n-1)
+    tokens: list[list[int]]  # [batch][num_accepted] the accepted draft tokens
+    drafted: list[int]  # [batch] tokens (a tree's valid nodes) verified
+    depths: list[int]  # [batch] levels verified (a chain's length)
+    hidden: torch.Tensor | None = None  # [batch, width + 1, dim] the pass's final-norm hidden states, if asked for
+
+    def committed(self, b: int) -> list[int]:
+        """Row ``b``'s new tokens: the accepted ones, then the next."""
+        return self.tokens[b] + [self.next_token[b]]
+
+    def branched(self, b: int) -> bool:
+        """Whether row ``b`` took a tree branch off its first-drafted line (its cache entries then move)."""
+        return self.paths[b] != list(range(self.num_accepted[b]))
+
+    def hidden_at(self, b: int, n: int) -> torch.Tensor:
+        """Row ``b``'s hidden states at the first ``n`` positions it committed (the last committed
+        token, then its accepted nodes): those whose next token is now known.  # [n, dim]"""
+        at = [0] + [j + 1 for j in self.paths[b]][: n - 1]
+        return self.hidden[b, torch.tensor(at, device=self.hidden.device)]
+
+
+class Verifier:
+    """Verifies drafts against the target's ``runner`` (see the module docstring). ``who`` names the
+    drafter in errors; ``full_checks`` validates every draft's values, not only its shapes (a
+    device-to-host copy per round: the default on CPU, where it is free, and with ``SPECDRAFT_DEBUG=1``)."""
+
+    def __init__(self, runner, vocab_size: int, device, who: str = "", full_checks: bool | None = None) -> None:
+        self.runner = runner
+        self.vocab_size = vocab_size
+        self.device = torch.device(device)
+        self.who = who
+        self.full_checks = DEBUG or self.device.type == "cpu" if full_checks is None else full_checks
+
+    @property
+    def trees(self) -> bool:
+        """Whether the runner verifies trees (else a tree is verified as its first chain)."""
+        return bool(getattr(self.runner, "supports_tree", False))
+
+    def proposal(self, draft, caps: list[int]) -> Proposal:
+        """The :class:`Proposal` of ``draft`` (None: nothing drafted) for rows capped at ``caps``."""
+        if draft is None:
+            return empty_proposal(len(caps), self.device)
+        return make_proposal(draft, caps, self.vocab_size, self.who, self.device, full=self.full_checks,
+                             trees=self.trees)
+
+    def verify(self, proposal: Proposal, last: list[int], slots: list[int], longest: int,
+               hidden: bool = False) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """One pass of ``[last[b], d_1..d_width]`` on cache rows ``slots`` (each holds at most
+        ``longest`` tokens): ``(logits # [batch, width + 1, vocab], hidden # [batch, width + 1, dim] | None)``."""
+        self.runner.reserve(longest + proposal.width + 1)
+        tokens, tree = proposal.pass_inputs(torch.tensor([[t] for t in last], device=self.device))
+        return self.runner.forward(tokens, hidden=hidden, slots=slots, **tree)
+
+    def accept(self, proposal: Proposal, logits: torch.Tensor, sampling: RowSampling, generators: list,
+               counts: TokenCounts | None = None, hidden: torch.Tensor | None = None) -> Outcome:
+        """Each row's accepted tokens and next token (see :class:`Outcome`). ``sampling[b]`` is row
+        ``b``'s settings, ``generators[b]`` its generator (unused for greedy rows); ``counts`` the
+        penalties' context of the rows (None: no penalty)."""
+        num_accepted, next_token, path = accept(proposal, logits, sampling, generators, proposal.counts_along(counts))
+        width = proposal.width
+        kept = proposal.token_ids.gather(1, path.clamp(max=max(width - 1, 0))) if width else path
+        rows = torch.cat([num_accepted[:, None], next_token[:, None], proposal.lengths[:, None],
+                          proposal.depths[:, None], path, kept], dim=1).tolist()
+        return Outcome(num_accepted=[r[0] for r in rows], next_token=[r[1] for r in rows],
+                       paths=[r[4 : 4 + width][: r[0]] for r in rows], tokens=[r[4 + width :][: r[0]] for r in rows],
+                       drafted=[r[2] for r in rows], depths=[r[3] for r in rows], hidden=hidden)
+
+
+def accept(proposal: Proposal, logits: torch.Tensor, sampling: RowSampling, generators: list,
+           counts: TokenCounts | None = None) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """``(num_accepted # [batch], next_token # [batch], path # [batch, width])`` for ``logits #
+    [batch, width + 1, vocab]`` of ``proposal``'s pass, ``counts`` the penalties' context at each
+    pass index: greedy rows together, sampled rows one by one (float32 or wider). ``path[b]``
+    holds the accepted nodes first, then ``width``."""
+    rule = _TREE if proposal.tree is not None else _CHAIN
+    device = logits.device
+    batch, width = proposal.token_ids.shape
+    greedy = [b for b in range(batch) if sampling[b].greedy]
+    if len(greedy) == batch:
+        return rule.greedy(proposal, slice(None), greedy_tokens(logits, sampling, counts))
+    num_accepted = torch.zeros(batch, dtype=torch.long, device=device)
+    next_token = torch.zeros(batch, dtype=torch.long, device=device)
+    path = torch.full((batch, width), width, dtype=torch.long, device=device)
+    if greedy:
+        pick = torch.tensor(greedy, device=device)
+        wanted = greedy_tokens(logits[pick], RowSampling(sampling[b] for b in greedy),
+                               None if counts is None else counts.select(pick))
+        num_accepted[pick], next_token[pick], path[pick] = rule.greedy(proposal, pick, wanted)
+    for b in range(batch):
+        if not sampling[b].greedy:
+            nodes, token = rule.sample(proposal, b, logits, sampling[b], counts, generators[b])
+            num_accepted[b], next_token[b] = len(nodes), token
+            path[b, : len(nodes)] = torch.tensor(nodes, dtype=torch.long)
+    return num_accepted, next_token, path
+
+
+class _CHAIN:
+    """Acceptance of chains: :func:`greedy_accept`, :func:`rejection_sample`."""
+
+    @staticmethod
+    def greedy(p: Proposal, pick, wanted: torch.Tensor):
+        n, token = greedy_accept(p.token_ids[pick], p.lengths[pick], wanted)
+        return n, token, torch.arange(p.width, device=wanted.device).expand(n.shape[0], p.width)
+
+    @staticmethod
+    def sample(p: Proposal, b: int, logits, params, counts, generator) -> tuple[list[int], int]:
+        d = int(p.lengths[b])  # the row's own draft only: its random draws do not depend on the pass's width
+        row_counts = None if counts is None else TokenCounts(counts.in_context[b : b + 1, : d + 1],
+                                                             counts.in_output[b : b + 1, : d + 1])
+        target_probs = logits_to_probs(logits[b : b + 1, : d + 1], params, row_counts)  # [1, d + 1, vocab]
+        draft_probs = None if p.draft_probs is None else p.draft_probs[b : b + 1, :d]
+        n, token = rejection_sample(p.token_ids[b : b + 1, :d], p.lengths[b : b + 1], draft_probs, target_probs,
+                                    generator)
+        return list(range(int(n[0]))), int(token[0])
+
+
+class _TREE:
+    """Acceptance of trees: :func:`greedy_tree_accept`, :func:`tree_rejection_sample`."""
+
+    @staticmethod
+    def greedy(p: Proposal, pick, wanted: torch.Tensor):
+        return greedy_tree_accept(p.token_ids[pick], p.tree.parents[pick], p.tree.valid[pick], wanted)
+
+    @staticmethod
+    def sample(p: Proposal, b: int, logits, params, counts, generator) -> tuple[list[int], int]:
+        row_counts = None if counts is None else counts.select(slice(b, b + 1))
+        target_probs = logits_to_probs(logits[b : b + 1], params, row_counts)[0]  # [width + 1, vocab]
+        return tree_rejection_sample(p.token_ids[b], p.tree.parents[b], p.tree.valid[b],
+                                     None if p.draft_probs is None else p.draft_probs[b], target_probs, generator)
