@@ -17,7 +17,7 @@ import hmac
 import json
 import logging
 import time
-from typing import Any, AsyncIterator
+from typing import Any, AsyncIterator, Callable
 
 import anyio
 from fastapi import FastAPI, Request
@@ -164,48 +164,204 @@ def _next_chunk(iterator):
         return _END
 
 
-def create_app(decoder, *, model_name: str | None = None, api_key: str | None = None) -> FastAPI:
-    """An OpenAI-compatible app serving ``decoder`` as ``model_name`` (default: the target's name).
+async def _cancel_on_disconnect(request: Request, scope: anyio.CancelScope) -> None:
+    """Cancel ``scope`` once the client goes away."""
+    while (await request.receive())["type"] != "http.disconnect":
+        pass
+    scope.cancel()
 
-    With ``api_key`` every ``/v1`` request must send ``Authorization: Bearer <api_key>``.
+
+def _sse(payload: dict) -> str:
+    return f"data: {json.dumps(payload, ensure_ascii=False, separators=(',', ':'))}\n\n"
+
+
+def _finish_reason(result) -> str:
+    """The engine's finish reason as OpenAI's."""
+    return FINISH_REASONS.get(result.finish_reason, result.finish_reason)
+
+
+def _usage(stream, result) -> UsageInfo:
+    prompt = result.stats.prompt_tokens if result is not None else stream.prompt_tokens
+    completion = len(result.token_ids) if result is not None else 0
+    return UsageInfo(prompt_tokens=prompt, completion_tokens=completion, total_tokens=prompt + completion)
+
+
+class _Reply:
+    """What a generating route adds to the path both share (:meth:`_Server.generate`): how its
+    request is read (the class) and how one request's answer is shaped (an instance, holding the
+    answer's id, creation time and model).
+
+    Subclasses define ``encoder(body, decoder)``, which checks the prompt and returns the function
+    that encodes it (it may block: it runs in a worker thread), ``choice(text, finish_reason)``, the
+    whole answer's choice, and ``stream_choice(text, finish_reason=None)``, a streamed one (text
+    None in the one that ends the stream).
     """
-    served = model_name or decoder.target.name or "specdraft"
-    metrics = ServerMetrics(decoder, served)
-    app = FastAPI(title="specdraft", version=__version__,
-                  description="OpenAI-compatible server of exact speculative decoding")
-    app.state.decoder, app.state.metrics, app.state.model_name = decoder, metrics, served
-    if api_key:
-        app.add_middleware(_APIKeyMiddleware, api_key=api_key, metrics=metrics)
-    limiter: list[anyio.CapacityLimiter] = []  # made on first use, inside the event loop
 
-    def error_response(exc: BaseException) -> JSONResponse:
+    request: type[SamplingRequest]
+    id_prefix: str
+    default_max_tokens: int
+    response: type[OpenAIBaseModel]  # the whole answer
+    stream_response: type[OpenAIBaseModel]  # one chunk of a streamed answer
+
+    def __init__(self, model: str) -> None:
+        self.id, self.created, self.model = random_id(self.id_prefix), now(), model
+
+    @staticmethod
+    def max_tokens(body) -> tuple[int | None, str]:
+        """The requested completion length (None: ``default_max_tokens``) and the parameter that set it."""
+        return body.max_tokens, "max_tokens"
+
+    def opening(self) -> list:
+        """The streamed choices sent before the first token, one chunk each."""
+        return []
+
+    def whole(self, stream, result) -> dict:
+        choice = self.choice(result.text or "", _finish_reason(result))
+        return self.response(id=self.id, created=self.created, model=self.model, choices=[choice],
+                             usage=_usage(stream, result), spec_decode=SpecDecodeInfo.from_stats(result.stats)
+                             ).model_dump()
+
+    def event(self, choices: list, usage: UsageInfo | None = None, spec_decode: SpecDecodeInfo | None = None) -> str:
+        """A stream chunk as OpenAI sends it: null fields left out, but every choice's finish_reason kept."""
+        data = self.stream_response(id=self.id, created=self.created, model=self.model, choices=choices,
+                                    usage=usage, spec_decode=spec_decode).model_dump(exclude_none=True)
+        for choice in data.get("choices", []):
+            choice.setdefault("finish_reason", None)
+        return _sse(data)
+
+
+class _Completion(_Reply):
+    """``/v1/completions``: a raw prompt (text or token ids); a choice is the text."""
+
+    request, response, stream_response = CompletionRequest, CompletionResponse, CompletionStreamResponse
+    id_prefix, default_max_tokens = "cmpl", COMPLETION_DEFAULT_MAX_TOKENS
+
+    @staticmethod
+    def encoder(body: CompletionRequest, decoder) -> Callable[[], list[int]]:
+        prompt = _completion_prompt(body.prompt)
+        return (lambda: list(prompt)) if isinstance(prompt, list) else (lambda: decoder.encode(prompt, raw=True))
+
+    @staticmethod
+    def choice(text: str, finish_reason: str) -> CompletionResponseChoice:
+        return CompletionResponseChoice(text=text, finish_reason=finish_reason)
+
+    @staticmethod
+    def stream_choice(text: str | None, finish_reason: str | None = None) -> CompletionResponseStreamChoice:
+        return CompletionResponseStreamChoice(text=text or "", finish_reason=finish_reason)
+
+
+class _ChatCompletion(_Reply):
+    """``/v1/chat/completions``: messages through the chat template; a choice is the assistant's
+    message, streamed as deltas after one that gives the role."""
+
+    request, response, stream_response = ChatCompletionRequest, ChatCompletionResponse, ChatCompletionStreamResponse
+    id_prefix, default_max_tokens = "chatcmpl", CHAT_DEFAULT_MAX_TOKENS
+
+    @staticmethod
+    def encoder(body: ChatCompletionRequest, decoder) -> Callable[[], list[int]]:
+        messages = _chat_messages(body)
+        return lambda: decoder.encode_chat(messages)
+
+    @staticmethod
+    def max_tokens(body: ChatCompletionRequest) -> tuple[int | None, str]:
+        param = "max_completion_tokens" if body.max_completion_tokens is not None else "max_tokens"
+        return body.requested_max_tokens, param
+
+    @staticmethod
+    def choice(text: str, finish_reason: str) -> ChatCompletionResponseChoice:
+        return ChatCompletionResponseChoice(message=ChatMessage(content=text), finish_reason=finish_reason)
+
+    @staticmethod
+    def stream_choice(text: str | None, finish_reason: str | None = None,
+                      role: str | None = None) -> ChatCompletionResponseStreamChoice:
+        return ChatCompletionResponseStreamChoice(delta=DeltaMessage(role=role, content=text),
+                                                  finish_reason=finish_reason)
+
+    def opening(self) -> list:
+        return [self.stream_choice("", role="assistant")]
+
+
+class _Server:
+    """One app's state (the decoder, the name it is served as, the metrics) and its routes, which
+    :meth:`register` adds to the app."""
+
+    def __init__(self, decoder, served: str) -> None:
+        self.decoder, self.served, self.metrics = decoder, served, ServerMetrics(decoder, served)
+        self._limiter: anyio.CapacityLimiter | None = None  # made on first use, inside the event loop
+
+    def register(self, app: FastAPI) -> None:
+        for exc_class in (APIError, Exception):
+            app.add_exception_handler(exc_class, self._on_error)
+        app.add_exception_handler(RequestValidationError, self._on_invalid_body)
+        app.add_exception_handler(StarletteHTTPException, self._on_http_error)
+        app.get("/health")(self.health)
+        app.get("/metrics")(self.prometheus_metrics)
+        app.get("/v1/models")(self.models)
+        app.post("/v1/completions")(self.completions)
+        app.post("/v1/chat/completions")(self.chat_completions)
+
+    # -- routes (their names are the OpenAPI operation ids) ---------------------------------
+
+    @staticmethod
+    async def health() -> dict:
+        return {"status": "ok"}
+
+    async def prometheus_metrics(self) -> Response:
+        return Response(self.metrics.exposition(), media_type=CONTENT_TYPE_LATEST)
+
+    async def models(self) -> dict:
+        target = self.decoder.target
+        card = ModelCard(id=self.served, root=target.name or self.served, max_model_len=target.max_context)
+        return ModelList(data=[card]).model_dump()
+
+    async def completions(self, request: Request):
+        return await self.generate(request, _Completion)
+
+    async def chat_completions(self, request: Request):
+        return await self.generate(request, _ChatCompletion)
+
+    # -- errors -----------------------------------------------------------------------------
+
+    def error(self, exc: BaseException) -> APIError:
+        """The APIError ``exc`` is answered with, counted in the metrics."""
         error = as_api_error(exc)
-        metrics.error(error.status)
-        return error.response()
+        self.metrics.error(error.status)
+        return error
 
-    @app.exception_handler(APIError)
-    async def _api_error(request: Request, exc: APIError):
-        return error_response(exc)
+    async def _on_error(self, request: Request, exc: Exception) -> JSONResponse:
+        return self.error(exc).response()
 
-    @app.exception_handler(RequestValidationError)
-    async def _invalid_body(request: Request, exc: RequestValidationError):
-        return error_response(_invalid(_BodyErrors(exc)))
+    async def _on_invalid_body(self, request: Request, exc: RequestValidationError) -> JSONResponse:
+        return self.error(_invalid(_BodyErrors(exc))).response()
 
-    @app.exception_handler(StarletteHTTPException)
-    async def _http_error(request: Request, exc: StarletteHTTPException):
+    async def _on_http_error(self, request: Request, exc: StarletteHTTPException) -> JSONResponse:
         code = {404: "not_found", 405: "method_not_allowed"}.get(exc.status_code)
         message = f"{exc.detail}: {request.method} {request.url.path}" if exc.status_code in (404, 405) else exc.detail
-        return error_response(APIError(exc.status_code, str(message), code=code))
+        return self.error(APIError(exc.status_code, str(message), code=code)).response()
 
-    @app.exception_handler(Exception)
-    async def _unexpected(request: Request, exc: Exception):
-        return error_response(exc)
+    # -- the generating path ----------------------------------------------------------------
 
-    # -- helpers --------------------------------------------------------------------------
+    async def generate(self, request: Request, kind: type[_Reply]):
+        """Both generating routes: the request submitted to the engine, then its answer streamed
+        or read to the end; any failure before the answer starts is answered as an error."""
+        try:
+            body = await _parse(request, kind.request)
+            started = time.monotonic()
+            self.check_model(body)
+            stream = await self.submit(body, kind)
+            reply = kind(self.served)
+            if body.stream:
+                return self.event_stream(stream, started, reply, body.include_usage)
+            result = await self.run_to_end(request, stream, started)
+            if result is None:
+                return Response(status_code=204)  # nobody is listening
+            return reply.whole(stream, result)
+        except Exception as exc:
+            return self.error(exc).response()
 
-    def check_model(body: SamplingRequest) -> None:
-        if body.model is not None and body.model != served:
-            raise APIError(404, f"the model {body.model!r} does not exist; this server serves {served!r} "
+    def check_model(self, body: SamplingRequest) -> None:
+        if body.model is not None and body.model != self.served:
+            raise APIError(404, f"the model {body.model!r} does not exist; this server serves {self.served!r} "
                                 "(see GET /v1/models)", param="model", code="model_not_found")
         bad = body.unsupported()
         if bad is not None:
@@ -215,219 +371,126 @@ def create_app(decoder, *, model_name: str | None = None, api_key: str | None = 
         if ignored:
             logger.debug("ignoring request fields specdraft does not know: %s", ", ".join(ignored))
 
-    def max_new_tokens(requested: int | None, default: int, prompt_len: int, param: str) -> int:
-        room = decoder.target.max_context - prompt_len
+    def max_new_tokens(self, requested: int | None, default: int, prompt_len: int, param: str) -> int:
+        max_context = self.decoder.target.max_context
+        room = max_context - prompt_len
         if room < 1:  # the decoder refuses the prompt with its own message
             return requested or default
         if requested is None:
             return min(default, room)
         if requested > room:
-            raise APIError(400, f"{param}={requested} does not fit: the model's context holds "
-                                f"{decoder.target.max_context} tokens and the prompt has {prompt_len}, which leaves "
-                                f"{room}; ask for at most {room}", param=param)
+            raise APIError(400, f"{param}={requested} does not fit: the model's context holds {max_context} tokens "
+                                f"and the prompt has {prompt_len}, which leaves {room}; ask for at most {room}",
+                           param=param)
         return requested
 
-    async def submit(body: SamplingRequest, encode, requested: int | None, default: int, param: str):
-        """Encode the prompt and hand the request to the engine (a worker thread: both block)."""
+    async def submit(self, body: SamplingRequest, kind: type[_Reply]):
+        """Check the prompt, then encode it and hand the request to the engine (a worker thread: both block)."""
+        encode = kind.encoder(body, self.decoder)
+        requested, param = kind.max_tokens(body)
 
         def _submit():
             ids = encode()
-            limit = max_new_tokens(requested, default, len(ids), param)
-            return decoder.stream_ids(ids, max_new_tokens=limit, **body.sampling())
+            limit = self.max_new_tokens(requested, kind.default_max_tokens, len(ids), param)
+            return self.decoder.stream_ids(ids, max_new_tokens=limit, **body.sampling())
 
         return await run_in_threadpool(_submit)
 
-    async def chunks(stream) -> AsyncIterator:
-        """The stream's bursts, each read in a worker thread that a cancelled request abandons."""
-        if not limiter:
-            limiter.append(anyio.CapacityLimiter(STREAM_THREADS))
-        iterator = iter(stream)
+    async def bursts(self, stream, started: float) -> AsyncIterator:
+        """The stream's bursts, each read in a worker thread that a cancelled request abandons;
+        the first with tokens is observed as the time to first token."""
+        if self._limiter is None:
+            self._limiter = anyio.CapacityLimiter(STREAM_THREADS)
+        iterator, first = iter(stream), True
         while True:
             chunk = await anyio.to_thread.run_sync(_next_chunk, iterator, abandon_on_cancel=True,
-                                                   limiter=limiter[0])
+                                                   limiter=self._limiter)
             if chunk is _END:
                 return
+            if first and chunk.token_ids:
+                self.metrics.first_token(time.monotonic() - started)
+                first = False
             yield chunk
 
-    def finished(started: float, result, aborted: bool = False) -> None:
-        reason = "abort" if aborted or result is None else FINISH_REASONS.get(result.finish_reason, "abort")
-        metrics.record(result, time.monotonic() - started, reason)
+    def finished(self, started: float, result) -> None:
+        reason = "abort" if result is None else FINISH_REASONS.get(result.finish_reason, "abort")
+        self.metrics.record(result, time.monotonic() - started, reason)
 
-    def usage_of(stream, result) -> UsageInfo:
-        prompt = result.stats.prompt_tokens if result is not None else stream.prompt_tokens
-        completion = len(result.token_ids) if result is not None else 0
-        return UsageInfo(prompt_tokens=prompt, completion_tokens=completion, total_tokens=prompt + completion)
+    def abort(self, stream, started: float) -> None:
+        """Free the sequence now (the request failed, or its client went away) and count it as aborted."""
+        stream.close()
+        self.metrics.record(stream.result, time.monotonic() - started, "abort")
 
-    async def run_to_end(request: Request, stream, started: float):
+    async def run_to_end(self, request: Request, stream, started: float):
         """Read the stream to its end; the client going away closes it (None is returned)."""
         done, error = False, None
         try:
             async with anyio.create_task_group() as group:
-
-                async def watch_disconnect() -> None:
-                    while (await request.receive())["type"] != "http.disconnect":
-                        pass
-                    group.cancel_scope.cancel()
-
-                group.start_soon(watch_disconnect)
+                group.start_soon(_cancel_on_disconnect, request, group.cancel_scope)
                 try:
-                    first = True
-                    async for chunk in chunks(stream):
-                        if first and chunk.token_ids:
-                            metrics.first_token(time.monotonic() - started)
-                            first = False
+                    async for _ in self.bursts(stream, started):
+                        pass
                     done = True
                 except Exception as exc:  # raised below, outside the task group (no ExceptionGroup)
                     error = exc
                 group.cancel_scope.cancel()
         finally:
-            if not done:  # failed, or the client went away: free the sequence now
-                stream.close()
-                finished(started, stream.result, aborted=True)
+            if not done:  # failed, or the client went away
+                self.abort(stream, started)
         if error is not None:
             raise error
         if not done:
             return None
-        finished(started, stream.result)
+        self.finished(started, stream.result)
         return stream.result
 
-    def sse(payload: dict) -> str:
-        return f"data: {json.dumps(payload, ensure_ascii=False, separators=(',', ':'))}\n\n"
-
-    def chunk_dict(model) -> dict:
-        """A stream chunk as OpenAI sends it: null fields left out, but every choice's finish_reason kept."""
-        data = model.model_dump(exclude_none=True)
-        for choice in data.get("choices", []):
-            choice.setdefault("finish_reason", None)
-        return data
-
-    def event_stream(stream, started: float, make_chunk, opening: list[dict], include_usage: bool):
-        """Server-sent events of ``stream``: ``make_chunk(text=..., finish_reason=..., ...)`` builds a
-        chunk; the stream ends with ``data: [DONE]``, after an error event if it failed."""
+    def event_stream(self, stream, started: float, reply: _Reply, include_usage: bool) -> _EventStreamResponse:
+        """Server-sent events of ``stream`` as ``reply``'s chunks; they end with ``data: [DONE]``,
+        after an error event if the stream failed."""
         settled = []  # non-empty once the request finished, failed or was abandoned
 
         def abandon() -> None:
             """The client went away (or stopped reading) before the end: free the sequence now."""
             if not settled:
                 settled.append(True)
-                stream.close()
-                finished(started, stream.result, aborted=True)
+                self.abort(stream, started)
 
         async def events():
             try:
-                for payload in opening:
-                    yield sse(payload)
-                first = True
-                async for chunk in chunks(stream):
-                    if first and chunk.token_ids:
-                        metrics.first_token(time.monotonic() - started)
-                        first = False
+                for choice in reply.opening():
+                    yield reply.event([choice])
+                async for chunk in self.bursts(stream, started):
                     if chunk.text:
-                        yield sse(chunk_dict(make_chunk(text=chunk.text)))
+                        yield reply.event([reply.stream_choice(chunk.text)])
                 result = stream.result
                 settled.append(True)
-                finished(started, result)
+                self.finished(started, result)
                 info = SpecDecodeInfo.from_stats(result.stats)
-                reason = FINISH_REASONS.get(result.finish_reason, result.finish_reason)
-                yield sse(chunk_dict(make_chunk(text=None, finish_reason=reason, spec_decode=info)))
+                yield reply.event([reply.stream_choice(None, _finish_reason(result))], spec_decode=info)
                 if include_usage:
-                    yield sse(chunk_dict(make_chunk(text=None, usage=usage_of(stream, result), spec_decode=info,
-                                                    no_choices=True)))
+                    yield reply.event([], usage=_usage(stream, result), spec_decode=info)
             except Exception as exc:  # after the response started: one error event, then [DONE]
                 abandon()
-                yield sse(error_body(exc))
+                yield _sse(self.error(exc).body())
             finally:  # cancelled while reading the stream
                 abandon()
             yield "data: [DONE]\n\n"
 
         return _EventStreamResponse(events(), on_exit=abandon)
 
-    def error_body(exc: BaseException) -> dict:
-        error = as_api_error(exc)
-        metrics.error(error.status)
-        return error.body()
 
-    # -- endpoints ------------------------------------------------------------------------
+def create_app(decoder, *, model_name: str | None = None, api_key: str | None = None) -> FastAPI:
+    """An OpenAI-compatible app serving ``decoder`` as ``model_name`` (default: the target's name).
 
-    @app.get("/health")
-    async def health() -> dict:
-        return {"status": "ok"}
-
-    @app.get("/metrics")
-    async def prometheus_metrics() -> Response:
-        return Response(metrics.exposition(), media_type=CONTENT_TYPE_LATEST)
-
-    @app.get("/v1/models")
-    async def models() -> dict:
-        card = ModelCard(id=served, root=decoder.target.name or served, max_model_len=decoder.target.max_context)
-        return ModelList(data=[card]).model_dump()
-
-    @app.post("/v1/completions")
-    async def completions(request: Request):
-        try:
-            return await complete(await _parse(request, CompletionRequest), request)
-        except Exception as exc:
-            return error_response(exc)
-
-    async def complete(body: CompletionRequest, request: Request):
-        started = time.monotonic()
-        check_model(body)
-        prompt = _completion_prompt(body.prompt)
-        encode = (lambda: list(prompt)) if isinstance(prompt, list) else (lambda: decoder.encode(prompt, raw=True))
-        stream = await submit(body, encode, body.max_tokens, COMPLETION_DEFAULT_MAX_TOKENS, "max_tokens")
-        rid, created = random_id("cmpl"), now()
-        if body.stream:
-            def make_chunk(text, finish_reason=None, usage=None, spec_decode=None, no_choices=False):
-                choices = [] if no_choices else [CompletionResponseStreamChoice(text=text or "",
-                                                                                finish_reason=finish_reason)]
-                return CompletionStreamResponse(id=rid, created=created, model=served, choices=choices,
-                                                usage=usage, spec_decode=spec_decode)
-
-            return event_stream(stream, started, make_chunk, [], body.include_usage)
-        result = await run_to_end(request, stream, started)
-        if result is None:
-            return Response(status_code=204)  # nobody is listening
-        choice = CompletionResponseChoice(text=result.text or "", finish_reason=FINISH_REASONS.get(
-            result.finish_reason, result.finish_reason))
-        return CompletionResponse(id=rid, created=created, model=served, choices=[choice],
-                                  usage=usage_of(stream, result),
-                                  spec_decode=SpecDecodeInfo.from_stats(result.stats)).model_dump()
-
-    @app.post("/v1/chat/completions")
-    async def chat_completions(request: Request):
-        try:
-            return await chat(await _parse(request, ChatCompletionRequest), request)
-        except Exception as exc:
-            return error_response(exc)
-
-    async def chat(body: ChatCompletionRequest, request: Request):
-        started = time.monotonic()
-        check_model(body)
-        messages = _chat_messages(body)
-        param = "max_completion_tokens" if body.max_completion_tokens is not None else "max_tokens"
-        stream = await submit(body, lambda: decoder.encode_chat(messages), body.requested_max_tokens,
-                              CHAT_DEFAULT_MAX_TOKENS, param)
-        rid, created = random_id("chatcmpl"), now()
-        if body.stream:
-            def make_chunk(text, finish_reason=None, usage=None, spec_decode=None, no_choices=False, role=None):
-                delta = DeltaMessage(role=role, content=text)
-                choices = [] if no_choices else [ChatCompletionResponseStreamChoice(delta=delta,
-                                                                                    finish_reason=finish_reason)]
-                return ChatCompletionStreamResponse(id=rid, created=created, model=served, choices=choices,
-                                                    usage=usage, spec_decode=spec_decode)
-
-            opening = [chunk_dict(make_chunk(text="", role="assistant"))]
-            return event_stream(stream, started, make_chunk, opening, body.include_usage)
-        result = await run_to_end(request, stream, started)
-        if result is None:
-            return Response(status_code=204)
-        choice = ChatCompletionResponseChoice(message=ChatMessage(content=result.text or ""),
-                                              finish_reason=FINISH_REASONS.get(result.finish_reason,
-                                                                               result.finish_reason))
-        return ChatCompletionResponse(id=rid, created=created, model=served, choices=[choice],
-                                      usage=usage_of(stream, result),
-                                      spec_decode=SpecDecodeInfo.from_stats(result.stats)).model_dump()
-
+    With ``api_key`` every ``/v1`` request must send ``Authorization: Bearer <api_key>``.
+    """
+    server = _Server(decoder, model_name or decoder.target.name or "specdraft")
+    app = FastAPI(title="specdraft", version=__version__,
+                  description="OpenAI-compatible server of exact speculative decoding")
+    app.state.decoder, app.state.metrics, app.state.model_name = decoder, server.metrics, server.served
+    if api_key:
+        app.add_middleware(_APIKeyMiddleware, api_key=api_key, metrics=server.metrics)
+    server.register(app)
     return app
 
 
