@@ -59,18 +59,18 @@ def time_pass(runner, width, context, reps, device):
     every time (attention kernels that cache per-length plans pay for that here too). The median
     of the passes: a shared machine's stalls move the mean by several percent from run to run.
     """
-    runner.reset(1, context + reps + 16)
+    runner.cache.reset(1, context + reps + 16)
     vocab = runner.model.config.get_text_config().vocab_size if hasattr(runner.model, "config") else \
         runner.model.args.vocab_size
     ids = torch.randint(0, vocab, (1, context + reps + 16), device=device)
     with torch.inference_mode():
         runner.forward(ids[:, :context - 3])
         for i in range(3):  # warm-up (compiles the width's graph when compiled)
-            runner.set_lengths([context - 3 + i])
+            runner.cache.set_lengths([context - 3 + i])
             runner.forward(ids[:, context - 3 + i:context - 3 + i + width])
         times = []
         for i in range(reps):
-            runner.set_lengths([context + i])
+            runner.cache.set_lengths([context + i])
             sync(device)
             start = time.perf_counter()
             runner.forward(ids[:, context + i:context + i + width])

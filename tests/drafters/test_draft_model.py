@@ -137,7 +137,7 @@ def test_draft_cache_equals_a_fresh_prefill(tiny_model, draft_dir, saved, same, 
 
     def on_leave(seq_id):  # the sequence's state as it leaves (then it is dropped)
         seen["fed"] = list(drafter._fed[seq_id])
-        seen["length"] = int(drafter.runner.lengths[drafter._slots.slot[seq_id]])
+        seen["length"] = int(drafter.runner.cache.lengths[drafter._slots.slot[seq_id]])
         leave(seq_id)
 
     drafter.on_leave = on_leave
@@ -150,9 +150,9 @@ def test_draft_cache_equals_a_fresh_prefill(tiny_model, draft_dir, saved, same, 
     else:
         assert seen["length"] == len(fed)
     fresh = load_runner(drafter.model)
-    fresh.reset(1, len(fed))
+    fresh.cache.reset(1, len(fed))
     fresh.forward(torch.tensor([fed]))
-    ours, ref = drafter.runner.cache, fresh.cache
+    ours, ref = drafter.runner.cache.kv, fresh.cache.kv
     for mine, theirs in zip(ours.keys + ours.values, ref.keys + ref.values):
         assert torch.allclose(mine[:, :, : len(fed)], theirs[:, :, : len(fed)], atol=1e-10)
 

@@ -51,7 +51,7 @@ class ChainReference:
     def __init__(self, drafter, model) -> None:
         self.drafter, self.model = drafter, model
         self.runner = layer_runner(drafter.module.layer, drafter.module.llama_config, attention_norm=False)
-        self.runner.reset(1, 256)
+        self.runner.cache.reset(1, 256)
 
     def _feed(self, features: torch.Tensor, tokens: list[int]) -> torch.Tensor:
         """Pairs ``(features # [n, H], tokens)`` after the stored ones; their guessed features ``[n, H]``."""
@@ -62,14 +62,14 @@ class ChainReference:
     def root(self, tokens: list[int]) -> torch.Tensor:
         """The guessed feature after the row's last true pair ``(f_{L-2}, x_{L-1})``.  # [H]"""
         hidden = self.model(torch.tensor([tokens]), output_hidden_states=True).hidden_states[-1][0]  # [L, H]
-        self.runner.set_lengths([0])
+        self.runner.cache.set_lengths([0])
         self.true_pairs = len(tokens) - 1
         return self._feed(hidden[:-1], tokens[1:])[-1]
 
     @torch.no_grad()
     def feature(self, root: torch.Tensor, path: list[int]) -> torch.Tensor:
         """The guessed feature after the drafted ``path`` (one pair per step, causal).  # [H]"""
-        self.runner.set_lengths([self.true_pairs])
+        self.runner.cache.set_lengths([self.true_pairs])
         feature = root
         for token in path:
             feature = self._feed(feature[None], [token])[0]

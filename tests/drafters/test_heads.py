@@ -426,7 +426,7 @@ def test_eagle_training_steps_see_what_drafting_sees(tiny_model):
         unrolled = eagle_unroll(module, embed, ids, feats, depth=3)
         assert [g.shape[1] for g in unrolled] == [8, 7, 6]
         for t in range(6):
-            runner.reset(1, 16)
+            runner.cache.reset(1, 16)
             guess = runner.forward(module.fc_in(feats[:, : t + 1], embed(ids[:, 1 : t + 2])))[:, -1:]  # true pairs 0..t
             for step in (1, 2, 3):
                 torch.testing.assert_close(guess[:, 0], unrolled[step - 1][:, t], rtol=1e-10, atol=1e-10)
@@ -451,12 +451,12 @@ def test_eagle_layer_runner_computes_the_transformers_layer(tiny_model, batch):
 
     feats = [torch.zeros(0, 32, dtype=torch.float64) for _ in range(batch)]  # true pairs fed, per row
     toks = [torch.zeros(0, dtype=torch.long) for _ in range(batch)]
-    runner.reset(batch, 8)
+    runner.cache.reset(batch, 8)
     rounds = ([5, 3, 4], [1, 1, 1], [2, 0, 3], [3, 3, 3])
     with torch.no_grad():
         for counts in (c[:batch] for c in rounds):
-            runner.set_lengths([len(t) for t in toks])  # forget last round's guessed pairs
-            runner.reserve(max(map(len, toks)) + max(counts) + 3)
+            runner.cache.set_lengths([len(t) for t in toks])  # forget last round's guessed pairs
+            runner.cache.reserve(max(map(len, toks)) + max(counts) + 3)
             width = max(counts)
             f = torch.randn(batch, width, 32, dtype=torch.float64, generator=gen)
             x = torch.randint(1, 64, (batch, width), generator=gen)
@@ -465,7 +465,7 @@ def test_eagle_layer_runner_computes_the_transformers_layer(tiny_model, batch):
                 feats[b], toks[b] = torch.cat([feats[b], f[b, :n]]), torch.cat([toks[b], x[b, :n]])
             even = len(set(counts)) == 1
             guess = runner.forward(module.fc_in(f, embed(x)), advance=None if even else counts)
-            assert runner.lengths.tolist() == [len(t) for t in toks]
+            assert runner.cache.lengths.tolist() == [len(t) for t in toks]
             guess = torch.stack([guess[b, max(n - 1, 0)] for b, n in enumerate(counts)])  # each row's newest
             drafted_f, drafted_x = [t.clone() for t in feats], [t.clone() for t in toks]
             for b, n in enumerate(counts):
@@ -481,16 +481,16 @@ def test_eagle_layer_runner_computes_the_transformers_layer(tiny_model, batch):
                     if counts[b]:
                         torch.testing.assert_close(guess[b], reference(drafted_f[b], drafted_x[b])[-1],
                                                    rtol=1e-10, atol=1e-10)
-        runner.set_lengths([len(t) for t in toks])
+        runner.cache.set_lengths([len(t) for t in toks])
         fresh = _eagle_runner(module)
-        fresh.reset(batch, 64)
+        fresh.cache.reset(batch, 64)
         width = max(map(len, toks))
         f, x = torch.zeros(batch, width, 32, dtype=torch.float64), torch.zeros(batch, width, dtype=torch.long)
         for b in range(batch):
             f[b, : len(toks[b])], x[b, : len(toks[b])] = feats[b], toks[b]
         fresh.forward(module.fc_in(f, embed(x)), advance=[len(t) for t in toks])
-    assert torch.equal(fresh.lengths, runner.lengths)
-    for mine, ref in zip(runner.cache.keys + runner.cache.values, fresh.cache.keys + fresh.cache.values):
+    assert torch.equal(fresh.cache.lengths, runner.cache.lengths)
+    for mine, ref in zip(runner.cache.kv.keys + runner.cache.kv.values, fresh.cache.kv.keys + fresh.cache.kv.values):
         for b, t in enumerate(toks):
             torch.testing.assert_close(mine[b, :, : len(t)], ref[b, :, : len(t)], rtol=1e-10, atol=1e-10)
 

@@ -98,9 +98,9 @@ def test_model_layers_equal_transformers(hf_factory, kind):
     for b, seq in enumerate(seqs):
         tokens[b, : len(seq)] = torch.tensor(seq)
     embed = hf.get_input_embeddings()
-    runner.reset(3, 40)
+    runner.cache.reset(3, 40)
     out = runner.forward(embed(tokens), advance=lens)
-    assert runner.lengths.tolist() == lens
+    assert runner.cache.lengths.tolist() == lens
     for b, seq in enumerate(seqs):
         close(out[b, : len(seq)], reference(seq))
     for width in (1, 4, 1, 4):  # past Mistral's window of 5
@@ -120,10 +120,10 @@ def _drafting_rounds(runner: LayerRunner, layer: Layer, gen: torch.Generator, at
     rows = 3
     true = [torch.zeros(0, DIM, dtype=torch.float64) for _ in range(rows)]
     seen = []
-    runner.reset(rows, 8)  # small: the rounds grow it (reserve)
+    runner.cache.reset(rows, 8)  # small: the rounds grow it (reserve)
     for counts in ([5, 2, 4], [1, 3, 2], [1, 1, 1], [0, 2, 1], [4, 1, 3]):
-        runner.set_lengths([len(t) for t in true])  # forget the guesses
-        runner.reserve(max(len(t) for t in true) + max(counts) + 3)
+        runner.cache.set_lengths([len(t) for t in true])  # forget the guesses
+        runner.cache.reserve(max(len(t) for t in true) + max(counts) + 3)
         width = max(counts)
         x = torch.zeros(rows, width, DIM, dtype=torch.float64)
         for b, n in enumerate(counts):
@@ -132,7 +132,7 @@ def _drafting_rounds(runner: LayerRunner, layer: Layer, gen: torch.Generator, at
         even = len(set(counts)) == 1
         out = runner.forward(x, advance=None if even else counts)
         assert out.shape == (rows, width, DIM)
-        assert runner.lengths.tolist() == [len(t) for t in true]
+        assert runner.cache.lengths.tolist() == [len(t) for t in true]
         seen.append(out)
         feeds = [t.clone() for t in true]
         for b, n in enumerate(counts):
@@ -145,7 +145,7 @@ def _drafting_rounds(runner: LayerRunner, layer: Layer, gen: torch.Generator, at
             for b in range(rows):
                 feeds[b] = torch.cat([feeds[b], step[b]])
                 close(out[b, 0], layer(feeds[b])[-1], atol)
-    runner.set_lengths([len(t) for t in true])
+    runner.cache.set_lengths([len(t) for t in true])
     return true, seen
 
 
@@ -159,14 +159,14 @@ def test_ragged_catch_ups_steps_and_rollbacks_equal_transformers(attention_norm)
     true, _ = _drafting_rounds(runner, layer, torch.Generator().manual_seed(0))
     # the cache after all the rollbacks holds what one fresh pass over the true inputs stores
     fresh = runner_for(layer, attention_norm)
-    fresh.reset(3, 64)
+    fresh.cache.reset(3, 64)
     width = max(len(t) for t in true)
     x = torch.zeros(3, width, DIM, dtype=torch.float64)
     for b, t in enumerate(true):
         x[b, : len(t)] = t
     fresh.forward(x, advance=[len(t) for t in true])
-    assert torch.equal(fresh.lengths, runner.lengths)
-    for mine, ref in zip(runner.cache.keys + runner.cache.values, fresh.cache.keys + fresh.cache.values):
+    assert torch.equal(fresh.cache.lengths, runner.cache.lengths)
+    for mine, ref in zip(runner.cache.kv.keys + runner.cache.kv.values, fresh.cache.kv.keys + fresh.cache.kv.values):
         for b, t in enumerate(true):
             close(mine[b, :, : len(t)], ref[b, :, : len(t)])
 
@@ -188,10 +188,10 @@ def test_compiled_equals_eager(attention_norm):
     for a, b in zip(seen_c, seen_e):
         assert a.shape == b.shape  # padded to the bucket, cut back
         close(a, b, COMPILED_ATOL)
-    assert torch.equal(compiled.lengths, eager.lengths)
+    assert torch.equal(compiled.cache.lengths, eager.cache.lengths)
     # every pass (one layer: one block call each) ran compiled, padded to its bucket
     assert len(widths) == len(seen_c) and sorted(set(widths)) == [1, 2, 4, 8]
-    for mine, ref in zip(compiled.cache.keys + compiled.cache.values, eager.cache.keys + eager.cache.values):
+    for mine, ref in zip(compiled.cache.kv.keys + compiled.cache.kv.values, eager.cache.kv.keys + eager.cache.kv.values):
         for b, t in enumerate(true_e):
             close(mine[b, :, : len(t)], ref[b, :, : len(t)], COMPILED_ATOL)
 
@@ -205,7 +205,7 @@ def test_llama3_rope_and_shared_weights():
     block, attn = runner.model.layers[0], layer.layer.self_attn
     assert block.attention.wo.weight.data_ptr() == attn.o_proj.weight.data_ptr()  # shared, not copied
     assert not any(p.requires_grad for p in runner.model.parameters())
-    runner.reset(1, 40)
+    runner.cache.reset(1, 40)
     x = torch.randn(1, 30, DIM, dtype=torch.float64, generator=torch.Generator().manual_seed(2))
     with torch.no_grad():
         close(torch.cat([runner.forward(x[:, :20]), runner.forward(x[:, 20:])], dim=1)[0], layer(x[0]))

@@ -73,11 +73,11 @@ def test_tree_passes_give_each_node_its_paths_one_token_steps(setting, compile):
         mask[0, node, path] = True
     depths = torch.tensor([[len(p) - 1 for p in paths]])
     with torch.inference_mode():
-        runner.reset(1, 64)
+        runner.cache.reset(1, 64)
         runner.forward(prompt)
         tree, _ = runner.forward(tokens, tree_mask=mask, depths=depths)
         for node, path in enumerate(paths):
-            runner.set_lengths([prompt.shape[1]])
+            runner.cache.set_lengths([prompt.shape[1]])
             for t in path:
                 step, _ = runner.forward(tokens[:, t:t + 1])
             assert torch.equal(tree[:, node], step[:, 0]), f"node {node}"
@@ -99,7 +99,7 @@ def test_an_eager_and_a_compiled_runner_of_one_model_on_two_threads():
     prompt, tokens = torch.randint(96, (2, 7), generator=gen), torch.randint(96, (2, 5), generator=gen)
 
     def passes(runner):
-        runner.reset(2, 64)
+        runner.cache.reset(2, 64)
         with torch.inference_mode():
             out = [runner.forward(prompt)[0]]
             for _ in range(6):

@@ -29,7 +29,7 @@ def test_compiled_equals_eager_and_padding_is_cut(model):
                              "dtype": str(model.dtype).removeprefix("torch.")}
     tokens = torch.randint(0, 64, (2, 30), generator=torch.Generator().manual_seed(1))
     for runner in (eager, compiled):
-        runner.reset(2, 64)
+        runner.cache.reset(2, 64)
         runner.forward(tokens[:, :20], advance=[20, 17])  # ragged rows
     for width in (1, 3, 5):
         chunk = tokens[:, 20:20 + width]
@@ -39,11 +39,11 @@ def test_compiled_equals_eager_and_padding_is_cut(model):
         # compiled reduction may sum in another order: agreement to float32 rounding
         torch.testing.assert_close(b, a, rtol=1e-5, atol=1e-6)
         torch.testing.assert_close(hb, ha, rtol=1e-5, atol=1e-6)
-        assert torch.equal(eager.lengths, compiled.lengths)
+        assert torch.equal(eager.cache.lengths, compiled.cache.lengths)
         for r in (eager, compiled):
-            r.set_lengths([20, 17])  # roll back; the padding written past the lengths is never read
+            r.cache.set_lengths([20, 17])  # roll back; the padding written past the lengths is never read
     # caches agree on every stored position after the rollbacks
-    for mine, ref in zip(compiled.cache.keys, eager.cache.keys):
+    for mine, ref in zip(compiled.cache.kv.keys, eager.cache.kv.keys):
         for b, n in enumerate((20, 17)):
             torch.testing.assert_close(mine[b, :, :n], ref[b, :, :n], rtol=1e-5, atol=1e-6)
 
@@ -54,14 +54,14 @@ def test_no_recompiles_after_warm_up(model):
     runner.warm_up(1, range(1, 7))
     graphs = counters["stats"]["unique_graphs"]
     recompiles = sum(counters["recompiles"].values())
-    runner.reset(1, 800)
+    runner.cache.reset(1, 800)
     gen = torch.Generator().manual_seed(0)
     length = 0
     for _ in range(100):  # rounds: a verify pass of 1..6 tokens, then a rollback to what was kept
         width = int(torch.randint(1, 7, (1,), generator=gen))
         runner.forward(torch.randint(0, 64, (1, width), generator=gen))
         length += int(torch.randint(1, width + 1, (1,), generator=gen))
-        runner.set_lengths([length])
+        runner.cache.set_lengths([length])
     assert counters["stats"]["unique_graphs"] == graphs
     assert sum(counters["recompiles"].values()) == recompiles
 
@@ -87,7 +87,7 @@ def test_same_inputs_give_bit_identical_logits_run_after_run(settings):
     outs = []
     for _ in range(2):
         runner = load_runner(model, **settings)
-        runner.reset(2, 32)
+        runner.cache.reset(2, 32)
         runner.forward(tokens[:, :8])
         outs.append(runner.forward(tokens[:, 8:], hidden=True))
     assert torch.equal(outs[0][0], outs[1][0]) and torch.equal(outs[0][1], outs[1][1])

@@ -44,10 +44,10 @@ def test_quantized_verify_pass_equals_one_token_steps_bit_for_bit(default_f32, q
     runner = load_runner(hf, quantize=quantize)  # quantizes a converted copy: the shared model is unchanged
     ids = tok.apply_chat_template([{"role": "user", "content": "Explain photosynthesis in simple words."}],
                                   add_generation_prompt=True)["input_ids"]
-    runner.reset(1, len(ids) + 8)
+    runner.cache.reset(1, len(ids) + 8)
     runner.forward(torch.tensor([ids[:-5]]))
     base = len(ids) - 5
     wide = runner.forward(torch.tensor([ids[-5:]]))[0][0]  # [5, vocab]
     for j in range(5):
-        runner.set_lengths([base + j])
+        runner.cache.set_lengths([base + j])
         assert torch.equal(runner.forward(torch.tensor([[ids[base + j]]]))[0][0, 0], wide[j])

@@ -46,7 +46,7 @@ def test_int8_changes_the_model(model):
     outs = []
     for quantize in (None, "int8", "int4"):
         runner = load_runner(model, quantize=quantize)
-        runner.reset(1, tokens.shape[1])
+        runner.cache.reset(1, tokens.shape[1])
         with torch.inference_mode():
             outs.append(runner.forward(tokens)[0].to(model.dtype))  # a quantized float32 model runs in bfloat16
     assert not torch.equal(outs[0], outs[1]) and not torch.equal(outs[0], outs[2])

@@ -144,8 +144,8 @@ def test_after_a_tree_round_the_cache_equals_a_fresh_prefill(tiny_model):
             fresh = runner.model.new_cache(1, 256)
             runner.model(torch.tensor([seq.tokens[: seq.cached]]), fresh)
             for i in range(len(fresh.keys)):
-                for name, mine, ref in (("keys", runner.cache.keys[i], fresh.keys[i]),
-                                        ("values", runner.cache.values[i], fresh.values[i])):
+                for name, mine, ref in (("keys", runner.cache.kv.keys[i], fresh.keys[i]),
+                                        ("values", runner.cache.kv.values[i], fresh.values[i])):
                     torch.testing.assert_close(mine[seq.slot, :, : seq.cached], ref[0, :, : seq.cached],
                                                msg=f"{name} of layer {i}, slot {seq.slot}")
     assert sum(s.stats.accepted_tokens for s in seqs) > 4

@@ -127,13 +127,13 @@ class DraftModelDrafter(Drafter):
     def reset(self) -> None:
         self._fed: dict[int, list[int]] = {}  # sequence id -> the tokens whose keys/values its cache row holds
         self._slots = SequenceSlots()
-        self.runner.reset(1, 256)
+        self.runner.cache.reset(1, 256)
 
     def on_join(self, seq_id: int, prompt: list[int]) -> None:
         self._fed[seq_id] = []
         slot = self._slots.join(seq_id)
-        self.runner.reserve(len(prompt) + 64, rows=self._slots.size)
-        self.runner.set_lengths([0], slots=[slot])
+        self.runner.cache.reserve(len(prompt) + 64, rows=self._slots.size)
+        self.runner.cache.set_lengths([0], slots=[slot])
 
     def on_leave(self, seq_id: int) -> None:
         self._fed.pop(seq_id, None)
@@ -153,7 +153,7 @@ class DraftModelDrafter(Drafter):
             del fed[n:]
             keep.append(n)
             pending.append(tokens[n:])
-        self.runner.set_lengths(keep, slots=self._slots.of(seq_ids))
+        self.runner.cache.set_lengths(keep, slots=self._slots.of(seq_ids))
         return pending
 
     def propose(self, ctx: DraftContext, k: int) -> Draft:
@@ -173,7 +173,7 @@ class DraftModelDrafter(Drafter):
         width = max(len(p) for p in pending)
         # every row of the first pass writes ``width`` positions (padding past its own tokens), then the drafts
         stored = max(len(self._fed[i]) for i in seq_ids)
-        self.runner.reserve(stored + width + k * (self.options.tree_width if tree else 1) + 1)
+        self.runner.cache.reserve(stored + width + k * (self.options.tree_width if tree else 1) + 1)
         feed = torch.zeros((ctx.batch_size, width), dtype=torch.long)
         for b, p in enumerate(pending):  # right-padded; each row advances by its own count
             feed[b, : len(p)] = torch.tensor(p)

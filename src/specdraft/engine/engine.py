@@ -89,7 +89,7 @@ class Engine:
 
     def reset_cache(self) -> None:
         """An empty target cache with a row per slot (nothing may be running)."""
-        self.runner.reset(self.scheduler.max_batch, 256)
+        self.runner.cache.reset(self.scheduler.max_batch, 256)
 
     # -- requests (any thread) ------------------------------------------------------------
 
@@ -180,9 +180,9 @@ class Engine:
                 paths.append((s.slot, start, outcome.paths[b]))
         live = [s for s in batch if s.finish_reason is None]
         if paths:
-            self._keep_paths(paths)
+            self.runner.cache.keep_paths(paths)
         if live:
-            self.runner.set_lengths([s.cached for s in live], slots=[s.slot for s in live])
+            self.runner.cache.set_lengths([s.cached for s in live], slots=[s.slot for s in live])
         return committed
 
     def _learn(self, plan: _Plan, proposal: Proposal, outcome: Outcome, draft_s: float, verify_s: float) -> None:
@@ -208,21 +208,6 @@ class Engine:
             self.policies[bucket] = AdaptiveDraftLength(self.spec_length)
         return self.policies[bucket]
 
-    def _keep_paths(self, paths: list[tuple[int, int, list[int]]]) -> None:
-        """Move each tree's accepted path into place in the target's cache: ``(slot, start, nodes)``,
-        node ``j`` stored at ``start + 1 + j`` and kept at ``start + 1 + its place on the path``."""
-        moves = [(slot, [start + 1 + j for j in nodes], [start + 1 + m for m in range(len(nodes))])
-                 for slot, start, nodes in paths]
-        width = max(len(src) for _, src, _ in moves)
-
-        def tail(dst: list[int]) -> list[int]:  # padding: positions moved onto themselves
-            return [dst[-1] + 1 + m for m in range(width - len(dst))]
-
-        src = [a + tail(b) for _, a, b in moves]
-        dst = [b + tail(b) for _, _, b in moves]
-        device = self.target.device
-        self.runner.move(torch.tensor(src, device=device), torch.tensor(dst, device=device), slots=[m[0] for m in moves])
-
     def _tree_budget(self, policy, batch, k: int) -> int:
         """Nodes the drafter may propose this round (``ctx.tree_budget``; 1 for a chain): the
         drafter's own ``tree_budget`` option, or what the policy finds pays at this batch size."""
@@ -238,8 +223,8 @@ class Engine:
     def _prefill(self, joined: list[Sequence]) -> None:
         """Give the newcomers their cache rows, tell the drafter, prefill their prompts."""
         runner, device = self.runner, self.target.device
-        runner.reserve(max(s.max_len for s in joined) + self.spec_length + 1, rows=self.scheduler.max_batch)
-        runner.set_lengths([0] * len(joined), slots=[s.slot for s in joined])
+        runner.cache.reserve(max(s.max_len for s in joined) + self.spec_length + 1, rows=self.scheduler.max_batch)
+        runner.cache.set_lengths([0] * len(joined), slots=[s.slot for s in joined])
         for s in joined:
             self._call("on_join", s.id, list(s.tokens))
         start = time.perf_counter()

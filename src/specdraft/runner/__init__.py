@@ -6,13 +6,13 @@
     out = model(tokens, cache)                       # tokens [B, W] -> out.logits [B, W, vocab]
     cache.set_lengths(kept)                          # rollback: write the lengths back
 
-The verifier and the drafters use it through :func:`load_runner` (``runner.py``).
+The verifier and the drafters use it through :func:`load_runner` (``runner.py``); the cache it
+runs over is :mod:`specdraft.cache`'s.
 """
 
-from .cache import KVCache, attention_mask
 from .convert import ARCHITECTURES, from_transformers
 from .model import ForwardOutput, ModelArgs, SpecdraftModel
 from .runner import WIDTH_BUCKETS, ModelRunner, default_compile, load_runner, width_bucket
 
-__all__ = ["ARCHITECTURES", "WIDTH_BUCKETS", "ForwardOutput", "KVCache", "ModelArgs", "ModelRunner",
-           "SpecdraftModel", "attention_mask", "default_compile", "from_transformers", "load_runner", "width_bucket"]
+__all__ = ["ARCHITECTURES", "WIDTH_BUCKETS", "ForwardOutput", "ModelArgs", "ModelRunner",
+           "SpecdraftModel", "default_compile", "from_transformers", "load_runner", "width_bucket"]

@@ -1,14 +1,14 @@
 """Decoder layers without a model around them, over the runner's KV cache: what EAGLE's draft layer runs on.
 
     runner, reason = layers_from_transformers(hf_layers, config, attention_norm=False)  # (None, reason) if not
-    runner.reset(rows=2, max_len=512)                   # empty cache for 2 sequences
+    runner.cache.reset(rows=2, max_len=512)             # empty cache for 2 sequences
     y = runner.forward(x)                               # x [2, W, dim] float -> y [2, W, dim]
-    runner.set_lengths([40, 37])                        # rollback: write the lengths
+    runner.cache.set_lengths([40, 37])                  # rollback: write the lengths
 
 A :class:`LayerRunner` is a :class:`~specdraft.runner.runner.ModelRunner` whose model is a stack
 of :class:`~specdraft.runner.model.TransformerBlock`\\ s (:class:`LayerStack`) fed hidden states
-instead of token ids: the same cache interface (``reset``, ``reserve``, ``lengths``,
-``set_lengths``, ragged rows through ``advance``), and with ``compile=True`` the same width
+instead of token ids: the same cache (``runner.cache``, a :class:`~specdraft.cache.StaticCache`;
+ragged rows through ``advance``), and with ``compile=True`` the same width
 buckets, compiled block and CUDA graphs. Its output is the last block's, with no final norm.
 """
 
@@ -18,7 +18,7 @@ import torch
 from torch import nn
 
 from .base import attention_backends
-from .cache import KVCache
+from ..cache import KVCache
 from .convert import ARCHITECTURES, block_weights, config_args, placement_reason
 from .kernels import pack_linears
 from .model import ModelArgs, TransformerBlock, rope_inv_freq, run_block, run_blocks
@@ -70,8 +70,8 @@ class LayerStack(nn.Module):
 class LayerRunner(ModelRunner):
     """A :class:`LayerStack` over its own static cache; see the module's docstring.
 
-    Everything but the model's call is :class:`ModelRunner`'s own: the cache interface (``reset``,
-    ``reserve``, ``lengths``, ``set_lengths``), spans, width buckets and their padding, the
+    Everything but the model's call is :class:`ModelRunner`'s own: its cache (``runner.cache``),
+    spans, width buckets and their padding, the
     compiled block and CUDA-graph capture. Its inputs are hidden states and its output the last
     block's.
     """

@@ -5,7 +5,7 @@ One set of modules serves Llama (SmolLM2, Llama 3.x), Mistral, Qwen2 and Qwen3: 
 scaled), grouped KV heads, optional q/k/v bias (Qwen2) and per-head q/k norms (Qwen3), tied or
 untied embeddings, an optional sliding window (Mistral).
 
-The forward is explicit: tokens and a :class:`~specdraft.runner.cache.KVCache` in, logits (and
+The forward is explicit: tokens and a :class:`~specdraft.cache.KVCache` in, logits (and
 the final hidden states when asked) out. Positions, write indices and the attention mask come
 from the cache's device-side lengths, so nothing in the forward is a Python int that changes
 from step to step. Weights come from a loaded transformers model (:mod:`.convert`).
@@ -24,7 +24,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from .cache import KVCache, attention_mask, pass_positions, write_kv
+from ..cache.static import KVCache, attention_mask, pass_positions, write_kv
 from .kernels import decode_attention, decode_attention_applies, tree_attention, tree_order
 
 
@@ -179,7 +179,7 @@ def run_blocks(blocks, x: torch.Tensor, cache: KVCache, rows: torch.Tensor | Non
     the device; ``block_fn(block, x, ...)`` runs each block (one compiled graph serves them all).
     ``span``: attend over (and write within) the first ``span`` positions of the buffers only, which
     the caller guarantees hold every row's tokens and this pass's (default: all ``max_len``).
-    ``tree_mask`` (see :func:`~specdraft.runner.cache.attention_mask`) and ``depths # [B, W]``: a
+    ``tree_mask`` (see :func:`~specdraft.cache.static.attention_mask`) and ``depths # [B, W]``: a
     tree's tokens are stored at ``starts + 0..W-1`` but rotated as at position ``starts + depths``.
     """
     batch, width = x.shape[:2]

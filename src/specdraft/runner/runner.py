@@ -1,18 +1,19 @@
 """The model runner: one model's forward over its own KV cache, eager, compiled or CUDA-graphed.
 
     runner = load_runner(hf_model, compile=False, quantize=None)   # ours, or transformers' as a fallback
-    runner.reset(rows=2, max_len=512)                               # empty cache for 2 sequences
+    runner.cache.reset(rows=2, max_len=512)                         # empty cache for 2 sequences
     logits, hidden = runner.forward(tokens)                         # tokens [2, W] -> logits [2, W, vocab]
-    runner.set_lengths([40, 37])                                    # rollback: write the lengths
+    runner.cache.set_lengths([40, 37])                              # rollback: write the lengths
 
 A pass may run a subset of the cache's rows (``slots``, a long tensor of row indices): a
 continuous-batching engine gives each sequence a row (a slot) for its lifetime and runs the
-slots of the running sequences only; ``set_lengths(..., slots=)`` writes those rows' lengths.
+slots of the running sequences only; ``cache.set_lengths(..., slots=)`` writes those rows' lengths.
 
 Every row of a pass has ``W`` tokens (right-pad shorter rows and pass ``advance``, each row's own
 count: the padding is written past the row's length, so it is never attended to and the next
 pass overwrites it). The lengths live on the device (:attr:`lengths`); nothing that changes per
-step reaches the model as a Python int.
+step reaches the model as a Python int. The cache is a :class:`~specdraft.cache.StaticCache`
+(``runner.cache``): the runner reads and writes it, its callers size it and roll it back.
 
 With ``compile=True`` a pass of width ``W`` runs at the next width bucket (:data:`WIDTH_BUCKETS`)
 through one compiled graph per bucket that every decoder layer shares (compiled once per bucket:
@@ -32,7 +33,8 @@ from typing import Any
 import torch
 
 from .base import RunnerBase, attention_backends
-from .cache import KVCache
+from ..cache import StaticCache
+from ..cache.static import as_long
 from .convert import from_transformers
 from .kernels import pack_linears
 from .model import SpecdraftModel, run_block
@@ -46,8 +48,6 @@ def width_bucket(width: int) -> int | None:
     return next((b for b in WIDTH_BUCKETS if b >= width), None)
 
 
-#: The cache's capacity grows in steps of this many positions (reallocating is rare).
-CAPACITY_STEP = 256
 #: The shortest span a pass attends over; spans are powers of two from here to the capacity.
 MIN_SPAN = 64
 
@@ -61,12 +61,8 @@ def span_for(bound: int, capacity: int) -> int:
     return min(span, capacity)
 
 
-def _as_lengths(lengths, device) -> torch.Tensor:
-    return torch.as_tensor(lengths, dtype=torch.long).to(device, non_blocking=True)
-
-
 class ModelRunner(RunnerBase):
-    """specdraft's own model (:class:`SpecdraftModel`) over a static :class:`KVCache`."""
+    """specdraft's own model (:class:`SpecdraftModel`) over a :class:`~specdraft.cache.StaticCache`."""
 
     implementation = "specdraft"
 
@@ -74,7 +70,10 @@ class ModelRunner(RunnerBase):
         self.model = model
         self.compiled = bool(compile)
         self.quantization = quantization
-        self.cache: KVCache | None = None
+        #: the static KV cache the passes run over (:mod:`specdraft.cache`): the engine and the
+        #: drafters size it, roll it back and keep tree paths through it
+        self.cache = StaticCache(model.new_cache, headroom=WIDTH_BUCKETS[-1])
+        self._epoch = 0
         self.compile_seconds = 0.0  # spent compiling (first passes of each bucket)
         self._compiled_block = None
         self._graphs: dict[tuple, tuple[Any, ...]] = {}  # CUDA graphs per (rows, width, logits_at, hidden)
@@ -100,8 +99,6 @@ class ModelRunner(RunnerBase):
         #: what runs each decoder block of a bucketed pass: fixed when the runner is built (wider passes run eagerly)
         self._block_fn = self._compiled_block or run_block
         self._seen: set[tuple] = set()
-        # per row, an upper bound of its length known on the host (no copy needed): the span
-        self._bounds: list[int] = []
 
     @property
     def cuda_graphs(self) -> bool:
@@ -109,72 +106,22 @@ class ModelRunner(RunnerBase):
 
     # -- the cache -----------------------------------------------------------------------
 
-    def reset(self, rows: int, max_len: int) -> None:
-        """An empty cache for ``rows`` sequences of up to ``max_len`` tokens (buffers kept when they fit)."""
-        need = -(-(max_len + WIDTH_BUCKETS[-1]) // CAPACITY_STEP) * CAPACITY_STEP  # room for a padded pass
-        cache = self.cache
-        if cache is None or cache.slots != rows or cache.max_len < need:
-            self.cache = self.model.new_cache(rows, need)
-            self._graphs.clear()  # they hold the old buffers
-        else:
-            cache.reset()
-        self._bounds = [0] * rows
-
-    def reserve(self, max_len: int, rows: int | None = None) -> None:
-        """Room for ``max_len`` tokens per row (and ``rows`` rows), keeping what is stored (grows
-        by doubling, rarely)."""
-        need = max_len + WIDTH_BUCKETS[-1]
-        old = self.cache
-        rows = old.slots if rows is None else max(rows, old.slots)
-        if old.max_len >= need and old.slots >= rows:
-            return
-        if old.max_len < need:
-            need = max(-(-need // CAPACITY_STEP) * CAPACITY_STEP, 2 * old.max_len)
-        else:
-            need = old.max_len
-        new = self.model.new_cache(rows, need)
-        for dst, src in zip(new.keys + new.values, old.keys + old.values):
-            dst[: src.shape[0], :, : src.shape[2]] = src
-        new.lengths[: old.slots].copy_(old.lengths)
-        self.cache = new
-        self._bounds += [0] * (rows - len(self._bounds))
-        self._graphs.clear()
-
-    @property
-    def lengths(self) -> torch.Tensor:
-        """Each row's stored token count, on the device.  # [rows]"""
-        return self.cache.lengths
-
-    def set_lengths(self, lengths, bound: int | None = None, slots=None) -> None:
-        """Rollback (or any length change): row ``b`` keeps its first ``lengths[b]`` tokens.
-
-        ``lengths`` a list (or a long tensor [rows]); ``bound``, an upper bound of them, lets a
-        device tensor through without a copy to the host (default: its max, read from it).
-        ``slots`` (a list of row indices): set those rows' lengths only."""
-        if isinstance(lengths, torch.Tensor):
-            values = [int(lengths.max()) if bound is None else bound] * lengths.shape[0]
-        else:
-            lengths = list(lengths)
-            values = [int(n) for n in lengths]
-        if slots is None:
-            self._bounds = values
-            self.cache.lengths.copy_(_as_lengths(lengths, self.cache.device))
-            return
-        slots = [int(s) for s in slots]
-        for s, n in zip(slots, values):
-            self._bounds[s] = n
-        self.cache.lengths[_as_lengths(slots, self.cache.device)] = _as_lengths(lengths, self.cache.device)
+    def _check_epoch(self) -> None:
+        """CUDA graphs hold the cache's buffers: made again after the cache reallocates."""
+        if self._epoch != self.cache.epoch:
+            self._graphs.clear()
+            self._epoch = self.cache.epoch
 
     def warm_up(self, rows: int, widths) -> None:
         """Compile every width bucket that passes of ``widths`` tokens use (rows ``rows``); the cache is emptied."""
         if not self.compiled:
             return
-        self.reset(rows, MIN_SPAN)
+        self.cache.reset(rows, MIN_SPAN)
         with torch.inference_mode():
             for bucket in sorted({width_bucket(w) for w in widths} - {None}):
                 for hidden in self._warm_variants(bucket):
                     self._forward(self._blank(rows, bucket), None, hidden, None, None)
-                    self.set_lengths([0] * rows)
+                    self.cache.set_lengths([0] * rows)
 
     def _warm_variants(self, bucket: int) -> tuple[bool, ...]:
         """The ``hidden`` settings a pass of ``bucket`` tokens is compiled for."""
@@ -204,16 +151,8 @@ class ModelRunner(RunnerBase):
         with attention_backends(tokens.device):
             return self._forward(tokens, logits_at, hidden, advance, self._slots(slots, tokens.shape[0]), tree)
 
-    #: passes may carry a tree mask (:meth:`forward`) and the cache can keep a path (:meth:`move`)
+    #: passes may carry a tree mask (:meth:`forward`)
     supports_tree = True
-
-    def move(self, src, dst, slots=None) -> None:
-        """Copy each row's cache entries at positions ``src # [B, P]`` to ``dst # [B, P]`` (long
-        tensors; ``slots`` as for :meth:`forward`): what keeps a tree's accepted path. Pad rows
-        with ``src == dst``. Lengths are unchanged (:meth:`set_lengths` after)."""
-        slots = self._slots(slots, src.shape[0])
-        rows = None if slots is None else _as_lengths(slots, self.cache.device)
-        self.cache.move(rows, src.to(self.cache.device), dst.to(self.cache.device))
 
     def _slots(self, slots, rows: int) -> list[int] | None:
         """``slots`` as a list, or None when they are every row of the cache in order (no gather)."""
@@ -222,27 +161,21 @@ class ModelRunner(RunnerBase):
         slots = [int(s) for s in slots]
         if len(slots) != rows:
             raise ValueError(f"{len(slots)} slots for a pass of {rows} rows")
-        return None if slots == list(range(self.cache.slots)) else slots
+        return None if slots == list(range(self.cache.kv.slots)) else slots
 
     def _forward(self, inputs, logits_at, hidden, advance, slots, tree=None):
         """A pass of ``inputs # [rows, W, ...]`` (token ids, or hidden states for a :class:`LayerRunner`): the
         span it attends over, the width bucket and its padding, and the compiled or CUDA-graphed call."""
         rows, width = inputs.shape[:2]
         if advance is not None:
-            advance = _as_lengths(advance, inputs.device)
+            advance = as_long(advance, inputs.device)
         bucket = width_bucket(width) if self.compiled else None
-        used = range(len(self._bounds)) if slots is None else slots
-        bound = max((self._bounds[s] for s in used), default=0)
-        span = span_for(bound + (bucket or width), self.cache.max_len)
-        if bound + width > self.cache.max_len - WIDTH_BUCKETS[-1]:
-            raise ValueError(f"KV cache overflow: {bound} + {width} tokens > {self.cache.max_len} positions; "
-                             "reserve() first")
-        for s in used:
-            self._bounds[s] += width
-        cache, first = self.cache, None
+        bound = self.cache.grow(slots, width)
+        span = span_for(bound + (bucket or width), self.cache.kv.max_len)
+        cache, first = self.cache.kv, None
         if slots is not None and slots == list(range(slots[0], slots[0] + len(slots))):  # a run: views, no gather
-            cache, first, slots = self.cache.narrow(slots[0], len(slots)), slots[0], None
-        rows_t = None if slots is None else _as_lengths(slots, inputs.device)
+            cache, first, slots = cache.narrow(slots[0], len(slots)), slots[0], None
+        rows_t = None if slots is None else as_long(slots, inputs.device)
         if bucket is None:  # eager: any width
             return self._run(inputs, cache, rows_t, logits_at, hidden, advance, span, tree, run_block)
         if bucket > width:  # pad; the padding's keys land past each row's new length
@@ -274,6 +207,7 @@ class ModelRunner(RunnerBase):
 
     def _replay(self, key, inputs, logits_at, hidden, advance, span, rows, cache, tree=None):
         """The pass as a CUDA graph: captured on first use of ``key``, replayed on static buffers."""
+        self._check_epoch()
         graph = self._graphs.get(key)
         if graph is None:
             graph = self._capture(inputs, logits_at, hidden, advance, span, rows, cache, tree)
@@ -295,7 +229,7 @@ class ModelRunner(RunnerBase):
             return self._run(static_in[0], cache, static_in[3], static_in[1], hidden, static_in[2], span,
                              static_tree, self._block_fn)
 
-        saved = self.cache.lengths.clone()
+        saved = self.cache.lengths.clone()  # [rows]
         stream = torch.cuda.Stream(self.device)
         stream.wait_stream(torch.cuda.current_stream(self.device))
         with torch.cuda.stream(stream):  # warm up (compiles) outside the capture

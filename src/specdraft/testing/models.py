@@ -112,7 +112,7 @@ class RunnerAsModel:
 
         import torch
 
-        self.runner.reset(ids.shape[0], ids.shape[1])
+        self.runner.cache.reset(ids.shape[0], ids.shape[1])
         with torch.inference_mode():
             logits, _ = self.runner.forward(ids.to(self.device))
         return SimpleNamespace(logits=logits.float().clone())
@@ -130,7 +130,7 @@ def differing_widths(runner, vocab_size: int, widths, prompt_lengths=(9, 4, 13),
     device = runner.device
     prompts = [torch.randint(vocab_size, (n,), generator=gen).to(device) for n in prompt_lengths]
     tokens = torch.randint(vocab_size, (len(prompts), max(widths)), generator=gen).to(device)
-    runner.reset(len(prompts), max(prompt_lengths) + max(widths) + 1)
+    runner.cache.reset(len(prompts), max(prompt_lengths) + max(widths) + 1)
     lengths = [len(p) for p in prompts]
     bad_all, bad_subset = [], []
     with torch.inference_mode():
@@ -141,10 +141,10 @@ def differing_widths(runner, vocab_size: int, widths, prompt_lengths=(9, 4, 13),
                                     for t in range(tokens.shape[1])], dim=1))
         steps = torch.cat(steps)  # [rows, max(widths), vocab]
         for width in widths:
-            runner.set_lengths(lengths)
+            runner.cache.set_lengths(lengths)
             if not torch.equal(runner.forward(tokens[:, :width])[0], steps[:, :width]):
                 bad_all.append(width)
-            runner.set_lengths(lengths)
+            runner.cache.set_lengths(lengths)
             if not torch.equal(runner.forward(tokens[[0, 2], :width], slots=[0, 2])[0], steps[[0, 2], :width]):
                 bad_subset.append(width)
     return bad_all, bad_subset

@@ -78,7 +78,7 @@ class Verifier:
                hidden: bool = False) -> tuple[torch.Tensor, torch.Tensor | None]:
         """One pass of ``[last[b], d_1..d_width]`` on cache rows ``slots`` (each holds at most
         ``longest`` tokens): ``(logits # [batch, width + 1, vocab], hidden # [batch, width + 1, dim] | None)``."""
-        self.runner.reserve(longest + proposal.width + 1)
+        self.runner.cache.reserve(longest + proposal.width + 1)
         tokens, tree = proposal.pass_inputs(torch.tensor([[t] for t in last], device=self.device))
         return self.runner.forward(tokens, hidden=hidden, slots=slots, **tree)
 

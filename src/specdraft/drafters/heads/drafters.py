@@ -163,7 +163,7 @@ class EagleDrafter(HeadDrafter):
     def __init__(self, options: HeadOptions, target: TargetInfo) -> None:
         super().__init__(options, target)
         self.runner = layer_runner(self.module.layer, self.module.llama_config, attention_norm=False)
-        self.runner.reset(1, 256)
+        self.runner.cache.reset(1, 256)
 
     def reset(self) -> None:
         super().reset()
@@ -171,13 +171,13 @@ class EagleDrafter(HeadDrafter):
         self._pending: dict[int, list[torch.Tensor]] = {}  # sequence id -> states not yet fed
         self._slots = SequenceSlots()  # sequence id -> its row of the layer's cache
         if hasattr(self, "runner"):  # not yet while the base class's __init__ resets
-            self.runner.reset(1, 256)
+            self.runner.cache.reset(1, 256)
 
     def on_join(self, seq_id: int, prompt: list[int]) -> None:
         self._pairs[seq_id], self._pending[seq_id] = 0, []
         slot = self._slots.join(seq_id)
-        self.runner.reserve(len(prompt) + 64, rows=self._slots.size)
-        self.runner.set_lengths([0], slots=[slot])
+        self.runner.cache.reserve(len(prompt) + 64, rows=self._slots.size)
+        self.runner.cache.set_lengths([0], slots=[slot])
 
     def on_leave(self, seq_id: int) -> None:
         super().on_leave(seq_id)
@@ -234,13 +234,13 @@ class EagleDrafter(HeadDrafter):
                 self.on_join(seq_id, tokens)
         self._rows(ctx)
         slots = self._slots.of(ids)
-        self.runner.set_lengths([self._pairs[i] for i in ids], slots=slots)  # forget last round's guessed features
+        self.runner.cache.set_lengths([self._pairs[i] for i in ids], slots=slots)  # forget last round's guessed features
         tree = ctx.tree_budget > 1
         counts = [sum(h.shape[0] for h in self._pending[i]) for i in ids]
         if max(counts) == 0:
             return Draft.empty(ctx.batch_size, self._last.device)
         # every row of the catch-up writes max(counts) positions (padding past its own pairs), then the guesses
-        self.runner.reserve(max(self._pairs[i] for i in ids) + max(counts) + k * (self.options.tree_width if tree else 1)
+        self.runner.cache.reserve(max(self._pairs[i] for i in ids) + max(counts) + k * (self.options.tree_width if tree else 1)
                             + 1)
         feature = self._catch_up(ctx, ids, counts)
         if tree:  # EAGLE-2's dynamic tree

@@ -5,7 +5,9 @@ from __future__ import annotations
 import pytest
 import torch
 
-from specdraft.runner import KVCache, attention_mask, from_transformers
+from specdraft.cache import KVCache, StaticCache, attention_mask
+from specdraft.runner import from_transformers
+from specdraft.testing.architectures import tiny_hf
 
 T, F = True, False
 
@@ -60,8 +62,8 @@ def test_update_writes_each_row_at_its_own_length():
 
 
 @pytest.fixture(scope="module")
-def model(hf_factory):
-    model, reason = from_transformers(hf_factory("llama3-tied"))
+def model():
+    model, reason = from_transformers(tiny_hf("llama3-tied"))
     assert model is not None, reason
     return model
 
@@ -109,3 +111,42 @@ def test_ragged_batch_equals_per_row_prefills(model):
         for layer in range(len(model.layers)):
             close(cache.keys[layer][b, :, :n], alone.keys[layer][0, :, :n])
             close(cache.values[layer][b, :, :n], alone.values[layer][0, :, :n])
+
+
+def _numbered(slots: int, max_len: int) -> KVCache:
+    """A one-layer cache whose key at (slot, position) is ``100 * slot + position`` (values negated)."""
+    cache = KVCache(1, slots, 1, max_len, 1, torch.float32)
+    marks = 100 * torch.arange(slots)[:, None] + torch.arange(max_len)  # [slots, max_len]
+    cache.keys[0].copy_(marks[:, None, :, None].float())
+    cache.values[0].copy_(-marks[:, None, :, None].float())
+    return cache
+
+
+def test_static_cache_rolls_back_per_slot_and_keeps_what_it_stores_when_it_grows():
+    cache = StaticCache(_numbered, headroom=8)
+    cache.reset(rows=2, max_len=10)
+    assert cache.kv.max_len == 256 and cache.capacity == 248 and cache.lengths.tolist() == [0, 0]
+    cache.set_lengths([5, 7])
+    cache.set_lengths([3], slots=[1])  # rollback of one row
+    assert cache.lengths.tolist() == [5, 3] and cache.bounds == [5, 3]
+    assert cache.grow([1], 4) == 3 and cache.bounds == [5, 7]  # a pass of 4 tokens on slot 1
+    before = cache.kv.keys[0].clone()
+    cache.reserve(300, rows=3)  # grows: doubled capacity, a third row, everything stored kept
+    assert (cache.kv.slots, cache.kv.max_len, cache.epoch) == (3, 512, 2)
+    assert torch.equal(cache.kv.keys[0][:2, :, :256], before) and cache.lengths.tolist() == [5, 3, 0]
+    with pytest.raises(ValueError, match="reserve"):
+        cache.grow(None, 600)
+
+
+def test_keep_paths_moves_each_accepted_tree_path_into_place():
+    cache = StaticCache(_numbered)
+    cache.reset(rows=3, max_len=10)
+    cache.kv = _numbered(3, 256)
+    # slot 0 committed 4 tokens (positions 0..3; its tree's nodes at 4..); it took nodes 1 and 3
+    # slot 2 committed 2 tokens; it took node 2 alone; slot 1 is left alone
+    cache.keep_paths([(0, 3, [1, 3]), (2, 1, [2])])
+    keys = cache.kv.keys[0][:, 0, :, 0]  # [slots, max_len]
+    assert keys[0, :8].tolist() == [0, 1, 2, 3, 5, 7, 6, 7]  # nodes 1, 3 (positions 5, 7) now at 4, 5
+    assert keys[2, :5].tolist() == [200, 201, 204, 203, 204]  # node 2 (position 4) now at 2
+    assert keys[1, :8].tolist() == [100 + p for p in range(8)]
+    assert torch.equal(cache.kv.values[0], -cache.kv.keys[0])

@@ -1,4 +1,9 @@
-"""A static KV cache: preallocated buffers, per-row lengths on the device, rollback by writing lengths.
+"""The static KV cache: preallocated buffers, per-row lengths on the device, rollback by writing lengths.
+
+:class:`StaticCache` is the cache a runner is given (:mod:`specdraft.cache`'s interface): a row
+(slot) per sequence, grown when needed, rolled back by :meth:`StaticCache.set_lengths`, a tree's
+accepted path moved into place by :meth:`StaticCache.keep_paths`. :class:`KVCache` is its
+buffers, what a model's forward reads and writes.
 
 Layout per layer: ``keys[i]`` and ``values[i]`` of shape ``[slots, kv_heads, max_len, head_dim]``,
 allocated once. Slot ``s`` stores the key of its position ``p`` at index ``p`` of the ``max_len``
@@ -19,7 +24,122 @@ CPU, a device assert on CUDA) rather than wrapping.
 
 from __future__ import annotations
 
+from typing import Callable
+
 import torch
+
+#: The cache's capacity grows in steps of this many positions (reallocating is rare).
+CAPACITY_STEP = 256
+
+
+class StaticCache:
+    """A :class:`KVCache` for a runner: ``allocate(slots, max_len)`` makes its buffers (the model's
+    ``new_cache``), and every capacity keeps ``headroom`` positions past the longest row for a
+    padded pass. ``bounds[s]`` is an upper bound of row ``s``'s length known on the host (no copy
+    needed: the span a pass attends over); ``epoch`` counts reallocations (what holds the old
+    buffers, a CUDA graph, must be made again)."""
+
+    def __init__(self, allocate: Callable[[int, int], "KVCache"], headroom: int = 0) -> None:
+        self.allocate = allocate
+        self.headroom = headroom
+        self.kv: KVCache | None = None
+        self.bounds: list[int] = []
+        self.epoch = 0
+
+    def reset(self, rows: int, max_len: int) -> None:
+        """An empty cache for ``rows`` sequences of up to ``max_len`` tokens (buffers kept when they fit)."""
+        need = -(-(max_len + self.headroom) // CAPACITY_STEP) * CAPACITY_STEP
+        if self.kv is None or self.kv.slots != rows or self.kv.max_len < need:
+            self.kv = self.allocate(rows, need)
+            self.epoch += 1
+        else:
+            self.kv.reset()
+        self.bounds = [0] * rows
+
+    def reserve(self, max_len: int, rows: int | None = None) -> None:
+        """Room for ``max_len`` tokens per row (and ``rows`` rows), keeping what is stored (grows
+        by doubling, rarely)."""
+        need = max_len + self.headroom
+        old = self.kv
+        rows = old.slots if rows is None else max(rows, old.slots)
+        if old.max_len >= need and old.slots >= rows:
+            return
+        need = max(-(-need // CAPACITY_STEP) * CAPACITY_STEP, 2 * old.max_len) if old.max_len < need else old.max_len
+        new = self.allocate(rows, need)
+        for dst, src in zip(new.keys + new.values, old.keys + old.values):
+            dst[: src.shape[0], :, : src.shape[2]] = src
+        new.lengths[: old.slots].copy_(old.lengths)
+        self.kv = new
+        self.bounds += [0] * (rows - len(self.bounds))
+        self.epoch += 1
+
+    @property
+    def lengths(self) -> torch.Tensor:
+        """Each row's stored token count, on the device.  # [rows]"""
+        return self.kv.lengths
+
+    @property
+    def capacity(self) -> int:
+        """Positions a row may hold (the headroom for a padded pass taken off)."""
+        return self.kv.max_len - self.headroom
+
+    def set_lengths(self, lengths, bound: int | None = None, slots=None) -> None:
+        """Rollback (or any length change): row ``b`` keeps its first ``lengths[b]`` tokens.
+
+        ``lengths`` a list (or a long tensor [rows]); ``bound``, an upper bound of them, lets a
+        device tensor through without a copy to the host (default: its max, read from it).
+        ``slots`` (a list of row indices): set those rows' lengths only."""
+        if isinstance(lengths, torch.Tensor):
+            values = [int(lengths.max()) if bound is None else bound] * lengths.shape[0]
+        else:
+            lengths = list(lengths)
+            values = [int(n) for n in lengths]
+        if slots is None:
+            self.bounds = values
+            self.kv.lengths.copy_(as_long(lengths, self.kv.device))
+            return
+        slots = [int(s) for s in slots]
+        for s, n in zip(slots, values):
+            self.bounds[s] = n
+        self.kv.lengths[as_long(slots, self.kv.device)] = as_long(lengths, self.kv.device)
+
+    def grow(self, slots: list[int] | None, width: int) -> int:
+        """A pass of ``width`` tokens on ``slots`` (None: every row): their bounds grow by ``width``;
+        returns the largest bound before (an overflow raises ValueError: :meth:`reserve` first)."""
+        used = range(len(self.bounds)) if slots is None else slots
+        bound = max((self.bounds[s] for s in used), default=0)
+        if bound + width > self.capacity:
+            raise ValueError(f"KV cache overflow: {bound} + {width} tokens > {self.kv.max_len} positions; "
+                             "reserve() first")
+        for s in used:
+            self.bounds[s] += width
+        return bound
+
+    def move(self, src: torch.Tensor, dst: torch.Tensor, slots=None) -> None:
+        """Copy each row's entries at positions ``src # [B, P]`` to ``dst # [B, P]`` (``slots``: the
+        rows, default every row in order); pad rows with ``src == dst``. Lengths are unchanged."""
+        rows = None if slots is None else as_long([int(s) for s in slots], self.kv.device)
+        self.kv.move(rows, src.to(self.kv.device), dst.to(self.kv.device))
+
+    def keep_paths(self, paths: list[tuple[int, int, list[int]]]) -> None:
+        """Move each tree's accepted path into place: ``(slot, start, nodes)``, node ``j`` stored at
+        ``start + 1 + j`` and kept at ``start + 1 + its place on the path`` (lengths unchanged:
+        :meth:`set_lengths` after)."""
+        if not paths:
+            return
+        width = max(len(nodes) for _, _, nodes in paths)
+        src, dst = [], []
+        for _, start, nodes in paths:  # padding: positions moved onto themselves
+            kept = [start + 1 + m for m in range(len(nodes))]
+            tail = [start + 1 + m for m in range(len(nodes), width)]
+            src.append([start + 1 + j for j in nodes] + tail)
+            dst.append(kept + tail)
+        device = self.kv.device
+        self.move(torch.tensor(src, device=device), torch.tensor(dst, device=device), slots=[p[0] for p in paths])
+
+
+def as_long(values, device) -> torch.Tensor:
+    return torch.as_tensor(values, dtype=torch.long).to(device, non_blocking=True)
 
 
 class KVCache:
