@@ -18,13 +18,12 @@ from collections import defaultdict
 
 from specdraft import SpeculativeDecoder
 from specdraft.bench.harness import load_questions
-from specdraft.drafters import copy_gate
+from specdraft.drafters.common import copy_gate
 from specdraft.drafters.heads import drafters
 from specdraft.models import load_target
 
 PARTS = [(drafters.EagleDrafter, "propose", "propose (a whole round of drafting)"),
-         (drafters.EagleDrafter, "_step", "decoder layer through transformers"),
-         (drafters.EagleDrafter, "_step_one", "one-pair step"),
+         (drafters.EagleDrafter, "step", "the decoder layer over its runner"),
          (drafters.HeadDrafter, "_draw", "head + copy candidate + choice"),
          (copy_gate.CopyDrafting, "choose", "copy gate's greedy choice")]
 

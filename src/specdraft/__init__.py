@@ -3,7 +3,7 @@
 import importlib.metadata as _metadata
 
 from .decoder import SpeculativeDecoder
-from .drafters.base import Drafter
+from .drafters.api import Drafter
 from .errors import (
     ConfigError,
     DrafterError,

@@ -373,7 +373,7 @@ def _distill(args) -> int:
                   self_prompts=args.self_prompts, document_prompts=args.document_prompts,
                   work_dir=args.work, train_dtype=args.train_dtype, copy_gate=args.gate_steps > 0,
                   gate_steps=args.gate_steps, gen_batch_size=args.generate_batch_size, seed=args.seed)
-    from .drafters.compact_draft import FORMAT_FILE
+    from .drafters.common.compact_draft import FORMAT_FILE
 
     _print_held_out(out / FORMAT_FILE)
     print(f"draft written to {out}; use it with: specdraft generate --drafter draft-model "

@@ -147,7 +147,7 @@ class SpeculativeDecoder:
         max_batch: int = 8,
         max_waiting: int | None = None,
     ) -> None:
-        from .drafters.base import Drafter
+        from .drafters.api import Drafter
         from .engine import Engine, EngineLoop
         from .engine.engine import release_openmp_workers
         from .plugins import get_registry

@@ -204,7 +204,7 @@ def get_registry() -> Registry:
     """Call every ``register_drafters`` hook (each in isolation) and collect the drafters."""
     from pydantic import BaseModel
 
-    from .drafters.base import Drafter
+    from .drafters.api import Drafter
 
     load_plugins()
     registry = Registry(errors=list(load_errors))

@@ -14,12 +14,23 @@ if TYPE_CHECKING:  # pragma: no cover
     from .sampling import RowSampling, SamplingParams, TokenCounts
 
 
+def default_services():
+    """The services a :class:`TargetInfo` lends drafters when it is given none: specdraft's own
+    runners and model loading (a :class:`~specdraft.services.DrafterServices`, which imports them
+    only when a method is called)."""
+    from .services import DrafterServices
+
+    return DrafterServices()
+
+
 @dataclass(frozen=True)
 class TargetInfo:
     """What a drafter may know about the target model, handed over once at construction.
 
     Deliberately small: drafters that need more (a second model, heads) load it themselves
-    from their own options, and check it against this description.
+    from their own options, and check it against this description. What they need of
+    specdraft's machinery to do so (a runner for a draft model or for decoder layers, model
+    loading) they borrow from ``services`` instead of importing it.
     """
 
     vocab_size: int  # rows of the target's logits (may exceed len(tokenizer))
@@ -36,6 +47,12 @@ class TargetInfo:
     lm_head: Any = None
     #: width of the target's last-layer hidden states (what ``on_hidden_states`` hands over)
     hidden_size: int = 0
+    #: what a drafter that runs a model of its own borrows (see :mod:`specdraft.services`):
+    #: ``model_runner(model, compile=None)``, ``layer_runner(hf_layers, config, compile=None,
+    #: attention_norm=True)``, ``attention_backends(device)``, ``load_model(source, dtype, device)``,
+    #: ``resolve_device(device)``, ``resolve_dtype(dtype, device)``; a TargetInfo built by hand gets
+    #: specdraft's own, a test may pass any object with the methods it needs
+    services: Any = field(default_factory=default_services, compare=False, repr=False)
 
 
 @dataclass

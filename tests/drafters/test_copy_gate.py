@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from specdraft.drafters.copy_gate import CopyDrafting, CopyGate, copy_mixture
+from specdraft.drafters.common.copy_gate import CopyDrafting, CopyGate, copy_mixture
 
 
 @pytest.mark.parametrize("trimmed", [False, True])

@@ -200,7 +200,7 @@ def test_missing_draft_weights_say_which_and_how(tiny_model, monkeypatch):
 
 
 def test_target_fingerprint_ignores_precision_but_not_the_weights():
-    from specdraft.drafters.compact_draft import target_fingerprint
+    from specdraft.drafters.common.compact_draft import target_fingerprint
 
     w = torch.randn(3000, 24)
     fp = target_fingerprint(w)
@@ -214,7 +214,7 @@ def test_target_fingerprint_ignores_precision_but_not_the_weights():
 def _draft_with_copy_gate(target, path, head_tokens, seed=0, match_bias=2.0):
     """A compact draft (1 layer, the ``head_tokens`` first ids in its head) with a copy gate that
     trusts its candidate often: both halves of the mixture get drafted."""
-    from specdraft.drafters.compact_draft import build_compact_draft, save_compact_draft, target_fingerprint
+    from specdraft.drafters.common.compact_draft import build_compact_draft, save_compact_draft, target_fingerprint
     from specdraft.testing import trusting_copy_gate
 
     torch.manual_seed(seed)
@@ -244,7 +244,7 @@ def test_copy_gate_changes_the_drafts(tiny_model, gated_dir):
                            active=[True] * len(prompts), vocab_size=64, device=torch.device("cpu"),
                            sampling=SamplingParams())
         proposals[on] = dec.drafter.propose(ctx, 3).token_ids
-    from specdraft.drafters.prompt_lookup import prompt_lookup
+    from specdraft.drafters.api import prompt_lookup
 
     copied = [prompt_lookup(p, 1, 2, 3) for p in prompts]
     assert any(c and int(proposals[True][b, 0]) == c[0] != int(proposals[False][b, 0]) for b, c in enumerate(copied))

@@ -11,7 +11,7 @@ import pytest
 import torch
 
 from specdraft import SamplingParams, SpeculativeDecoder
-from specdraft.drafters.base import layer_runner
+from specdraft.drafters.api import default_services
 from specdraft.verifier import check_draft
 from specdraft.sampling import logits_to_probs
 from specdraft.testing import check_drafter, plain_greedy, random_heads, repetitive_prompts
@@ -50,7 +50,7 @@ class ChainReference:
 
     def __init__(self, drafter, model) -> None:
         self.drafter, self.model = drafter, model
-        self.runner = layer_runner(drafter.module.layer, drafter.module.llama_config, attention_norm=False)
+        self.runner = default_services().layer_runner(drafter.module.layer, drafter.module.llama_config, attention_norm=False)
         self.runner.cache.reset(1, 256)
 
     def _feed(self, features: torch.Tensor, tokens: list[int]) -> torch.Tensor:
@@ -106,7 +106,7 @@ def test_each_node_is_drafted_from_its_own_path(tiny_model, eagle_heads, budget,
     catch_up = drafter._catch_up
 
     passes: list[list] = []  # per round: its tree passes' (tokens, tree_mask, guessed features)
-    step = drafter._step
+    step = drafter.step
 
     def spy(*args):
         roots.append(catch_up(*args).clone())
@@ -119,7 +119,7 @@ def test_each_node_is_drafted_from_its_own_path(tiny_model, eagle_heads, budget,
             passes[-1].append((tokens.tolist(), tree_mask.tolist(), out.clone()))
         return out
 
-    drafter._catch_up, drafter._step = spy, step_spy
+    drafter._catch_up, drafter.step = spy, step_spy
     rounds = []  # (draft, k, token_ids, counts, tree_budget) as each propose saw them
     propose = drafter.propose
 

@@ -28,6 +28,7 @@ from specdraft.training.loop import train
 class RecordingDrafter(Drafter):
     """Asks for hidden states, records them, and proposes (mostly wrong) tokens."""
 
+    api_version = 1  # records by row index: one wave, every row from start to end
     needs_hidden_states = True
 
     def __init__(self):
@@ -95,7 +96,7 @@ def _tiny_sequences(model, n=48, length=40, seed=0):
 
 def _train_heads(model, kind, work, steps=80):
     """Heads of ``kind`` trained on ``model``'s own outputs (soft labels for the last quarter)."""
-    from specdraft.drafters.compact_draft import target_fingerprint
+    from specdraft.drafters.common.compact_draft import target_fingerprint
     from specdraft.drafters.heads.formats import save_heads
     from specdraft.drafters.heads.modules import SharedHead
     from specdraft.training.batches import padded_batch
@@ -172,7 +173,7 @@ def test_conformance_with_random_heads_and_a_trimmed_vocabulary(tiny_model, tmp_
 
 def _with_copy_gate(model, kind, path, out):
     """The heads in ``path`` plus a :func:`trusting_copy_gate`, saved to ``out``."""
-    from specdraft.drafters.compact_draft import target_fingerprint
+    from specdraft.drafters.common.compact_draft import target_fingerprint
     from specdraft.drafters.heads.formats import save_heads
     from specdraft.testing import trusting_copy_gate
 
@@ -192,7 +193,7 @@ def gated(sharp_model, trained, tmp_path_factory):
 def test_copy_gate_changes_the_heads_drafts(sharp_model, gated, kind):
     """The heads really draft from the copy mixture: on repetitive contexts the gated heads propose
     what followed the trailing n-gram where the heads alone propose something else."""
-    from specdraft.drafters.prompt_lookup import prompt_lookup
+    from specdraft.drafters.api import prompt_lookup
 
     prompts = repetitive_prompts(64, seed=5)
     firsts = {}
@@ -280,7 +281,7 @@ def test_sampling_matches_target_joint_distribution(small_vocab_model, trained_s
     over 12 of the 16 tokens, so the candidate is sometimes a token the head gives probability 0."""
     heads = trained_small[kind]
     if gated:
-        from specdraft.drafters.compact_draft import target_fingerprint
+        from specdraft.drafters.common.compact_draft import target_fingerprint
         from specdraft.drafters.heads.formats import save_heads
         from specdraft.drafters.heads.modules import SharedHead
         from specdraft.testing import trusting_copy_gate
@@ -400,9 +401,9 @@ def test_medusa_heads_start_as_identity():
 
 def _eagle_runner(module):
     """The drafter's inference path for ``module``: its layer on specdraft's block over a KV cache."""
-    from specdraft.drafters.base import layer_runner
+    from specdraft.drafters.api import default_services
 
-    return layer_runner(module.layer, module.llama_config, compile=False, attention_norm=False)
+    return default_services().layer_runner(module.layer, module.llama_config, compile=False, attention_norm=False)
 
 
 def _random_eagle(model, seed):
@@ -490,7 +491,8 @@ def test_eagle_layer_runner_computes_the_transformers_layer(tiny_model, batch):
             f[b, : len(toks[b])], x[b, : len(toks[b])] = feats[b], toks[b]
         fresh.forward(module.fc_in(f, embed(x)), advance=[len(t) for t in toks])
     assert torch.equal(fresh.cache.lengths, runner.cache.lengths)
-    for mine, ref in zip(runner.cache.kv.keys + runner.cache.kv.values, fresh.cache.kv.keys + fresh.cache.kv.values):
+    ours, theirs = runner.cache.kv, fresh.cache.kv
+    for mine, ref in zip(ours.keys + ours.values, theirs.keys + theirs.values):
         for b, t in enumerate(toks):
             torch.testing.assert_close(mine[b, :, : len(t)], ref[b, :, : len(t)], rtol=1e-10, atol=1e-10)
 
@@ -518,8 +520,8 @@ def test_eagle_drafts_through_the_layer_runner(tiny_model, tmp_path, monkeypatch
 
 
 def test_layer_runner_names_what_it_cannot_run(tiny_model):
-    from specdraft.drafters.base import layer_runner
+    from specdraft.drafters.api import default_services
 
     module = build_heads("eagle", tiny_model.config)
     with pytest.raises(ConfigError, match="pass attention_norm=False"):
-        layer_runner(module.layer, module.llama_config, compile=False)  # EAGLE-1's layer has no input norm
+        default_services().layer_runner(module.layer, module.llama_config, compile=False)  # EAGLE-1's layer has no input norm

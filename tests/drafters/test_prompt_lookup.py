@@ -6,8 +6,8 @@ import doctest
 
 import pytest
 
-import specdraft.drafters.prompt_lookup as pl_module
-from specdraft.drafters.prompt_lookup import prompt_lookup
+import specdraft.drafters.common.lookup as pl_module
+from specdraft.drafters.api import prompt_lookup
 
 
 def test_docstring_examples():

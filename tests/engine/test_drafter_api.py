@@ -8,13 +8,16 @@ its rows keep their index until all of them have finished, and nothing joins mea
 from __future__ import annotations
 
 from specdraft import Draft, Drafter, SpeculativeDecoder
-from specdraft.drafters.prompt_lookup import prompt_lookup
+from specdraft.drafters.api import prompt_lookup
 from specdraft.testing import check_continuous_batching, plain_greedy, repetitive_prompts
 
 
 class RowLookupDrafter(Drafter):
     """The example plugin as it was before API version 2: a draft length per row index, grown
-    after fully accepted rounds and shrunk after rejections; records what the engine does."""
+    after fully accepted rounds and shrunk after rejections; records what the engine does.
+    Version 1 was the default then; such a drafter now declares it (docs/writing-a-drafter.md)."""
+
+    api_version = 1
 
     def reset(self) -> None:
         self.lengths: dict[int, int] = {}  # row -> current draft length

@@ -47,7 +47,7 @@ def test_load_prompts_reads_every_schema(tmp_path):
 
 @pytest.mark.parametrize("objective", ["kl", "ce"])
 def test_distill_builds_an_exact_compact_draft(tmp_path, smol_tokenizer, objective):
-    from specdraft.drafters.compact_draft import FORMAT_FILE
+    from specdraft.drafters.common.compact_draft import FORMAT_FILE
     from specdraft.training.distill import distill
 
     prompts = tmp_path / "p.jsonl"
@@ -159,7 +159,7 @@ def test_the_loop_runs_the_loss_under_autocast(tmp_path):
 def test_copy_gate_learns_to_copy_where_the_answer_repeats_the_prompt(tmp_path, tiny_model):
     """Answers that repeat their prompt: the gate's mixture likelihood rises, and the draft's
     held-out guesses (through the gate, as the drafter chooses them) get more right."""
-    from specdraft.drafters.compact_draft import build_compact_draft
+    from specdraft.drafters.common.compact_draft import build_compact_draft
     from specdraft.training.copy_gate import fit_copy_gate, gate_examples, mixture_nll
     from specdraft.training.distill import draft_gate_source
     from specdraft.training.evaluate import draft_model_predictor, held_out_acceptance

@@ -1,285 +1,31 @@
-"""The drafter interface: propose tokens, then hear back how many were accepted."""
+"""Where plugins found the drafter base class and its helpers before :mod:`specdraft.drafters.api`.
+
+Kept so that a plugin written against the documented paths (``specdraft.drafters.base.SequenceSlots``,
+``row_ids``, ``generators``, ``model_runner``, ``layer_runner``) keeps working. New code imports
+:mod:`specdraft.drafters.api`, and asks ``self.target.services`` for runners.
+"""
 
 from __future__ import annotations
 
-from abc import ABC, abstractmethod
-from typing import ClassVar
-
-from pydantic import BaseModel, ConfigDict, Field
-
-from ..types import Draft, DraftContext, TargetInfo
-from .tree import TreeOptions
-
-
-#: Learnt drafters' default ``min_confidence`` (see :class:`DraftChain`).
-MIN_CONFIDENCE = 0.2
-
-
-class NoOptions(BaseModel):
-    model_config = ConfigDict(extra="forbid")
-
-
-class LearntDrafterOptions(BaseModel):
-    """The options every learnt drafter (draft model, heads) shares."""
-
-    model_config = ConfigDict(extra="forbid")
-    copy_gate: bool = Field(True, description="use the drafter's copy gate, if it has one (a learnt mixture of its "
-                                              "guess and the token that followed the last occurrence of the "
-                                              "trailing n-gram); false: its own distribution only")
-    min_confidence: float = Field(MIN_CONFIDENCE, ge=0.0, le=1.0,
-                                  description="greedy drafting stops at the first token the drafter gives less than "
-                                              "this probability (0: always draft as many as the verifier asks for)")
-
-
-class HeadOptions(LearntDrafterOptions):
-    """The options of the head drafters (``medusa``, ``eagle``, ``mlp-speculator``); here, away from
-    their torch-importing module, so the registry lists and checks them without importing torch."""
-
-    heads: str | None = Field(None, description="folder with heads in specdraft's format (from `specdraft "
-                                                "train-heads`) or a published Medusa / EAGLE layout; default: "
-                                                "the heads shipped for the target, if any")
-
-
-class TreeHeadOptions(HeadOptions, TreeOptions):
-    """The head options plus ``tree_budget`` and ``tree_width``: the heads that draft trees
-    (``eagle``: EAGLE-2's dynamic tree; ``medusa``: top-k per head)."""
-
-
-class Drafter(ABC):
-    """Base class of every drafter, built-in or third-party.
-
-    Lifecycle, driven by the engine (API version 2, ``api_version = 2``):
-
-    1. ``__init__(options, target)`` once, with the drafter's own validated ``Options``
-       and a :class:`~specdraft.TargetInfo` describing the target model; it ends by
-       calling ``reset()``.
-    2. ``on_join(seq_id, prompt)`` when a sequence joins the running batch (any step), and
-       ``on_leave(seq_id)`` when it leaves (finished, aborted or failed): keep per-sequence
-       state in a dict keyed by ``seq_id`` and drop it there.
-    3. each round: ``propose(ctx, k)`` returns up to ``k`` tokens per row for the running
-       sequences (row ``b`` is sequence ``ctx.seq_ids[b]``; rows change order between rounds),
-       the target verifies them, then ``on_verified(ctx, num_accepted)`` reports how many of
-       each row's tokens were accepted (``ctx.token_ids`` already includes them, plus the
-       target's correction or bonus token).
-
-    ``ctx.token_ids[b]`` always holds the full, authoritative sequence, so a stateless drafter
-    (prompt lookup) needs none of the hooks: it only declares ``api_version = 2``.
-
-    API version 1 (the default, for drafters written before continuous batching): state keyed
-    by row index, forgotten at ``reset()``. The engine still runs such a drafter exactly, but in
-    waves: a wave of sequences starts together after a ``reset()``, rows keep their index until
-    the whole wave has finished (finished rows stay with ``active[b] = False``), and nothing
-    joins meanwhile. Declare version 2 to have sequences join and leave at every step.
-    """
-
-    #: 1: per-row state, run in waves (see above); 2: per-sequence state (``ctx.seq_ids``)
-    api_version: ClassVar[int] = 1
-
-    #: Options this drafter accepts (pydantic, ``extra="forbid"`` so typos fail loudly).
-    Options: ClassVar[type[BaseModel]] = NoOptions
-
-    #: Drafters that set this get the target's last-layer hidden states (see
-    #: ``on_hidden_states``); the verifier collects them only for such drafters.
-    needs_hidden_states: ClassVar[bool] = False
-
-    #: Set by the registry: the name the drafter was created under, and its plugin.
-    name: str = ""
-
-    @property
-    def tree_budget(self) -> int:
-        """The most nodes this drafter proposes per round (its ``tree_budget`` option, if it has
-        one; 1: chains only). Above 1 the engine sets ``ctx.tree_budget`` each round, up to this."""
-        return int(getattr(getattr(self, "options", None), "tree_budget", 1) or 1)
-    plugin: str = ""
-
-    def __init__(self, options: BaseModel, target: TargetInfo) -> None:
-        self.options = options
-        self.target = target
-        self.reset()
-
-    @abstractmethod
-    def propose(self, ctx: DraftContext, k: int) -> Draft:
-        """Return a :class:`~specdraft.Draft` of at most ``k`` tokens per row (``k >= 1``)."""
-
-    def on_verified(self, ctx: DraftContext, num_accepted: list[int]) -> None:  # noqa: B027
-        """Called after every verify pass; ``num_accepted[b]`` drafts of row ``b`` were kept."""
-
-    def on_hidden_states(self, ctx: DraftContext, hidden_states: list) -> None:  # noqa: B027
-        """Only for drafters with ``needs_hidden_states = True``: the target's new hidden states.
-
-        ``hidden_states[b]  # [n_b, hidden_size]`` are the target's last-layer hidden states
-        (after its final norm: what its LM head reads) at the next ``n_b`` positions of row
-        ``b``. Called after the prompts' prefill of the sequences that joined this step (the
-        prompt's positions but the last; other rows get ``n_b = 0``) and after every verify
-        pass, before ``on_verified`` (the positions of the tokens that round committed). At every ``propose`` the drafter has therefore seen the states of
-        positions ``0 .. len(ctx.token_ids[b]) - 2``: all but the last token, whose state
-        the target has not computed yet (its logits would be the next token's).
-        """
-
-    def on_join(self, seq_id: int, prompt: list[int]) -> None:  # noqa: B027
-        """API version 2: sequence ``seq_id`` with token ids ``prompt`` joins the running batch."""
-
-    def on_leave(self, seq_id: int) -> None:  # noqa: B027
-        """API version 2: sequence ``seq_id`` has left the batch; forget its state."""
-
-    def reset(self) -> None:  # noqa: B027
-        """Forget all state (at construction; for API version 1, before every wave of sequences)."""
-
-
-def row_ids(ctx: DraftContext) -> list[int]:
-    """Each row's sequence id (row indices for a context built by hand, without ids)."""
-    return list(ctx.seq_ids) if ctx.seq_ids else list(range(ctx.batch_size))
-
-
-def generators(ctx: DraftContext):
-    """Each row's own generator (``ctx.generators``), or the round's one for a context built by hand."""
-    return list(ctx.generators) if ctx.generators else ctx.generator
-
-
-class SequenceSlots:
-    """Rows of a drafter's own runner cache, one per sequence while it runs (reused after it leaves).
-
-    >>> slots = SequenceSlots()
-    >>> slots.join(7), slots.join(9), slots.leave(7), slots.join(4), slots.of([4, 9])
-    (0, 1, None, 0, [0, 1])
-    """
-
-    def __init__(self) -> None:
-        self.slot: dict[int, int] = {}
-        self.free: list[int] = []
-        self.size = 0  # rows ever used: the runner needs this many
-
-    def join(self, seq_id: int) -> int:
-        if seq_id in self.slot:
-            return self.slot[seq_id]
-        if self.free:
-            s = self.free.pop(0)
-        else:
-            s, self.size = self.size, self.size + 1
-        self.slot[seq_id] = s
-        return s
-
-    def leave(self, seq_id: int) -> None:
-        s = self.slot.pop(seq_id, None)
-        if s is not None:
-            self.free.append(s)
-            self.free.sort()
-
-    def of(self, seq_ids) -> list[int]:
-        return [self.slot[i] for i in seq_ids]
-
-
-class DraftChain:
-    """A round's chain of drafted tokens, and where greedy drafting stops for each row.
-
-    Learnt drafters know how sure they are of each guess. Greedy drafting stops a row at the
-    first token its drafter gives less than ``min_confidence`` (that token is not proposed):
-    a guess the drafter itself doubts is more often a wider verify pass for nothing. The
-    verifier's length policy then learns acceptance of the drafts that are made, so it drafts
-    more often and longer where the drafter is sure. Sampling is not stopped this way (the
-    chance that a sampled token survives is not its probability under the draft).
-
-    ``add`` returns whether any row still drafts, so the drafter can stop its loop early.
-    """
-
-    def __init__(self, batch: int, device, min_confidence: float = 0.0, greedy: bool = True) -> None:
-        import torch
-
-        self.tokens: list = []  # [batch] tensors, one per position (rows past their length included)
-        self.probs: list = []
-        self.threshold = min_confidence if greedy else 0.0
-        #: whether ``add`` reads a confidence (drafters skip computing one otherwise)
-        self.scored = self.threshold > 0
-        self.alive = torch.ones(batch, dtype=torch.bool, device=device)
-        self.lengths = torch.zeros(batch, dtype=torch.long, device=device)
-
-    def add(self, token, probs=None, confidence=None) -> bool:
-        """Append one position: ``token # [batch]``, its ``probs # [batch, vocab]`` (sampling) and
-        the drafter's probability of it ``confidence # [batch]`` (greedy)."""
-        self.tokens.append(token)
-        if probs is not None:
-            self.probs.append(probs)
-        if not self.scored:  # no row stops: skip the device sync of reading ``alive``
-            self.lengths += 1
-            return True
-        if confidence is not None:
-            self.alive &= confidence.to(self.alive.device) >= self.threshold
-        self.lengths += self.alive
-        return bool(self.alive.any())
-
-    def draft(self, limit=None) -> Draft:
-        """The proposal (``limit # [batch]``: rows' own caps, e.g. 0 for a row the drafter cannot serve)."""
-        import torch
-
-        lengths = self.lengths if limit is None else torch.minimum(self.lengths, limit.to(self.lengths.device))
-        if not self.tokens:
-            return Draft.empty(len(lengths), lengths.device)
-        return Draft(token_ids=torch.stack(self.tokens, 1), probs=torch.stack(self.probs, 1) if self.probs else None,
-                     lengths=lengths)
-
-
-def draw_scored(logits, sampling, generator=None, scored: bool = False, counts=None):
-    """:func:`~specdraft.sampling.draw` on ``logits # [batch, vocab]`` with the penalties' context
-    ``counts`` (see :meth:`DraftContext.counts_after`) plus, when greedy and ``scored`` (see
-    :attr:`DraftChain.scored`), the probability of the drawn token ``# [batch]``:
-    ``(tokens, probs | None, confidence | None)``."""
-    from ..sampling import draw, penalize
-
-    token, probs = draw(logits, sampling, generator, counts)
-    confidence = penalize(logits, sampling, counts).softmax(-1).amax(-1) if scored and sampling.greedy else None
-    return token, probs, confidence
+from .api import (MIN_CONFIDENCE, DraftChain, Drafter, HeadOptions, LearntDrafterOptions, NoOptions, SequenceSlots,
+                  TreeHeadOptions, default_services, draw_scored, generators, row_ids)
 
 
 def model_runner(model, compile: bool | None = None):
-    """A runner of its own for a drafter's transformers model (a draft model), from the drafter API.
-
-    It has the target's runner interface: ``reset(rows, max_len)``, ``reserve(max_len)``,
-    ``forward(tokens # [rows, W], logits_at=None, hidden=False, advance=None) -> (logits, hidden)``,
-    ``set_lengths(lengths)`` and ``lengths`` (on the device); see ``specdraft.runner.runner``.
-    Llama-family models run on specdraft's own code (compiled per pass width when ``compile``;
-    None: the device's default), anything else on transformers' modules, eagerly.
-    """
-    from ..runner import default_compile, load_runner
-
-    if compile is None:
-        compile = default_compile(model.device)
-    try:
-        return load_runner(model, compile=compile)
-    except Exception:  # noqa: BLE001 - e.g. compile asked for a model our code does not run
-        if not compile:
-            raise
-        return load_runner(model, compile=False)
+    """``self.target.services.model_runner(model, compile)``, with specdraft's own services."""
+    return default_services().model_runner(model, compile)
 
 
 def layer_runner(hf_layers, config, compile: bool | None = None, attention_norm: bool = True):
-    """A runner of its own for a drafter's transformers decoder layers (EAGLE's layer), from the drafter API.
-
-    ``hf_layers``: one layer or a sequence run in order; ``config``: their transformers config.
-    The runner has the model runner's cache interface (``reset(rows, max_len)``,
-    ``reserve(max_len)``, ``set_lengths(lengths)``, ``lengths``) and
-    ``forward(x # [rows, W, dim], advance=None) -> [rows, W, dim]``, the last layer's output;
-    see ``specdraft.runner.layers``. ``attention_norm=False``: the layers skip their input norm
-    (EAGLE-1). Compiled per pass width when ``compile`` (None: the device's default). Raises
-    :class:`~specdraft.ConfigError` naming what specdraft's layer code does not reproduce.
-    """
-    import torch
-
-    from ..errors import ConfigError
-    from ..runner import default_compile
-    from ..runner.layers import layers_from_transformers
-
-    layers = hf_layers if isinstance(hf_layers, torch.nn.Module) else torch.nn.ModuleList(hf_layers)
-    if compile is None:
-        compile = default_compile(next(layers.parameters()).device)
-    runner, reason = layers_from_transformers(layers, config, attention_norm=attention_norm, compile=compile)
-    if runner is None:
-        raise ConfigError(f"specdraft cannot run these decoder layers: {reason}")
-    return runner
+    """``self.target.services.layer_runner(...)``, with specdraft's own services."""
+    return default_services().layer_runner(hf_layers, config, compile=compile, attention_norm=attention_norm)
 
 
 def attention_backends(device):
-    """The attention kernels specdraft allows on ``device`` (on CUDA: no cuDNN, which plans per key
-    length), as a context; for a drafter's own modules run outside a runner (training)."""
-    from ..runner.base import attention_backends as choose
+    """``self.target.services.attention_backends(device)``, with specdraft's own services."""
+    return default_services().attention_backends(device)
 
-    return choose(device)
+
+__all__ = ["MIN_CONFIDENCE", "DraftChain", "Drafter", "HeadOptions", "LearntDrafterOptions", "NoOptions",
+           "SequenceSlots", "TreeHeadOptions", "attention_backends", "draw_scored", "generators", "layer_runner",
+           "model_runner", "row_ids"]

@@ -3,16 +3,19 @@
 The head drafters import torch (and transformers) at module level, so they are registered
 by import path with their options: listing drafters and checking options stays fast, and
 their module loads when one is created.
+
+This is the one module under ``drafters/`` that imports drafters' modules (to register them);
+the drafters themselves import only :mod:`specdraft.drafters.api` and ``drafters/common/``.
 """
 
 from __future__ import annotations
 
-from ..hookspecs import hookimpl
+from .api import hookimpl
 
 
 @hookimpl
 def register_drafters(register):
-    from .base import HeadOptions, TreeHeadOptions
+    from .api import HeadOptions, TreeHeadOptions
     from .draft_model import LLAMA_1B, DraftModelDrafter
     from .ngram import NGramDrafter
     from .none import NoDrafter

@@ -1,7 +1,7 @@
 """``draft-model``: a small causal LM drafts K tokens autoregressively (``llama-1b`` is one).
 
-The draft runs on a model runner of its own (:func:`~specdraft.drafters.base.model_runner`:
-specdraft's model code over a static KV cache). Before each proposal it brings that cache up to
+The draft runs on a model runner of its own (``target.services.model_runner``: specdraft's model
+code over a static KV cache). Before each proposal it brings that cache up to
 date with the tokens accepted since its last call: it rolls back to the longest prefix it
 computed that is still valid, then feeds everything after it, the prompt on the first round
 (lazy prefill), or, after a fully accepted round, its own last drafted token plus the target's
@@ -9,7 +9,7 @@ bonus token (catch-up), in the same forward pass that yields the first new draft
 single-token steps follow.
 
 With ``ctx.tree_budget`` > 1 it drafts EAGLE-2's dynamic tree instead
-(:func:`~specdraft.drafters.dynamic_tree.grow_tree`): the top ``tree_width`` tokens (or draws)
+(:func:`~specdraft.drafters.api.grow_tree`): the top ``tree_width`` tokens (or draws)
 at each level, the most probable nodes fed in one pass per level with a tree mask. The tree's
 entries are left past the fed tokens and rolled back at the next proposal like a rejected chain.
 """
@@ -21,11 +21,9 @@ from typing import Any
 
 from pydantic import Field
 
-from ..errors import ConfigError, DrafterError, ModelLoadError
-from ..types import Draft, DraftContext, TargetInfo
-from .base import (DraftChain, Drafter, LearntDrafterOptions, SequenceSlots, draw_scored, generators, model_runner,
-                   row_ids)
-from .tree import TreeOptions
+from .api import (ConfigError, Draft, DraftChain, DraftContext, Drafter, DrafterError, LearntDrafterOptions,
+                  ModelLoadError, SequenceSlots, TargetInfo, TreeOptions, draw_scored, generators, grow_tree,
+                  node_contexts, processed_probs, row_ids)
 
 LLAMA_1B = "meta-llama/Llama-3.2-1B-Instruct"
 
@@ -86,10 +84,10 @@ class DraftModelDrafter(Drafter):
                                                        "default: the device's default")
 
     def __init__(self, options: Options, target: TargetInfo) -> None:
-        from ..models import load_target, resolve_device, resolve_dtype
-        from .compact_draft import FORMAT_FILE, is_compact_draft, load_compact_draft
-        from .shipped import find_shipped
+        from .common.compact_draft import FORMAT_FILE, is_compact_draft, load_compact_draft
+        from .common.shipped import find_shipped
 
+        services = target.services  # a runner and model loading, lent by specdraft
         source = options.model
         if source is None:
             shipped = find_shipped(target, FORMAT_FILE)
@@ -100,26 +98,26 @@ class DraftModelDrafter(Drafter):
                     "with `specdraft distill`"
                 )
             source = str(shipped)
-        device = resolve_device(options.device or target.device)
-        dtype = resolve_dtype(options.dtype, device) if options.dtype else target.dtype
+        device = services.resolve_device(options.device or target.device)
+        dtype = services.resolve_dtype(options.dtype, device) if options.dtype else target.dtype
         if is_compact_draft(source):
             model, meta = load_compact_draft(source, target.embeddings, target.name, dtype, device)
             tokenizer, name = None, meta.get("name", source)
         else:
             try:
-                model, tokenizer, name = load_target(source, dtype=dtype, device=device, require_tokenizer=False,
-                                                     option="--drafter-option model")
+                model, tokenizer, name = services.load_model(source, dtype=dtype, device=device,
+                                                             option="--drafter-option model")
             except ModelLoadError as exc:  # it says what is wrong with the path or id; say which model it is
                 raise ModelLoadError(f"draft model: {exc}") from None
         self.model, self.draft_name = model, name
         if tokenizer is not None and target.tokenizer is not None:
             check_tokenizers(target.tokenizer, tokenizer, target.name or "target", name)
         self.embedding_rows = check_vocabulary(model, target, name)
-        self.runner = model_runner(model, compile=options.compile)
+        self.runner = services.model_runner(model, compile=options.compile)
         gate = getattr(model, "copy_gate", None) if options.copy_gate else None
         self.copier = None
         if gate is not None:
-            from .copy_gate import CopyDrafting
+            from .common.copy_gate import CopyDrafting
 
             self.copier = CopyDrafting(gate, model.lm_head.head_ids, target.vocab_size)
         super().__init__(options, target)
@@ -185,7 +183,7 @@ class DraftModelDrafter(Drafter):
                tree: bool = False) -> Draft:
         import torch
 
-        from .copy_gate import drafted_rows
+        from .common.copy_gate import drafted_rows
 
         device, gated = feed.device, self.copier is not None
         # only each row's last fed position needs logits: on a lazy prefill of a long prompt, logits
@@ -226,8 +224,6 @@ class DraftModelDrafter(Drafter):
     def _tree(self, ctx: DraftContext, k: int, logits, hidden, slots: list[int]) -> Draft:
         """A dynamic tree from the first step's ``logits # [batch, vocab_d]`` (``hidden # [batch, H]``
         with a copy gate); its nodes are not recorded in ``_fed``, so the next sync drops them."""
-        from .dynamic_tree import grow_tree, node_contexts, processed_probs
-
         copier = self.copier
         state = {"logits": logits, "hidden": hidden}  # the expanded nodes': [rows, vocab_d], [rows, H] | None
         device = self.model.device  # the draft's own; the tree is grown on the target's (ctx.device)

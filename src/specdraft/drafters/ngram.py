@@ -7,9 +7,7 @@ from typing import Iterable, Sequence
 
 from pydantic import ConfigDict, Field, model_validator
 
-from ..types import Draft, DraftContext
-from .base import Drafter, row_ids
-from .tree import TreeOptions, tree_draft, trie
+from .api import Draft, DraftContext, Drafter, TreeOptions, row_ids, tree_draft, trie
 
 FNV_OFFSET_BASIS = 0xCBF29CE484222325
 FNV_PRIME = 0x100000001B3

@@ -2,8 +2,7 @@
 
 from __future__ import annotations
 
-from ..types import Draft, DraftContext
-from .base import Drafter
+from .api import Draft, DraftContext, Drafter
 
 
 class NoDrafter(Drafter):

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from ..drafters.base import Drafter
+from ..drafters.api import Drafter
 from ..types import Draft
 
 

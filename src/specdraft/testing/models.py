@@ -32,11 +32,11 @@ def tiny_tokenizer(vocab_size: int = 64):
 
 
 def trusting_copy_gate(hidden: int, match_bias: float = 2.0, dtype=None):
-    """A :class:`~specdraft.drafters.copy_gate.CopyGate` that often trusts its candidate (2- and
+    """A :class:`~specdraft.drafters.common.copy_gate.CopyGate` that often trusts its candidate (2- and
     3-gram matches) and mostly not (1-gram matches), so both halves of the mixture get drafted."""
     import torch
 
-    from ..drafters.copy_gate import CopyGate
+    from ..drafters.common.copy_gate import CopyGate
 
     gate = CopyGate(hidden).to(dtype or torch.float32)
     with torch.no_grad():
@@ -55,7 +55,7 @@ def random_heads(kind: str, model, path, seed: int = 0, head_ids=None, scale: fl
     """
     import torch
 
-    from ..drafters.compact_draft import target_fingerprint
+    from ..drafters.common.compact_draft import target_fingerprint
     from ..drafters.heads.formats import save_heads
     from ..drafters.heads.modules import SharedHead, build_heads
 

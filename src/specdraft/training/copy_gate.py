@@ -1,4 +1,4 @@
-"""Fitting a learnt drafter's copy gate (:class:`~specdraft.drafters.copy_gate.CopyGate`).
+"""Fitting a learnt drafter's copy gate (:class:`~specdraft.drafters.common.copy_gate.CopyGate`).
 
 The drafter is trained first and then frozen; the gate learns, from the target's own
 answers, how far to trust the token that followed the last occurrence of the trailing
@@ -16,7 +16,7 @@ from typing import Callable, Sequence
 
 import torch
 
-from ..drafters.copy_gate import CopyGate, column_table
+from ..drafters.common.copy_gate import CopyGate, column_table
 from .loop import seeded, step_generator, train, weights_digest
 
 
@@ -43,7 +43,7 @@ def gate_examples(source: GateSource, sequences: Sequence[dict], states: Sequenc
     candidate and where the drafter or the candidate can produce the target's token: the
     drafter's feature before it, the matched n-gram length, the drafter's log-probabilities of
     the candidate and of the target's token, and whether the candidate is the target's token."""
-    from ..drafters.prompt_lookup import lookup
+    from ..drafters.common.lookup import lookup
     from .batches import padded_batch
 
     head_ids = source.head_ids

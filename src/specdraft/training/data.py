@@ -138,7 +138,7 @@ def frequent_tokens(sequences: list[dict], count: int, always: Sequence[int] = (
 
 def target_identity(model, tokenizer=None) -> dict:
     """What identifies the target in a cache key: its weights' fingerprint, its dtype, its tokenizer."""
-    from ..drafters.compact_draft import target_fingerprint
+    from ..drafters.common.compact_draft import target_fingerprint
 
     out = {"fingerprint": target_fingerprint(model.get_input_embeddings().weight), "dtype": str(model.dtype)}
     if tokenizer is not None:

@@ -7,7 +7,7 @@
    own next-token distribution there (objective "kl", the default: soft labels from the
    target's hidden states through its LM head, restricted to the head's tokens) or just the
    token the target produced (objective "ce").
-4. Its copy gate (:class:`~specdraft.drafters.copy_gate.CopyGate`, unless
+4. Its copy gate (:class:`~specdraft.drafters.common.copy_gate.CopyGate`, unless
    ``copy_gate=False``) learns, with the trained draft frozen, how far to trust the token
    that followed the last occurrence of the trailing n-gram over the draft's own guess: it
    maximises the likelihood of the target's tokens under the mixture.
@@ -26,7 +26,7 @@ from typing import Sequence
 
 import torch
 
-from ..drafters.compact_draft import build_compact_draft, save_compact_draft, target_fingerprint
+from ..drafters.common.compact_draft import build_compact_draft, save_compact_draft, target_fingerprint
 from ..drafters.heads.modules import SharedHead
 from ..errors import ConfigError
 from .copy_gate import GateSource, fit_copy_gate

@@ -68,7 +68,7 @@ class _Chooser:
     (as the drafter chooses); ``ids`` the batch's tokens, for the gate's candidates."""
 
     def __init__(self, head_ids: torch.Tensor | None, gate, vocab_size: int, ids: torch.Tensor) -> None:
-        from ..drafters.copy_gate import CopyDrafting, copy_table
+        from ..drafters.common.copy_gate import CopyDrafting, copy_table
 
         self.head_ids = head_ids
         self.copier = CopyDrafting(gate, head_ids, vocab_size) if gate is not None else None

@@ -25,7 +25,7 @@ from typing import Sequence
 import torch
 import torch.nn.functional as F
 
-from ..drafters.compact_draft import target_fingerprint
+from ..drafters.common.compact_draft import target_fingerprint
 from ..decoder import describe_target
 from ..drafters.heads.formats import load_heads, save_heads
 from ..drafters.heads.modules import KINDS, SharedHead, build_heads

@@ -1,14 +1,16 @@
-"""specdraft-adaptive-lookup: a complete, minimal third-party specdraft drafter."""
+"""specdraft-adaptive-lookup: a complete, minimal third-party specdraft drafter.
+
+It imports nothing of specdraft but the drafter API, ``specdraft.drafters.api``.
+"""
 
 from __future__ import annotations
 
 from pydantic import BaseModel, ConfigDict, Field
 
-import specdraft
-from specdraft.drafters.prompt_lookup import prompt_lookup
+from specdraft.drafters.api import Draft, DraftContext, Drafter, hookimpl, prompt_lookup
 
 
-class AdaptiveLookupDrafter(specdraft.Drafter):
+class AdaptiveLookupDrafter(Drafter):
     """Prompt lookup with a per-sequence draft length that follows the acceptance it gets."""
 
     api_version = 2  # state per sequence (ctx.seq_ids): sequences join and leave at any step
@@ -26,15 +28,15 @@ class AdaptiveLookupDrafter(specdraft.Drafter):
     def on_leave(self, seq_id: int) -> None:
         self.lengths.pop(seq_id, None)  # the sequence has finished: forget it
 
-    def propose(self, ctx: specdraft.DraftContext, k: int) -> specdraft.Draft:
+    def propose(self, ctx: DraftContext, k: int) -> Draft:
         o = self.options
         rows = []
         for seq_id, tokens in zip(ctx.seq_ids, ctx.token_ids):
             want = min(k, self.lengths.setdefault(seq_id, o.start))
             rows.append(prompt_lookup(tokens, want, o.min_ngram, o.max_ngram))
-        return specdraft.Draft.from_lists(rows, device=ctx.device)
+        return Draft.from_lists(rows, device=ctx.device)
 
-    def on_verified(self, ctx: specdraft.DraftContext, num_accepted: list[int]) -> None:
+    def on_verified(self, ctx: DraftContext, num_accepted: list[int]) -> None:
         # ctx.num_verified[b]: how many of row b's tokens the verifier checked (it may trim a draft)
         for seq_id, verified, accepted in zip(ctx.seq_ids, ctx.num_verified, num_accepted):
             if verified == 0:
@@ -45,6 +47,6 @@ class AdaptiveLookupDrafter(specdraft.Drafter):
                 self.lengths[seq_id] = max(self.lengths[seq_id] - 1, 1)
 
 
-@specdraft.hookimpl
+@hookimpl
 def register_drafters(register):
     register("adaptive-lookup", AdaptiveLookupDrafter, aliases=("alookup",))

@@ -8,7 +8,7 @@ heads guess ``x_L, x_{L+1}, ...``.
 
 Draft distributions are each head's logits through ``logits_to_probs`` (the target's
 processing), so sampling stays exact; greedy drafting takes the argmax. Heads with a copy
-gate (:mod:`specdraft.drafters.copy_gate`) draw from, and report, the gated mixture instead.
+gate (:mod:`specdraft.drafters.common.copy_gate`) draw from, and report, the gated mixture instead.
 """
 
 from __future__ import annotations
@@ -17,15 +17,17 @@ from typing import ClassVar
 
 import torch
 
-from ...errors import ConfigError
-from ...types import Draft, DraftContext, TargetInfo
-from ..base import (DraftChain, Drafter, HeadOptions, SequenceSlots, TreeHeadOptions, draw_scored, generators,
-                    layer_runner, row_ids)
-from ..copy_gate import CopyDrafting, drafted_rows
+from ..api import (ConfigError, Draft, DraftChain, DraftContext, Drafter, HeadOptions, SequenceSlots, TargetInfo,
+                   TreeHeadOptions, draw_scored, generators, row_ids)
+from ..common.copy_gate import CopyDrafting, drafted_rows
 
 
 class HeadDrafter(Drafter):
-    """Shared loading and hidden-state bookkeeping of the head drafters."""
+    """Shared loading and hidden-state bookkeeping of the head drafters.
+
+    The tree builders of :mod:`.tree` read ``module``, ``head``, ``copier``, ``options`` and
+    ``has_state`` (and ``eagle``'s :meth:`EagleDrafter.step`), nothing private.
+    """
 
     kind: ClassVar[str] = ""
     needs_hidden_states = True
@@ -33,8 +35,8 @@ class HeadDrafter(Drafter):
     Options = HeadOptions
 
     def __init__(self, options: HeadOptions, target: TargetInfo) -> None:
+        from ..common.shipped import find_shipped
         from .formats import FORMAT_FILE, load_heads
-        from ..shipped import find_shipped
 
         path = options.heads or find_shipped(target, FORMAT_FILE, kind=self.kind)
         if path is None:
@@ -50,7 +52,8 @@ class HeadDrafter(Drafter):
     def reset(self) -> None:
         self._newest: dict[int, torch.Tensor] = {}  # sequence id -> its newest target state [H]
         self._last = torch.zeros((0, self.target.hidden_size), dtype=self.target.dtype, device=self.target.device)
-        self._has: list[bool] = []  # per row this round: whether it has any state yet (a 1-token prompt has none)
+        #: per row this round: whether it has any state yet (a 1-token prompt has none)
+        self.has_state: list[bool] = []
 
     def on_leave(self, seq_id: int) -> None:
         self._newest.pop(seq_id, None)
@@ -61,10 +64,10 @@ class HeadDrafter(Drafter):
                 self._newest[seq_id] = h[-1]
 
     def _rows(self, ctx: DraftContext) -> None:
-        """This round's rows: ``_last # [batch, H]`` (zeros where a row has no state) and ``_has``."""
+        """This round's rows: ``_last # [batch, H]`` (zeros where a row has no state) and ``has_state``."""
         empty = torch.zeros(self.target.hidden_size, dtype=self.target.dtype, device=self.target.device)
         ids = row_ids(ctx)
-        self._has = [i in self._newest for i in ids]
+        self.has_state = [i in self._newest for i in ids]
         self._last = torch.stack([self._newest.get(i, empty) for i in ids])
 
     def _chain(self, ctx: DraftContext) -> DraftChain:
@@ -81,7 +84,7 @@ class HeadDrafter(Drafter):
                                 ctx.sampling, generators(ctx), counts)
 
     def _lengths(self, width: int) -> torch.Tensor:
-        return torch.tensor([width if h else 0 for h in self._has], dtype=torch.long)
+        return torch.tensor([width if h else 0 for h in self.has_state], dtype=torch.long)
 
 
 class MedusaDrafter(HeadDrafter):
@@ -140,8 +143,8 @@ class MLPSpeculatorDrafter(HeadDrafter):
 class EagleDrafter(HeadDrafter):
     """EAGLE-1: a one-layer decoder that runs ahead of the target at the feature level.
 
-    The layer runs on specdraft's own block over a KV cache of its own (a layer runner from the
-    drafter API, :func:`~specdraft.drafters.base.layer_runner`), fed ``fc([embed(x_{t+1}) ; f_t])``.
+    The layer runs on specdraft's own block over a KV cache of its own (a layer runner lent by
+    ``target.services.layer_runner``), fed ``fc([embed(x_{t+1}) ; f_t])``.
     The cache holds one entry per position ``j`` whose pair ``(f_j, x_{j+1})`` used the
     target's true state; the entries of guessed features are dropped at the next proposal
     (by writing the lengths back), and the pairs the target's latest states complete are fed
@@ -152,7 +155,7 @@ class EagleDrafter(HeadDrafter):
     of a chain (:func:`.tree.eagle_tree`, copy gate included). The tree's nodes stay in the
     layer's cache past the true pairs and need no cleanup: the next proposal rolls back to
     ``_pairs`` and catches up on the target's states of the accepted path, which the engine hands
-    over root first. ``Options`` is :class:`~specdraft.drafters.base.TreeHeadOptions` (the head
+    over root first. ``Options`` is :class:`~specdraft.drafters.api.TreeHeadOptions` (the head
     options and ``tree_budget``, ``tree_width``), defined beside the others so the registry
     lists eagle without importing torch.
     """
@@ -162,7 +165,7 @@ class EagleDrafter(HeadDrafter):
 
     def __init__(self, options: HeadOptions, target: TargetInfo) -> None:
         super().__init__(options, target)
-        self.runner = layer_runner(self.module.layer, self.module.llama_config, attention_norm=False)
+        self.runner = target.services.layer_runner(self.module.layer, self.module.llama_config, attention_norm=False)
         self.runner.cache.reset(1, 256)
 
     def reset(self) -> None:
@@ -193,8 +196,8 @@ class EagleDrafter(HeadDrafter):
             if h.shape[0]:
                 self._pending[seq_id].append(h)
 
-    def _step(self, features: torch.Tensor, tokens: torch.Tensor, slots: list[int], advance=None,
-              tree_mask=None, depths=None) -> torch.Tensor:
+    def step(self, features: torch.Tensor, tokens: torch.Tensor, slots: list[int], advance=None,
+             tree_mask=None, depths=None) -> torch.Tensor:
         """Feed pairs ``(features # [B, n, H], tokens # [B, n])``; returns guessed next features ``[B, n, H]``.
         Each row's cache grows by ``n``, or by ``advance[b]`` (rows padded past their pairs).
         ``tree_mask``, ``depths``: the pairs are tree nodes (see :mod:`.tree`)."""
@@ -222,7 +225,7 @@ class EagleDrafter(HeadDrafter):
             pending.clear()
         for i, n in zip(ids, counts):
             self._pairs[i] += n
-        out = self._step(features, tokens, self._slots.of(ids), None if even else counts)  # [batch, width, H]
+        out = self.step(features, tokens, self._slots.of(ids), None if even else counts)  # [batch, width, H]
         if even:
             return out[:, -1]
         return out[torch.arange(batch, device=device), torch.tensor([max(n - 1, 0) for n in counts], device=device)]
@@ -253,5 +256,5 @@ class EagleDrafter(HeadDrafter):
             if not chain.add(*drawn):
                 break
             if i + 1 < k:  # the guessed pair: one position per row
-                feature = self._step(feature[:, None], drawn[0][:, None], slots)[:, 0]
+                feature = self.step(feature[:, None], drawn[0][:, None], slots)[:, 0]
         return chain.draft(self._lengths(k))

@@ -29,9 +29,8 @@ from typing import Any
 
 import torch
 
-from ...errors import ConfigError
-from ...types import TargetInfo
-from ..copy_gate import STATE_PREFIX, CopyGate
+from ..api import ConfigError, TargetInfo, write_atomic
+from ..common.copy_gate import STATE_PREFIX, CopyGate
 from .modules import KINDS, EagleDraft, MedusaHeads, SharedHead, build_heads, eagle_layer_config
 
 FORMAT_FILE = "specdraft_heads.json"
@@ -42,8 +41,6 @@ WEIGHTS_FILE = "heads.safetensors"
 def save_heads(module: torch.nn.Module, shared: SharedHead, path: str | Path, target_name: str, fingerprint: str,
                dtype=torch.bfloat16, extra: dict | None = None) -> Path:
     from safetensors.torch import save_file
-
-    from ...files import write_atomic
 
     path = Path(path)
     path.mkdir(parents=True, exist_ok=True)
@@ -112,7 +109,7 @@ def _check_width(found: int, target: TargetInfo, where: Path, what: str) -> None
 def _load_specdraft(path: Path, target: TargetInfo):
     from safetensors.torch import load_file
 
-    from ..compact_draft import target_fingerprint
+    from ..common.compact_draft import target_fingerprint
 
     meta = json.loads((path / FORMAT_FILE).read_text())
     if meta.get("format") != FORMAT:

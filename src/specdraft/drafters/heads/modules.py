@@ -10,7 +10,7 @@ turns ``f_t`` into ``x_{t+1}``; heads guess further ahead.
   predicts ``f_{t+1}``, autoregressively at the feature level; the target's LM head turns
   predicted features into tokens. Training runs the transformers layer over whole sequences;
   drafting runs it on specdraft's own block over a KV cache
-  (:func:`~specdraft.drafters.base.layer_runner`).
+  (``TargetInfo.services.layer_runner``).
 * :class:`MLPSpeculator` (multi-stage, after IBM's MLP speculator): stage ``i`` mixes the
   previous stage's state with the embedding of the token chosen at stage ``i-1`` (stage 1:
   ``f_t`` and ``x_{t+1}``), so each guess is conditioned on the one before it.
@@ -65,7 +65,7 @@ class SharedHead(nn.Module):
         """Token ids -> indices into ``head_ids`` (-100, ignored by cross-entropy, outside it)."""
         if self.head_ids is None:
             return token_ids
-        from ..copy_gate import column_table
+        from ..common.copy_gate import column_table
 
         return column_table(self.head_ids, self.vocab_size, missing=-100).to(token_ids.device)[token_ids]
 
@@ -161,10 +161,10 @@ class EagleDraft(nn.Module):
         runs :attr:`layer` on specdraft's own block over a KV cache, equals): ``attention_mask``
         is additive ``[B, 1, n, n]``.
         """
-        x = self.fc_in(features, embeds)
-        from ..base import attention_backends
+        from ..api import default_services  # training: no target, so specdraft's own attention rules
 
-        with attention_backends(x.device):
+        x = self.fc_in(features, embeds)
+        with default_services().attention_backends(x.device):
             out = self.layer(x, attention_mask=attention_mask, position_ids=position_ids,
                              position_embeddings=self.rotary(x, position_ids))
         return out[0] if isinstance(out, tuple) else out

@@ -1,5 +1,5 @@
 """Tree drafting for the heads: ``eagle`` (EAGLE-2's dynamic tree) and ``medusa`` (top-k per
-head, the product pruned to the budget), both grown by :func:`~specdraft.drafters.dynamic_tree.grow_tree`.
+head, the product pruned to the budget), both grown by :func:`~specdraft.drafters.api.grow_tree`.
 
 * eagle: each expanded node is fed to the draft layer as the pair (its parent's guessed feature,
   its token), with a tree mask and rotated at its own depth; its children come from the head on
@@ -15,8 +15,7 @@ from __future__ import annotations
 
 import torch
 
-from ...types import DraftContext
-from ..dynamic_tree import grow_tree, node_contexts, processed_probs
+from ..api import DraftContext, grow_tree, node_contexts, processed_probs
 
 
 def eagle_tree(drafter, ctx: DraftContext, k: int, root: torch.Tensor, slots: list[int]):
@@ -34,9 +33,9 @@ def eagle_tree(drafter, ctx: DraftContext, k: int, root: torch.Tensor, slots: li
     def feed(up, tokens, tree_mask, depths):
         features = state["features"]
         inputs = features.gather(1, up[:, :, None].expand(-1, -1, features.shape[-1]))  # the parents' features
-        state["features"] = drafter._step(inputs, tokens, slots, tree_mask=tree_mask, depths=depths)
+        state["features"] = drafter.step(inputs, tokens, slots, tree_mask=tree_mask, depths=depths)
 
-    return grow_tree(ctx, k, drafter.options.tree_width, ctx.tree_budget, drafter._has, next_probs, feed,
+    return grow_tree(ctx, k, drafter.options.tree_width, ctx.tree_budget, drafter.has_state, next_probs, feed,
                      drafter.options.min_confidence)
 
 
@@ -56,7 +55,7 @@ def medusa_tree(drafter, ctx: DraftContext, m: int, features: torch.Tensor):
     def feed(up, tokens, tree_mask, depths):  # the heads read the target's state alone: nothing to run
         pass
 
-    return grow_tree(ctx, m, drafter.options.tree_width, ctx.tree_budget, drafter._has, next_probs, feed,
+    return grow_tree(ctx, m, drafter.options.tree_width, ctx.tree_budget, drafter.has_state, next_probs, feed,
                      drafter.options.min_confidence)
 
 

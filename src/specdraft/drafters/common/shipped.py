@@ -6,10 +6,10 @@ import json
 from pathlib import Path
 from typing import Any
 
-from ..types import TargetInfo
+from ...types import TargetInfo
 
 #: drafts and heads shipped in the package, trained with ``specdraft distill`` / ``train-heads``
-SHIPPED = Path(__file__).parent / "weights"
+SHIPPED = Path(__file__).parent.parent / "weights"  # specdraft/drafters/weights
 
 
 def find_shipped(target: TargetInfo, meta_file: str, **match: Any) -> Path | None:

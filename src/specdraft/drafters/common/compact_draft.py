@@ -7,7 +7,7 @@ path run it unchanged) with two twists that keep it small on disk and fast per t
 * the output head has rows for the ``N`` most frequent tokens only (``head_ids``); logits
   of every other token are the most negative float, so their probability is exactly 0,
   which rejection sampling handles exactly;
-* optionally a copy gate (:class:`~specdraft.drafters.copy_gate.CopyGate`, a
+* optionally a copy gate (:class:`~specdraft.drafters.common.copy_gate.CopyGate`, a
   pointer-generator for drafting): the draft's distribution is a learnt mixture of its own
   and the token that followed the last occurrence of the trailing n-gram.
 
@@ -28,7 +28,7 @@ from typing import Any
 import numpy as np
 import torch
 
-from ..errors import ConfigError
+from ...errors import ConfigError
 from .copy_gate import STATE_PREFIX, CopyGate
 
 FORMAT_FILE = "specdraft_draft.json"
@@ -111,7 +111,7 @@ def save_compact_draft(draft, path: str | Path, target_name: str, fingerprint: s
                        extra: dict | None = None) -> None:
     from safetensors.torch import save_file
 
-    from ..files import write_atomic
+    from ...files import write_atomic
 
     path = Path(path)
     path.mkdir(parents=True, exist_ok=True)

@@ -21,7 +21,7 @@ from typing import Sequence
 
 import torch
 
-from ..sampling import TokenCounts, logits_to_probs, penalize, restrict, sample_rows
+from ...sampling import TokenCounts, logits_to_probs, penalize, restrict, sample_rows
 
 
 class CopyGate(torch.nn.Module):
@@ -78,7 +78,7 @@ def copy_mixture(probs: torch.Tensor, gate: torch.Tensor, copy_ids: torch.Tensor
 
 def copy_candidates(rows: Sequence[Sequence[int]], gate: CopyGate, device) -> tuple[torch.Tensor, torch.Tensor]:
     """Each row's copy candidate ``# [B]`` (-1: none) and matched n-gram length ``# [B]``."""
-    from .prompt_lookup import lookup
+    from .lookup import lookup
 
     found = [lookup(r, 1, gate.min_ngram, gate.max_ngram) for r in rows]
     both = torch.tensor([[c[0] if c else -1 for c, _ in found], [n for _, n in found]], dtype=torch.long,

@@ -1,0 +1,234 @@
+"""The drafter interface (propose tokens, then hear back how many were accepted), the options
+learnt drafters share, and the helpers of chain drafting (rows, per-sequence cache slots, chains)."""
+
+from __future__ import annotations
+
+from abc import ABC, abstractmethod
+from typing import ClassVar
+
+from pydantic import BaseModel, ConfigDict, Field
+
+from ...types import Draft, DraftContext, TargetInfo
+from .tree import TreeOptions
+
+
+#: Learnt drafters' default ``min_confidence`` (see :class:`DraftChain`).
+MIN_CONFIDENCE = 0.2
+
+
+class NoOptions(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+
+
+class LearntDrafterOptions(BaseModel):
+    """The options every learnt drafter (draft model, heads) shares."""
+
+    model_config = ConfigDict(extra="forbid")
+    copy_gate: bool = Field(True, description="use the drafter's copy gate, if it has one (a learnt mixture of its "
+                                              "guess and the token that followed the last occurrence of the "
+                                              "trailing n-gram); false: its own distribution only")
+    min_confidence: float = Field(MIN_CONFIDENCE, ge=0.0, le=1.0,
+                                  description="greedy drafting stops at the first token the drafter gives less than "
+                                              "this probability (0: always draft as many as the verifier asks for)")
+
+
+class HeadOptions(LearntDrafterOptions):
+    """The options of the head drafters (``medusa``, ``eagle``, ``mlp-speculator``); here, away from
+    their torch-importing module, so the registry lists and checks them without importing torch."""
+
+    heads: str | None = Field(None, description="folder with heads in specdraft's format (from `specdraft "
+                                                "train-heads`) or a published Medusa / EAGLE layout; default: "
+                                                "the heads shipped for the target, if any")
+
+
+class TreeHeadOptions(HeadOptions, TreeOptions):
+    """The head options plus ``tree_budget`` and ``tree_width``: the heads that draft trees
+    (``eagle``: EAGLE-2's dynamic tree; ``medusa``: top-k per head)."""
+
+
+class Drafter(ABC):
+    """Base class of every drafter, built-in or third-party (import it from
+    :mod:`specdraft.drafters.api`, or as ``specdraft.Drafter``).
+
+    Lifecycle, driven by the engine (API version 2, the default):
+
+    1. ``__init__(options, target)`` once, with the drafter's own validated ``Options``
+       and a :class:`~specdraft.TargetInfo` describing the target model; it ends by
+       calling ``reset()``. A drafter that runs a model of its own borrows a runner or a model
+       loader from ``target.services`` (see :class:`~specdraft.TargetInfo`).
+    2. ``on_join(seq_id, prompt)`` when a sequence joins the running batch (any step), and
+       ``on_leave(seq_id)`` when it leaves (finished, aborted or failed): keep per-sequence
+       state in a dict keyed by ``seq_id`` and drop it there.
+    3. each round: ``propose(ctx, k)`` returns up to ``k`` tokens per row for the running
+       sequences (row ``b`` is sequence ``ctx.seq_ids[b]``; rows change order between rounds),
+       the target verifies them, then ``on_verified(ctx, num_accepted)`` reports how many of
+       each row's tokens were accepted (``ctx.token_ids`` already includes them, plus the
+       target's correction or bonus token).
+
+    ``ctx.token_ids[b]`` always holds the full, authoritative sequence, so a stateless drafter
+    (prompt lookup) needs none of the hooks.
+
+    API version 1 (declare ``api_version = 1``; for drafters written before continuous batching,
+    when 1 was the default): state keyed by row index, forgotten at ``reset()``. The engine runs
+    such a drafter exactly, but in waves: a wave of sequences starts together after a
+    ``reset()``, rows keep their index until the whole wave has finished (finished rows stay
+    with ``active[b] = False``), and nothing joins meanwhile. A drafter that does not subclass
+    this class and has no ``api_version`` attribute is run as version 1 too.
+    """
+
+    #: 2 (the default): per-sequence state (``ctx.seq_ids``); 1: per-row state, run in waves (see above)
+    api_version: ClassVar[int] = 2
+
+    #: Options this drafter accepts (pydantic, ``extra="forbid"`` so typos fail loudly).
+    Options: ClassVar[type[BaseModel]] = NoOptions
+
+    #: Drafters that set this get the target's last-layer hidden states (see
+    #: ``on_hidden_states``); the verifier collects them only for such drafters.
+    needs_hidden_states: ClassVar[bool] = False
+
+    #: Set by the registry: the name the drafter was created under, and its plugin.
+    name: str = ""
+
+    @property
+    def tree_budget(self) -> int:
+        """The most nodes this drafter proposes per round (its ``tree_budget`` option, if it has
+        one; 1: chains only). Above 1 the engine sets ``ctx.tree_budget`` each round, up to this."""
+        return int(getattr(getattr(self, "options", None), "tree_budget", 1) or 1)
+    plugin: str = ""
+
+    def __init__(self, options: BaseModel, target: TargetInfo) -> None:
+        self.options = options
+        self.target = target
+        self.reset()
+
+    @abstractmethod
+    def propose(self, ctx: DraftContext, k: int) -> Draft:
+        """Return a :class:`~specdraft.Draft` of at most ``k`` tokens per row (``k >= 1``)."""
+
+    def on_verified(self, ctx: DraftContext, num_accepted: list[int]) -> None:  # noqa: B027
+        """Called after every verify pass; ``num_accepted[b]`` drafts of row ``b`` were kept."""
+
+    def on_hidden_states(self, ctx: DraftContext, hidden_states: list) -> None:  # noqa: B027
+        """Only for drafters with ``needs_hidden_states = True``: the target's new hidden states.
+
+        ``hidden_states[b]  # [n_b, hidden_size]`` are the target's last-layer hidden states
+        (after its final norm: what its LM head reads) at the next ``n_b`` positions of row
+        ``b``. Called after the prompts' prefill of the sequences that joined this step (the
+        prompt's positions but the last; other rows get ``n_b = 0``) and after every verify
+        pass, before ``on_verified`` (the positions of the tokens that round committed). At every ``propose`` the drafter has therefore seen the states of
+        positions ``0 .. len(ctx.token_ids[b]) - 2``: all but the last token, whose state
+        the target has not computed yet (its logits would be the next token's).
+        """
+
+    def on_join(self, seq_id: int, prompt: list[int]) -> None:  # noqa: B027
+        """API version 2: sequence ``seq_id`` with token ids ``prompt`` joins the running batch."""
+
+    def on_leave(self, seq_id: int) -> None:  # noqa: B027
+        """API version 2: sequence ``seq_id`` has left the batch; forget its state."""
+
+    def reset(self) -> None:  # noqa: B027
+        """Forget all state (at construction; for API version 1, before every wave of sequences)."""
+
+
+def row_ids(ctx: DraftContext) -> list[int]:
+    """Each row's sequence id (row indices for a context built by hand, without ids)."""
+    return list(ctx.seq_ids) if ctx.seq_ids else list(range(ctx.batch_size))
+
+
+def generators(ctx: DraftContext):
+    """Each row's own generator (``ctx.generators``), or the round's one for a context built by hand."""
+    return list(ctx.generators) if ctx.generators else ctx.generator
+
+
+class SequenceSlots:
+    """Rows of a drafter's own runner cache, one per sequence while it runs (reused after it leaves).
+
+    >>> slots = SequenceSlots()
+    >>> slots.join(7), slots.join(9), slots.leave(7), slots.join(4), slots.of([4, 9])
+    (0, 1, None, 0, [0, 1])
+    """
+
+    def __init__(self) -> None:
+        self.slot: dict[int, int] = {}
+        self.free: list[int] = []
+        self.size = 0  # rows ever used: the runner needs this many
+
+    def join(self, seq_id: int) -> int:
+        if seq_id in self.slot:
+            return self.slot[seq_id]
+        if self.free:
+            s = self.free.pop(0)
+        else:
+            s, self.size = self.size, self.size + 1
+        self.slot[seq_id] = s
+        return s
+
+    def leave(self, seq_id: int) -> None:
+        s = self.slot.pop(seq_id, None)
+        if s is not None:
+            self.free.append(s)
+            self.free.sort()
+
+    def of(self, seq_ids) -> list[int]:
+        return [self.slot[i] for i in seq_ids]
+
+
+class DraftChain:
+    """A round's chain of drafted tokens, and where greedy drafting stops for each row.
+
+    Learnt drafters know how sure they are of each guess. Greedy drafting stops a row at the
+    first token its drafter gives less than ``min_confidence`` (that token is not proposed):
+    a guess the drafter itself doubts is more often a wider verify pass for nothing. The
+    verifier's length policy then learns acceptance of the drafts that are made, so it drafts
+    more often and longer where the drafter is sure. Sampling is not stopped this way (the
+    chance that a sampled token survives is not its probability under the draft).
+
+    ``add`` returns whether any row still drafts, so the drafter can stop its loop early.
+    """
+
+    def __init__(self, batch: int, device, min_confidence: float = 0.0, greedy: bool = True) -> None:
+        import torch
+
+        self.tokens: list = []  # [batch] tensors, one per position (rows past their length included)
+        self.probs: list = []
+        self.threshold = min_confidence if greedy else 0.0
+        #: whether ``add`` reads a confidence (drafters skip computing one otherwise)
+        self.scored = self.threshold > 0
+        self.alive = torch.ones(batch, dtype=torch.bool, device=device)
+        self.lengths = torch.zeros(batch, dtype=torch.long, device=device)
+
+    def add(self, token, probs=None, confidence=None) -> bool:
+        """Append one position: ``token # [batch]``, its ``probs # [batch, vocab]`` (sampling) and
+        the drafter's probability of it ``confidence # [batch]`` (greedy)."""
+        self.tokens.append(token)
+        if probs is not None:
+            self.probs.append(probs)
+        if not self.scored:  # no row stops: skip the device sync of reading ``alive``
+            self.lengths += 1
+            return True
+        if confidence is not None:
+            self.alive &= confidence.to(self.alive.device) >= self.threshold
+        self.lengths += self.alive
+        return bool(self.alive.any())
+
+    def draft(self, limit=None) -> Draft:
+        """The proposal (``limit # [batch]``: rows' own caps, e.g. 0 for a row the drafter cannot serve)."""
+        import torch
+
+        lengths = self.lengths if limit is None else torch.minimum(self.lengths, limit.to(self.lengths.device))
+        if not self.tokens:
+            return Draft.empty(len(lengths), lengths.device)
+        return Draft(token_ids=torch.stack(self.tokens, 1), probs=torch.stack(self.probs, 1) if self.probs else None,
+                     lengths=lengths)
+
+
+def draw_scored(logits, sampling, generator=None, scored: bool = False, counts=None):
+    """:func:`~specdraft.sampling.draw` on ``logits # [batch, vocab]`` with the penalties' context
+    ``counts`` (see :meth:`DraftContext.counts_after`) plus, when greedy and ``scored`` (see
+    :attr:`DraftChain.scored`), the probability of the drawn token ``# [batch]``:
+    ``(tokens, probs | None, confidence | None)``."""
+    from ...sampling import draw, penalize
+
+    token, probs = draw(logits, sampling, generator, counts)
+    confidence = penalize(logits, sampling, counts).softmax(-1).amax(-1) if scored and sampling.greedy else None
+    return token, probs, confidence

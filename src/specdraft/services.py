@@ -1,0 +1,96 @@
+"""What specdraft lends a drafter that runs a model of its own: runners and model loading.
+
+Drafters import only :mod:`specdraft.drafters.api`, never the runner or the model loading. A
+drafter that needs them (``draft-model`` runs a draft model, ``eagle`` a decoder layer) calls
+the methods of ``self.target.services``, a :class:`DrafterServices` unless whoever built the
+:class:`~specdraft.TargetInfo` passed another object with the methods it needs (a test's stub).
+This is the one place that knows where those pieces live: nothing is imported until a method
+is called, so building a ``TargetInfo`` and listing drafters stay instant.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+
+class DrafterServices:
+    """specdraft's own runners and model loading, lent to drafters through ``TargetInfo.services``."""
+
+    def model_runner(self, model, compile: bool | None = None):
+        """A runner of its own for a drafter's transformers model (a draft model).
+
+        It has the target's runner interface: ``forward(tokens # [rows, W], logits_at=None,
+        hidden=False, advance=None, slots=None, tree_mask=None, depths=None) -> (logits, hidden)``
+        and ``supports_tree``, over a KV cache of its own, ``runner.cache`` (the interface of
+        :mod:`specdraft.cache`: ``reset(rows, max_len)``, ``reserve(max_len, rows=None)``,
+        ``set_lengths(lengths, slots=None)``, ``lengths`` on the device). Llama-family models run
+        on specdraft's own code (compiled per pass width when ``compile``; None: the device's
+        default), anything else on transformers' modules, eagerly.
+        """
+        from .runner import default_compile, load_runner
+
+        if compile is None:
+            compile = default_compile(model.device)
+        try:
+            return load_runner(model, compile=compile)
+        except Exception:  # noqa: BLE001 - e.g. compile asked for a model our code does not run
+            if not compile:
+                raise
+            return load_runner(model, compile=False)
+
+    def layer_runner(self, hf_layers, config, compile: bool | None = None, attention_norm: bool = True):
+        """A runner of its own for a drafter's transformers decoder layers (EAGLE's layer).
+
+        ``hf_layers``: one layer or a sequence run in order; ``config``: their transformers config.
+        The runner has the model runner's cache (``runner.cache``, as above) and
+        ``forward(x # [rows, W, dim], advance=None, slots=None, tree_mask=None, depths=None) ->
+        [rows, W, dim]``, the last layer's output. ``attention_norm=False``: the layers skip their
+        input norm (EAGLE-1). Compiled per pass width when ``compile`` (None: the device's
+        default). Raises :class:`~specdraft.ConfigError` naming what specdraft's layer code does
+        not reproduce.
+        """
+        import torch
+
+        from .errors import ConfigError
+        from .runner import default_compile
+        from .runner.layers import layers_from_transformers
+
+        layers = hf_layers if isinstance(hf_layers, torch.nn.Module) else torch.nn.ModuleList(hf_layers)
+        if compile is None:
+            compile = default_compile(next(layers.parameters()).device)
+        runner, reason = layers_from_transformers(layers, config, attention_norm=attention_norm, compile=compile)
+        if runner is None:
+            raise ConfigError(f"specdraft cannot run these decoder layers: {reason}")
+        return runner
+
+    def attention_backends(self, device):
+        """The attention kernels specdraft allows on ``device`` (on CUDA: no cuDNN, which plans per
+        key length), as a context; for a drafter's own modules run outside a runner (training)."""
+        from .runner.base import attention_backends
+
+        return attention_backends(device)
+
+    def load_model(self, source: str, dtype: Any = None, device: Any = None,
+                   option: str = "--drafter-option model") -> tuple[Any, Any, str]:
+        """``(model, tokenizer or None, name)`` for a hub id, a local folder or a ``.gguf`` file, as
+        the target is loaded (``dtype``, ``device``: None for the defaults); ``option`` is how the
+        user named ``source``, for the errors' advice. Raises :class:`~specdraft.ModelLoadError`."""
+        from .models import load_target
+
+        return load_target(source, dtype=dtype, device=device, require_tokenizer=False, option=option)
+
+    def resolve_device(self, device: Any):
+        """A ``torch.device`` for ``device`` (a name, a device, or None: CUDA if there is one)."""
+        from .models import resolve_device
+
+        return resolve_device(device)
+
+    def resolve_dtype(self, dtype: Any, device: Any):
+        """A ``torch.dtype`` for ``dtype`` (a name such as ``"bfloat16"``, a dtype, or None: the
+        device's default)."""
+        from .models import resolve_dtype
+
+        return resolve_dtype(dtype, device)
+
+
+__all__ = ["DrafterServices"]
