@@ -56,6 +56,7 @@ def _one_line(capsys) -> str:
     (["generate", "--drafter", "nope", "hi"], "unknown drafter 'nope'; known drafters: "),
     (["generate", "--drafter-option", "max_order=x", "hi"], "invalid options for drafter 'ngram': max_order"),
     (["generate", "--target", "./no/such/dir", "hi"], "no such model directory: './no/such/dir'"),
+    (["generate", "--prediction", "./no/such/file.py", "hi"], "--prediction ./no/such/file.py: cannot read it"),
     (["bench", "--questions", "q.jsonl", "--drafters", "ngram", "--drafter-option", "draft-model:model=x"],
      "--drafter-option names draft-model, which --drafters does not run"),
     (["bench", "--questions", "q.jsonl", "--drafters", "ngram", "--drafter-option", "ngram:nope=1"],

@@ -103,6 +103,9 @@ def build_parser() -> argparse.ArgumentParser:
     gen.add_argument("--seed", type=int, default=None, help="seed for reproducible sampling, 0 to 2**64 - 1")
     gen.add_argument("--stop", action="append", default=[], metavar="STR", help="stop string (repeatable)")
     gen.add_argument("--raw", action="store_true", help="do not apply the chat template")
+    gen.add_argument("--prediction", metavar="FILE", default=None,
+                     help="text the answer is expected to repeat much of (a file being edited; OpenAI's Predicted "
+                          "Outputs): drafted from with any --drafter, the answer stays the model's own")
     gen.add_argument("--stream", action="store_true", help="print the text as it is generated")
     gen.add_argument("--stats", action="store_true", help="print speculation metrics to stderr")
     device_args(gen)
@@ -214,10 +217,21 @@ def _read_prompt(arg: str) -> str:
                           "convert it first, for example with `iconv -f latin1 -t utf-8`") from None
 
 
+def _read_prediction(path: str | None) -> str | None:
+    """``--prediction FILE``'s text (None: no flag, or an empty file)."""
+    if path is None:
+        return None
+    try:
+        return Path(path).read_text(encoding="utf-8") or None
+    except (OSError, UnicodeDecodeError) as exc:
+        raise ConfigError(f"--prediction {path}: cannot read it as UTF-8 text ({exc.__class__.__name__}: {exc})") from None
+
+
 def _generate(args) -> int:
     prompt = _read_prompt(args.prompt)
     if not prompt.strip():
         raise ConfigError("the prompt is empty; give some text to continue")
+    prediction = _read_prediction(args.prediction)
     from .decoder import SpeculativeDecoder, check_generation_args, check_spec_length
     from .plugins import get_registry
 
@@ -233,7 +247,8 @@ def _generate(args) -> int:
     )
     from .engine import GenerationInterrupted
 
-    settings = dict(max_new_tokens=args.max_new_tokens, seed=args.seed, stop=args.stop, raw=args.raw, **sampling)
+    settings = dict(max_new_tokens=args.max_new_tokens, seed=args.seed, stop=args.stop, raw=args.raw,
+                    prediction=prediction, **sampling)
     if args.stream:
         stream = decoder.stream(prompt, **settings)
         try:

@@ -277,12 +277,16 @@ class SpeculativeDecoder:
         repetition_penalty: float = 1.0,
         presence_penalty: float = 0.0,
         frequency_penalty: float = 0.0,
+        prediction: str | Sequence[str | None] | None = None,
     ) -> list[GenerationResult]:
         """Generate for one prompt or a list of prompts; one result per prompt.
 
         Instruct models get their chat template (the prompt is the user's message) unless
         ``raw`` is True, in which case the prompt is tokenized as is. The sampling settings
         are :class:`~specdraft.SamplingParams`' fields (see there and docs/algorithm.md).
+        ``prediction``: text the output is expected to repeat much of (OpenAI's Predicted
+        Outputs), one per prompt (a list; None entries for prompts without one): those rows
+        draft from it, with any drafter; the output stays the target's own.
         """
         if self.tokenizer is None:
             raise ConfigError("this decoder has no tokenizer; use generate_ids() with token ids")
@@ -290,7 +294,23 @@ class SpeculativeDecoder:
         return self.generate_ids([self.encode(t, raw=raw) for t in texts], max_new_tokens=max_new_tokens,
                                  temperature=temperature, top_k=top_k, top_p=top_p, seed=seed, stop=stop,
                                  min_p=min_p, repetition_penalty=repetition_penalty,
-                                 presence_penalty=presence_penalty, frequency_penalty=frequency_penalty)
+                                 presence_penalty=presence_penalty, frequency_penalty=frequency_penalty,
+                                 prediction=self._encode_predictions(prediction, len(texts)))
+
+    def _encode_predictions(self, prediction, count: int) -> list[list[int] | None] | None:
+        """Token ids of each prompt's predicted text (``prediction``: a string for one prompt, or a
+        list with an entry per prompt)."""
+        from .verifier.prediction import check_prediction
+
+        if prediction is None:
+            return None
+        texts = [prediction] if isinstance(prediction, str) else prediction
+        if isinstance(texts, (bytes, dict)) or not hasattr(texts, "__len__") or len(texts) != count:
+            raise ConfigError(f"prediction must be a string (one prompt) or a list of {count} strings or None, "
+                              "one per prompt")
+        return [None if text is None else self.tokenizer(check_prediction(text, f"prediction[{i}]") or "",
+                                                          add_special_tokens=False).input_ids
+                for i, text in enumerate(texts)]
 
     def encode(self, prompt: str, raw: bool = False) -> list[int]:
         """Token ids for ``prompt``: through the chat template unless ``raw`` or there is none."""
@@ -310,13 +330,15 @@ class SpeculativeDecoder:
         repetition_penalty: float = 1.0,
         presence_penalty: float = 0.0,
         frequency_penalty: float = 0.0,
+        prediction: Sequence[Sequence[int] | None] | None = None,
     ) -> list[GenerationResult]:
-        """Generate from token ids (one list per sequence); no chat template is applied."""
+        """Generate from token ids (one list per sequence); no chat template is applied.
+        ``prediction``: each sequence's predicted output, token ids (None: none); see :meth:`generate`."""
         from .engine import GenerationInterrupted, Stream
 
         seqs = self._sequences(prompt_ids, max_new_tokens, seed, stop, dict(
             temperature=temperature, top_k=top_k, top_p=top_p, min_p=min_p, repetition_penalty=repetition_penalty,
-            presence_penalty=presence_penalty, frequency_penalty=frequency_penalty))
+            presence_penalty=presence_penalty, frequency_penalty=frequency_penalty), prediction)
         streams = [Stream(self._loop, s, self.tokenizer) for s in seqs]
         self._loop.submit(seqs, limit=False)
         try:
@@ -360,6 +382,7 @@ class SpeculativeDecoder:
         repetition_penalty: float = 1.0,
         presence_penalty: float = 0.0,
         frequency_penalty: float = 0.0,
+        prediction: str | None = None,
     ):
         """Generate for one prompt, yielding text as tokens are accepted (several per step).
 
@@ -373,10 +396,11 @@ class SpeculativeDecoder:
         text = check_prompts(prompt)
         if len(text) != 1:
             raise ConfigError("stream() takes one prompt; call it once per prompt")
+        predicted = self._encode_predictions(prediction, 1)
         return self.stream_ids(self.encode(text[0], raw=raw), max_new_tokens=max_new_tokens, temperature=temperature,
                                top_k=top_k, top_p=top_p, seed=seed, stop=stop, min_p=min_p,
                                repetition_penalty=repetition_penalty, presence_penalty=presence_penalty,
-                               frequency_penalty=frequency_penalty)
+                               frequency_penalty=frequency_penalty, prediction=predicted and predicted[0])
 
     def stream_ids(
         self,
@@ -392,14 +416,16 @@ class SpeculativeDecoder:
         repetition_penalty: float = 1.0,
         presence_penalty: float = 0.0,
         frequency_penalty: float = 0.0,
+        prediction: Sequence[int] | None = None,
     ):
-        """:meth:`stream` from token ids (one sequence); raises QueueFull when ``max_waiting``
-        requests already wait."""
+        """:meth:`stream` from token ids (one sequence; ``prediction``: its predicted output's
+        token ids); raises QueueFull when ``max_waiting`` requests already wait."""
         from .engine import Stream
 
         [seq] = self._sequences([prompt_ids], max_new_tokens, seed, stop, dict(
             temperature=temperature, top_k=top_k, top_p=top_p, min_p=min_p, repetition_penalty=repetition_penalty,
-            presence_penalty=presence_penalty, frequency_penalty=frequency_penalty))
+            presence_penalty=presence_penalty, frequency_penalty=frequency_penalty),
+            None if prediction is None else [prediction])
         stream = Stream(self._loop, seq, self.tokenizer)
         self._loop.submit([seq])
         return stream
@@ -415,14 +441,38 @@ class SpeculativeDecoder:
             raise ConfigError(f"the chat template cannot render these messages: {exc}") from None
         return self.tokenizer(text, add_special_tokens=False).input_ids
 
-    def _sequences(self, prompt_ids, max_new_tokens, seed, stop, sampling: dict):
+    def _sequences(self, prompt_ids, max_new_tokens, seed, stop, sampling: dict, predictions=None):
         from .engine.sequence import sequences_for
 
         params, stops = check_generation_args(max_new_tokens, sampling, seed, stop)
         if stops and self.tokenizer is None:
             raise ConfigError("stop strings need a tokenizer to decode the output; this decoder has none")
         prompts = self._check_prompt_ids(prompt_ids)
-        return sequences_for(prompts, params, max_new_tokens, self.target.max_context, stops, seed)
+        return sequences_for(prompts, params, max_new_tokens, self.target.max_context, stops, seed,
+                             self._check_predicted_ids(predictions, len(prompts)))
+
+    def _check_predicted_ids(self, predictions, count: int) -> list[list[int] | None] | None:
+        """``predictions`` (None, or one token-id list or None per prompt), checked."""
+        if predictions is None:
+            return None
+        if isinstance(predictions, (str, bytes)) or not hasattr(predictions, "__len__") or len(predictions) != count:
+            raise ConfigError(f"prediction must be a list with one entry per prompt ({count}): token ids or None")
+        vocab, context = self.target.vocab_size, self.target.max_context
+        checked = []
+        for i, ids in enumerate(predictions):
+            if ids is None:
+                checked.append(None)
+                continue
+            if isinstance(ids, (str, bytes)) or not hasattr(ids, "__iter__"):
+                raise ConfigError(f"prediction {i} must be a list of token ids, got {type(ids).__name__}")
+            ids = [_token_id(t) for t in ids]
+            if None in ids or (ids and (min(ids) < 0 or max(ids) >= vocab)):
+                raise ConfigError(f"prediction {i} must hold token ids in [0, {vocab})")
+            if len(ids) >= context:
+                raise ConfigError(f"prediction {i} has {len(ids)} tokens but the model's context holds {context}; "
+                                  "shorten it")
+            checked.append(ids or None)
+        return checked
 
     def _check_prompt_ids(self, prompt_ids) -> list[list[int]]:
         if isinstance(prompt_ids, (str, bytes)) or not hasattr(prompt_ids, "__len__") or len(prompt_ids) == 0:

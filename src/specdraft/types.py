@@ -193,6 +193,10 @@ class GenerationStats:
     drafted_tokens: int = 0
     accepted_tokens: int = 0
     target_passes: int = 0  # verify passes (the prompt's prefill is not counted)
+    #: of the drafts made from the request's prediction (OpenAI's ``completion_tokens_details``):
+    #: predicted tokens verified and kept, and verified and refused
+    accepted_prediction_tokens: int = 0
+    rejected_prediction_tokens: int = 0
     drafted_per_position: list[int] = field(default_factory=list)  # [k] rounds whose draft reached depth i
     accepted_per_position: list[int] = field(default_factory=list)  # [k] rounds that accepted depth i
     prefill_time_s: float = 0.0

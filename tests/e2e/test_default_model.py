@@ -41,6 +41,24 @@ def test_greedy_parity_on_real_prompts(default_f64, plain_outputs, prompts, draf
         assert sum(r.stats.accepted_tokens for r in results) > 0
 
 
+def test_predictions_right_wrong_and_absent_leave_the_output_alone(default_f64, plain_outputs, prompts):
+    """Predicted Outputs on the real model in float64: each prompt with its own plain output as
+    the prediction, an edited one (words swapped and dropped), or none, in one batch."""
+    model, tok = default_f64
+    cats = list(prompts)
+    predictions = []
+    for i, cat in enumerate(cats):
+        words = plain_outputs[cat].text.split(" ")
+        edited = " ".join(words[:3] + ["indeed"] + words[5:])
+        predictions.append([plain_outputs[cat].text, edited, None][i % 3])
+    dec = SpeculativeDecoder(model, tok, drafter="ngram", spec_length=4)
+    results = dec.generate([prompts[c] for c in cats], max_new_tokens=NEW, prediction=predictions)
+    for cat, r in zip(cats, results):
+        assert r.token_ids == plain_outputs[cat].token_ids, cat
+    right = results[0].stats
+    assert right.accepted_prediction_tokens > NEW // 2 and right.tokens_per_pass > 3
+
+
 def test_stop_string_cuts_text_like_plain(default_f32, prompts):
     model, tok = default_f32
     prompt = prompts["qa"]

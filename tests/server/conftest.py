@@ -14,6 +14,7 @@ import socket
 import threading
 import time
 from dataclasses import dataclass
+from types import SimpleNamespace
 
 import pytest
 
@@ -81,8 +82,10 @@ class FakeStream:
     up to 3 tokens every ``decoder.delay`` seconds, once the request has a place in the batch (and,
     when ``decoder.bursts`` is a semaphore, each burst has taken one of its permits)."""
 
-    def __init__(self, decoder: "FakeDecoder", prompt_ids: list[int], max_new_tokens: int, stop) -> None:
+    def __init__(self, decoder: "FakeDecoder", prompt_ids: list[int], max_new_tokens: int, stop,
+                 prediction=None) -> None:
         self.decoder, self.max_new_tokens = decoder, max_new_tokens
+        self.seq = SimpleNamespace(prediction=prediction, stats=GenerationStats())  # what the server reads of it
         self.stops = [stop] if isinstance(stop, str) else list(stop or ())
         self.prompt_tokens = len(prompt_ids)
         self.result: GenerationResult | None = None
@@ -193,17 +196,17 @@ class FakeDecoder:
 
     def stream_ids(self, prompt_ids, max_new_tokens=128, temperature=0.0, top_k=0, top_p=1.0, seed=None,
                    stop=None, *, min_p=0.0, repetition_penalty=1.0, presence_penalty=0.0,
-                   frequency_penalty=0.0) -> FakeStream:
+                   frequency_penalty=0.0, prediction=None) -> FakeStream:
         self.calls.append(dict(prompt_ids=list(prompt_ids), max_new_tokens=max_new_tokens, temperature=temperature,
                                top_k=top_k, top_p=top_p, seed=seed, stop=stop, min_p=min_p,
                                repetition_penalty=repetition_penalty, presence_penalty=presence_penalty,
-                               frequency_penalty=frequency_penalty))
+                               frequency_penalty=frequency_penalty, prediction=prediction))
         if not 0 <= temperature <= 100:
             raise ConfigError(f"invalid sampling settings: temperature: must be from 0 to 100 (got {temperature})")
         if len(prompt_ids) >= self.target.max_context:
             raise ConfigError(f"prompt 0 has {len(prompt_ids)} tokens but the model's context holds "
                               f"{self.target.max_context}; shorten it to at most {self.target.max_context - 1} tokens")
-        stream = FakeStream(self, list(prompt_ids), max_new_tokens, stop)
+        stream = FakeStream(self, list(prompt_ids), max_new_tokens, stop, prediction)
         with self._lock:
             if len(self.running) < self.max_batch:
                 self.running.append(stream)

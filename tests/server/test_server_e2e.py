@@ -114,6 +114,36 @@ def test_greedy_chat_equals_offline_generate(client, decoder, model):
     assert chunks[-1].choices[0].finish_reason == r.choices[0].finish_reason
 
 
+def test_a_prediction_drafts_and_leaves_the_answer_alone(client, decoder, model):
+    """OpenAI's Predicted Outputs through the openai client: the answer equals offline greedy
+    decoding whatever the prediction; usage reports the predicted tokens, streamed or not."""
+    prompt = "Repeat this sentence exactly: The quick brown fox jumps over the lazy dog near the river bank."
+    expected = offline(decoder, prompt, 24, raw=False)
+    messages = [{"role": "user", "content": prompt}]
+    for prediction in (expected.text, "The quick brown cat jumps over the lazy dog near the old river bank."):
+        r = client.chat.completions.create(model=model, messages=messages, max_tokens=24, temperature=0,
+                                           prediction={"type": "content", "content": prediction})
+        assert r.choices[0].message.content == expected.text
+        details = r.usage.completion_tokens_details
+        assert details.accepted_prediction_tokens > 0 and details.rejected_prediction_tokens >= 0
+        assert details.accepted_prediction_tokens <= r.usage.completion_tokens
+        chunks = list(client.chat.completions.create(
+            model=model, messages=messages, max_tokens=24, temperature=0, stream=True,
+            stream_options={"include_usage": True},
+            prediction={"type": "content", "content": [{"type": "text", "text": prediction}]}))
+        assert "".join(c.choices[0].delta.content or "" for c in chunks if c.choices) == expected.text
+        assert chunks[-1].usage.completion_tokens_details == details
+    completion = client.completions.create(model=model, prompt=PROMPTS[0], max_tokens=12, temperature=0,
+                                           extra_body={"prediction": {"type": "content", "content": " Thursday,"}})
+    assert completion.choices[0].text == offline(decoder, PROMPTS[0], 12, raw=True).text
+    with pytest.raises(openai.BadRequestError, match="prediction"):
+        client.chat.completions.create(model=model, messages=messages, max_tokens=4,
+                                       prediction={"type": "content", "content": 42})
+    with pytest.raises(openai.BadRequestError, match="n: not supported"):
+        client.chat.completions.create(model=model, messages=messages, max_tokens=4, n=2,
+                                       prediction={"type": "content", "content": expected.text})
+
+
 def test_16_concurrent_streaming_clients(client, decoder, model):
     """Mixed lengths, greedy and seeded sampling, completions and chat, all at once."""
     jobs = []

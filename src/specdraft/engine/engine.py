@@ -22,7 +22,7 @@ import atexit
 import threading
 import time
 import weakref
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 
@@ -53,15 +53,18 @@ def drafter_label(drafter) -> str:
 
 @dataclass
 class _Plan:
-    """A round before it runs: the drafter's context, each row's cap and the draft length asked for."""
+    """A round before it runs: the drafter's context, each row's cap, the rows that draft from
+    their request's prediction, and the draft length the drafter is asked for."""
 
     ctx: DraftContext
     caps: list[int]  # [batch] tokens (a tree's levels) each row may have verified
     policy: AdaptiveDraftLength | None
+    predicted: dict[int, list[int]] = field(default_factory=dict)  # row -> its predicted draft
 
     @property
     def k(self) -> int:
-        return max(self.caps)
+        """What the drafter is asked for (0: it is not called): its rows' largest cap."""
+        return max((c for b, c in enumerate(self.caps) if b not in self.predicted), default=0)
 
 
 class Engine:
@@ -129,7 +132,7 @@ class Engine:
         t0 = time.perf_counter()
         plan = self._plan(batch)
         draft = self._call("propose", plan.ctx, plan.k) if plan.k > 0 else None
-        proposal = self.verifier.proposal(draft, plan.caps)  # validated once; a chain or a tree
+        proposal = self.verifier.proposal(draft, plan.caps, plan.predicted)  # validated once; a chain or a tree
         t1 = time.perf_counter()
         logits, hidden = self.verifier.verify(proposal, [s.tokens[-1] for s in batch], [s.slot for s in batch],
                                               max(s.cached for s in batch), hidden=self.wants_hidden)
@@ -137,8 +140,8 @@ class Engine:
                                        hidden)
         t2 = time.perf_counter()
         committed = self._commit(batch, outcome)
-        self._learn(plan, proposal, outcome, draft_s=t1 - t0, verify_s=t2 - t1)
-        self._report(plan.ctx, outcome, committed)
+        self._learn(batch, plan, proposal, outcome, draft_s=t1 - t0, verify_s=t2 - t1)
+        self._report(plan, outcome, committed)
         t3 = time.perf_counter()
         for s in batch:
             s.stats.draft_time_s += (t1 - t0) + (t3 - t2)
@@ -153,13 +156,21 @@ class Engine:
         if policy is not None:
             policy.measure_costs = not any(s.fixed_draft_length for s in batch)
         want = policy.choose() if policy is not None else self.spec_length
-        caps = [min(self.spec_length if s.fixed_draft_length else want, s.max_new_tokens - len(s.new_tokens) - 1,
-                    s.max_len - len(s.tokens)) for s in batch]
-        ctx = self._context(batch)
-        ctx.tree_budget = self._tree_budget(policy, batch, max(caps))
-        if ctx.sampling.penalized:  # the penalties' context, shared by the drafter and the verify pass
-            ctx.counts = TokenCounts.of(ctx.token_ids, ctx.prompt_lengths, self.target.vocab_size, self.target.device)
-        return _Plan(ctx, caps, policy)
+        left = [min(s.max_new_tokens - len(s.new_tokens) - 1, s.max_len - len(s.tokens)) for s in batch]
+        caps = [min(self.spec_length if s.fixed_draft_length else want, n) for s, n in zip(batch, left)]
+        predicted = {}
+        for b, s in enumerate(batch):
+            if s.prediction is not None:  # seeded sampling: a fixed length, the output a function of the seed
+                most = self.spec_length if s.fixed_draft_length else s.prediction_policy.choose()
+                tokens = s.prediction.draft(s.new_tokens, min(most, left[b]))
+                if tokens:
+                    predicted[b], caps[b] = tokens, len(tokens)
+        plan = _Plan(self._context(batch), caps, policy, predicted)
+        plan.ctx.tree_budget = self._tree_budget(policy, batch, plan.k)
+        if plan.ctx.sampling.penalized:  # the penalties' context, shared by the drafter and the verify pass
+            plan.ctx.counts = TokenCounts.of(plan.ctx.token_ids, plan.ctx.prompt_lengths, self.target.vocab_size,
+                                             self.target.device)
+        return plan
 
     def _commit(self, batch: list[Sequence], outcome: Outcome) -> list[int]:
         """Append each row's new tokens up to its first stop and send them to its reader; the cache
@@ -185,22 +196,33 @@ class Engine:
             self.runner.cache.set_lengths([s.cached for s in live], slots=[s.slot for s in live])
         return committed
 
-    def _learn(self, plan: _Plan, proposal: Proposal, outcome: Outcome, draft_s: float, verify_s: float) -> None:
-        """The length policy hears what the round cost and kept."""
+    def _learn(self, batch: list[Sequence], plan: _Plan, proposal: Proposal, outcome: Outcome, draft_s: float,
+               verify_s: float) -> None:
+        """The length policies hear what the round cost and kept: the drafter's of its rows, each
+        prediction's of its own (and the request's usage counts its predicted tokens)."""
+        mine = [b for b in range(len(batch)) if b not in plan.predicted]
         if plan.policy is not None:
             tree_round = {"budget": plan.ctx.tree_budget} if getattr(self.drafter, "tree_budget", 1) > 1 else {}
-            plan.policy.observe(proposal.width + 1, verify_s, outcome.depths, outcome.num_accepted,
+            plan.policy.observe(proposal.width + 1, verify_s, [outcome.depths[b] for b in mine],
+                                [outcome.num_accepted[b] for b in mine],
                                 draft_seconds=draft_s if self._drafted_last and plan.k > 0 else None, **tree_round)
+        for b in plan.predicted:
+            drafted, accepted = outcome.drafted[b], outcome.num_accepted[b]
+            batch[b].prediction_policy.observe(proposal.width + 1, verify_s, [drafted], [accepted])
+            batch[b].stats.accepted_prediction_tokens += accepted
+            batch[b].stats.rejected_prediction_tokens += drafted - accepted
         self._drafted_last = plan.k > 0
 
-    def _report(self, ctx: DraftContext, outcome: Outcome, committed: list[int]) -> None:
-        """The drafter hears what was verified and kept (and, if it asks, the target's hidden states)."""
-        ctx.num_verified = outcome.drafted
-        ctx.accepted_nodes = outcome.paths
+    def _report(self, plan: _Plan, outcome: Outcome, committed: list[int]) -> None:
+        """The drafter hears what was verified and kept of its drafts (none of a row that drafted
+        from its prediction), and, if it asks, the target's hidden states."""
+        ctx, theirs = plan.ctx, [b not in plan.predicted for b in range(len(committed))]
+        ctx.num_verified = [d if mine else 0 for d, mine in zip(outcome.drafted, theirs)]
+        ctx.accepted_nodes = [p if mine else [] for p, mine in zip(outcome.paths, theirs)]
         if self.wants_hidden:  # the states of the positions whose next token is now known
             self._hand_hidden(ctx, [None if outcome.hidden is None else outcome.hidden_at(b, n)
                                     for b, n in enumerate(committed)])
-        self._call("on_verified", ctx, [a if d else 0 for a, d in zip(outcome.num_accepted, outcome.drafted)])
+        self._call("on_verified", ctx, [a if d else 0 for a, d in zip(outcome.num_accepted, ctx.num_verified)])
 
     def policy(self, rows: int) -> AdaptiveDraftLength:
         bucket = _rows_bucket(rows)

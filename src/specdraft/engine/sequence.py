@@ -14,6 +14,11 @@ import torch
 
 from ..sampling import SamplingParams
 from ..types import GenerationStats
+from ..verifier.prediction import MAX_PREDICTED, Prediction
+from .policy import AdaptiveDraftLength
+
+#: How likely a predicted token is taken to be accepted before the request has shown it.
+PREDICTION_PRIOR = 0.8
 
 _ids = itertools.count()
 _MASK = 2**64 - 1
@@ -62,9 +67,15 @@ class Sequence:
     events: "queue.SimpleQueue" = field(default_factory=queue.SimpleQueue)
     submitted: float = field(default_factory=time.perf_counter)
     aborted: bool = False
+    #: the request's predicted output (token ids), drafted from instead of the drafter (see
+    #: :mod:`specdraft.verifier.prediction`); None: none
+    prediction: Prediction | None = None
 
     def __post_init__(self) -> None:
         self.tokens = list(self.tokens)
+        #: how long a predicted draft pays (per request: each prediction has its own quality)
+        self.prediction_policy = (AdaptiveDraftLength(MAX_PREDICTED, prior=PREDICTION_PRIOR)
+                                  if self.prediction is not None else None)
         self.prompt_len = self.prompt_len or len(self.tokens)
         self.stats.prompt_tokens = self.prompt_len
         self._seed = self.seed if self.seed is not None else random.SystemRandom().getrandbits(64)
@@ -101,10 +112,14 @@ class Sequence:
 
 
 def sequences_for(prompts: Seq[Seq[int]], sampling: SamplingParams, max_new_tokens: int, max_context: int,
-                  stop: Seq[str] = (), seed: int | None = None) -> list[Sequence]:
+                  stop: Seq[str] = (), seed: int | None = None,
+                  predictions: Seq[Seq[int] | None] | None = None) -> list[Sequence]:
     """One :class:`Sequence` per prompt of a call; a call's seed gives each prompt its own (its
-    index mixed in), so the same call gives the same outputs however it is batched."""
+    index mixed in), so the same call gives the same outputs however it is batched.
+    ``predictions[i]``: prompt ``i``'s predicted output, token ids (None or empty: none)."""
+    predictions = predictions or [None] * len(prompts)
     return [Sequence(tokens=list(p), sampling=sampling, max_new_tokens=max_new_tokens,
                      max_len=min(max_context, len(p) + max_new_tokens), stop=tuple(stop),
-                     seed=None if seed is None else mix_seed(seed, i))
-            for i, p in enumerate(prompts)]
+                     seed=None if seed is None else mix_seed(seed, i),
+                     prediction=Prediction(list(predicted)) if predicted else None)
+            for i, (p, predicted) in enumerate(zip(prompts, predictions))]

@@ -45,6 +45,7 @@ from .protocol import (
     CompletionResponseChoice,
     CompletionResponseStreamChoice,
     CompletionStreamResponse,
+    CompletionTokensDetails,
     DeltaMessage,
     ErrorInfo,
     ErrorResponse,
@@ -183,7 +184,13 @@ def _finish_reason(result) -> str:
 def _usage(stream, result) -> UsageInfo:
     prompt = result.stats.prompt_tokens if result is not None else stream.prompt_tokens
     completion = len(result.token_ids) if result is not None else 0
-    return UsageInfo(prompt_tokens=prompt, completion_tokens=completion, total_tokens=prompt + completion)
+    details = None
+    if stream.seq.prediction is not None:  # OpenAI's Predicted Outputs usage
+        stats = result.stats if result is not None else stream.seq.stats
+        details = CompletionTokensDetails(accepted_prediction_tokens=stats.accepted_prediction_tokens,
+                                          rejected_prediction_tokens=stats.rejected_prediction_tokens)
+    return UsageInfo(prompt_tokens=prompt, completion_tokens=completion, total_tokens=prompt + completion,
+                     completion_tokens_details=details)
 
 
 class _Reply:
@@ -392,9 +399,22 @@ class _Server:
         def _submit():
             ids = encode()
             limit = self.max_new_tokens(requested, kind.default_max_tokens, len(ids), param)
-            return self.decoder.stream_ids(ids, max_new_tokens=limit, **body.sampling())
+            return self.decoder.stream_ids(ids, max_new_tokens=limit, prediction=self.prediction(body),
+                                           **body.sampling())
 
         return await run_in_threadpool(_submit)
+
+    def prediction(self, body: SamplingRequest) -> list[int] | None:
+        """The request's predicted output as token ids (None: none, or empty); too long: a 400."""
+        text = body.prediction.text if body.prediction is not None else ""
+        if not text:
+            return None
+        ids = self.decoder.tokenizer(text, add_special_tokens=False).input_ids
+        context = self.decoder.target.max_context
+        if len(ids) >= context:
+            raise APIError(400, f"prediction has {len(ids)} tokens but the model's context holds {context}; "
+                                "shorten it", param="prediction")
+        return ids
 
     async def bursts(self, stream, started: float) -> AsyncIterator:
         """The stream's bursts, each read in a worker thread that a cancelled request abandons;

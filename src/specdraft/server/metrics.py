@@ -34,6 +34,8 @@ class ServerMetrics:
         self.accepted_per_pos = counter("spec_decode_num_accepted_tokens_per_pos",
                                         "Draft tokens accepted at each draft position (0 = first).", ["position"])
         self.target_passes = counter("spec_decode_num_target_passes", "Verify passes of the target model.")
+        self.prediction_tokens = counter("prediction_tokens", "Predicted tokens (Predicted Outputs) the target "
+                                                              "verified, by outcome.", ["outcome"])
         self.prompt_tokens = counter("prompt_tokens", "Prompt tokens of finished requests.")
         self.generation_tokens = counter("generation_tokens", "Tokens generated for finished requests.")
         self.request_success = counter("request_success", "Finished requests by finish reason (abort: the "
@@ -73,6 +75,8 @@ class ServerMetrics:
         self.num_draft_tokens.labels(**labels).inc(stats.drafted_tokens)
         self.num_accepted_tokens.labels(**labels).inc(stats.accepted_tokens)
         self.target_passes.labels(**labels).inc(stats.target_passes)
+        self.prediction_tokens.labels(outcome="accepted", **labels).inc(stats.accepted_prediction_tokens)
+        self.prediction_tokens.labels(outcome="rejected", **labels).inc(stats.rejected_prediction_tokens)
         for position, accepted in enumerate(stats.accepted_per_position):
             self.accepted_per_pos.labels(position=str(position), **labels).inc(accepted)
 

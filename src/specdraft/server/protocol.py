@@ -78,10 +78,34 @@ class StreamOptions(OpenAIBaseModel):
     include_usage: bool | None = False
 
 
+class CompletionTokensDetails(OpenAIBaseModel):
+    """OpenAI's Predicted Outputs usage: predicted tokens the target verified and kept, and verified and refused."""
+
+    accepted_prediction_tokens: int = 0
+    rejected_prediction_tokens: int = 0
+
+
 class UsageInfo(OpenAIBaseModel):
     prompt_tokens: int = 0
     completion_tokens: int = 0
     total_tokens: int = 0
+    completion_tokens_details: CompletionTokensDetails | None = None  # requests with a prediction
+
+
+class TextPart(OpenAIBaseModel):
+    type: Literal["text"]
+    text: str
+
+
+class PredictionParam(OpenAIBaseModel):
+    """OpenAI's ``prediction``: ``{"type": "content", "content": "..."}`` (or a list of text parts)."""
+
+    type: Literal["content"]
+    content: str | list[TextPart]
+
+    @property
+    def text(self) -> str:
+        return self.content if isinstance(self.content, str) else "".join(part.text for part in self.content)
 
 
 class SpecDecodeInfo(OpenAIBaseModel):
@@ -118,6 +142,8 @@ class SamplingRequest(OpenAIBaseModel):
     stream: bool | None = False
     stream_options: StreamOptions | None = None
     n: int | None = 1  # only 1
+    #: Predicted Outputs: text the answer is expected to repeat much of; drafted from, never changes the output
+    prediction: PredictionParam | None = None
     # OpenAI parameters that are declared only to be refused when set (see ``unsupported``)
     logprobs: Any = None
     logit_bias: dict[str, float] | None = None

@@ -128,7 +128,8 @@ def family_size(steps: int) -> int:
 
 
 def sampled_joint_pvalue(decoder, prompt: Sequence[int], params, n: int | None = None, seed: int = 0,
-                         exact=None, steps: int | None = None, max_new_tokens: int | None = None):
+                         exact=None, steps: int | None = None, max_new_tokens: int | None = None,
+                         prediction: Sequence[int] | None = None):
     """p-value of the first ``steps`` tokens of ``n`` speculative samples from ``decoder`` (one
     batched call, ``prompt`` repeated) against the target's exact distribution.
 
@@ -138,7 +139,8 @@ def sampled_joint_pvalue(decoder, prompt: Sequence[int], params, n: int | None =
     :class:`~specdraft.testing.reference.Enumerated` computed once by
     :func:`~specdraft.testing.reference.enumerate_plain_sampling`. ``max_new_tokens``
     (default ``steps``) generates more, so later rounds run too. Returns ``(p_value, results)``;
-    compare the p-value with :data:`SIGNIFICANCE`.
+    compare the p-value with :data:`SIGNIFICANCE`. ``prediction``: every sample's predicted output
+    (token ids), drafted from before the drafter.
     """
     from .reference import enumerate_plain_sampling
 
@@ -149,6 +151,7 @@ def sampled_joint_pvalue(decoder, prompt: Sequence[int], params, n: int | None =
         support = max(int((exact.marginal(i) > 0).sum()) for i in range(steps))
         n = samples_needed(support - 1, family_size(steps))
     results = decoder.generate_ids([list(prompt)] * n, max_new_tokens=max(steps, max_new_tokens or steps), seed=seed,
+                                   prediction=None if prediction is None else [list(prediction)] * n,
                                    **params.model_dump())
     short = [r for r in results if len(r.token_ids) < steps]
     assert not short, f"{len(short)} of {n} samples ended before {steps} tokens ({short[0].finish_reason})"

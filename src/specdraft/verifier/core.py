@@ -67,12 +67,13 @@ class Verifier:
         """Whether the runner verifies trees (else a tree is verified as its first chain)."""
         return bool(getattr(self.runner, "supports_tree", False))
 
-    def proposal(self, draft, caps: list[int]) -> Proposal:
-        """The :class:`Proposal` of ``draft`` (None: nothing drafted) for rows capped at ``caps``."""
-        if draft is None:
+    def proposal(self, draft, caps: list[int], predicted: dict[int, list[int]] | None = None) -> Proposal:
+        """The :class:`Proposal` of ``draft`` (None: nothing drafted) for rows capped at ``caps``;
+        rows ``predicted`` draft their request's predicted tokens instead (see :mod:`.prediction`)."""
+        if draft is None and not predicted:
             return empty_proposal(len(caps), self.device)
         return make_proposal(draft, caps, self.vocab_size, self.who, self.device, full=self.full_checks,
-                             trees=self.trees)
+                             trees=self.trees, predicted=predicted)
 
     def verify(self, proposal: Proposal, last: list[int], slots: list[int], longest: int,
                hidden: bool = False) -> tuple[torch.Tensor, torch.Tensor | None]:

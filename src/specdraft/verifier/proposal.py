@@ -147,6 +147,30 @@ class Proposal:
         return counts.along(self.token_ids) if self.tree is None else counts.along_tree(self.token_ids, self.tree.ancestors)
 
 
+def _with_predicted(ids, lengths, probs, parents, predicted: dict[int, list[int]]):
+    """The draft's tensors with rows ``predicted`` replaced by those deterministic chains: one-hot
+    rows where the drafter reported probabilities, a chain's parents where it drafted a tree."""
+    batch, width = ids.shape
+    wide = max(width, max(len(tokens) for tokens in predicted.values()))
+    ids = torch.cat([ids, ids.new_zeros((batch, wide - width))], 1)
+    lengths = lengths.clone()
+    if probs is not None:
+        probs = torch.cat([probs, probs.new_zeros((batch, wide - width, probs.shape[-1]))], 1)
+    if parents is not None:
+        parents = torch.cat([parents, torch.arange(width, wide, device=ids.device).expand(batch, -1) - 1], 1)
+    for b, tokens in predicted.items():
+        row = torch.tensor(tokens, dtype=torch.long, device=ids.device)
+        ids[b] = 0
+        ids[b, : len(tokens)] = row
+        lengths[b] = len(tokens)
+        if probs is not None:
+            probs[b] = 0
+            probs[b, torch.arange(len(tokens), device=ids.device), row] = 1
+        if parents is not None:
+            parents[b] = torch.arange(wide, device=ids.device) - 1
+    return ids, lengths, probs, parents
+
+
 def empty_proposal(batch: int, device) -> Proposal:
     """No draft: the round is a plain one-token step."""
     return Proposal(torch.zeros((batch, 0), dtype=torch.long, device=device),
@@ -154,12 +178,18 @@ def empty_proposal(batch: int, device) -> Proposal:
 
 
 def make_proposal(draft: Any, caps: list[int], vocab: int, who: str, device, *, full: bool = True,
-                  trees: bool = True) -> Proposal:
+                  trees: bool = True, predicted: dict[int, list[int]] | None = None) -> Proposal:
     """The :class:`Proposal` of a drafter's ``draft`` for rows capped at ``caps[b]`` tokens (or
     levels) each: validated (:func:`check_draft`; :class:`DrafterError` naming ``who``), a chain cut
     to its caps, a tree's nodes deeper than its cap dropped, and no wider than its widest row.
-    ``trees=False`` (a runner that cannot verify trees): a tree is verified as its first chain."""
+    ``trees=False`` (a runner that cannot verify trees): a tree is verified as its first chain.
+    ``predicted``: rows that draft from their request's prediction instead (row -> token ids, at
+    most its cap; ``draft`` may be None when every drafting row is one of them)."""
+    if draft is None:
+        draft = Draft.empty(len(caps), device)
     ids, lengths, probs, parents = check_draft(draft, len(caps), max(caps, default=0), vocab, who, device, full=full)
+    if predicted:
+        ids, lengths, probs, parents = _with_predicted(ids, lengths, probs, parents, predicted)
     caps_t = torch.tensor(caps, device=device)
     if parents is not None and ids.shape[1] == 0:  # an empty tree is an empty chain
         parents = None
