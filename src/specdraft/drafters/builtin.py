@@ -20,9 +20,11 @@ def register_drafters(register):
     from .ngram import NGramDrafter
     from .none import NoDrafter
     from .prompt_lookup import PromptLookupDrafter
+    from .suffix import SuffixDrafter
 
     register("ngram", NGramDrafter)
     register("prompt-lookup", PromptLookupDrafter, aliases=("pld",))
+    register("suffix", SuffixDrafter)  # SuffixDecoding: frequent-continuation trees from suffix tries
     register("none", NoDrafter, aliases=("plain",))
     register("draft-model", DraftModelDrafter)
     register("llama-1b", DraftModelDrafter, defaults={"model": LLAMA_1B})
