@@ -199,3 +199,73 @@ def test_llama_cpp_peer_runs_the_default_gguf_side_by_side(questions, tmp_path, 
     peer = [r for r in records if r.method == "llama-cpp"]
     assert len(peer) == 1 and 0 < peer[0].new_tokens <= 8
     assert "llama-cpp" in summary and env["llama-cpp"].endswith("threads")
+
+
+# -- predictions (issue 30: edits, with the original as the prediction) ---------------------------
+
+@pytest.fixture
+def predicted_questions(tmp_path):
+    path = tmp_path / "p.jsonl"
+    text = "red green blue red green blue"
+    rows = [
+        {"question_id": 1, "category": "edit-word", "turns": [f"Rewrite, but replace 'red' with 'pink':\n\n{text}"],
+         "prediction": text},
+        {"question_id": 2, "category": "chat", "turns": ["Say hello."], "prediction": None},
+        {"question_id": 3, "category": "chat", "turns": ["Say goodbye."]},
+    ]
+    path.write_text("\n".join(json.dumps(r) for r in rows) + "\n")
+    return path
+
+
+def test_load_questions_keeps_a_prediction(predicted_questions, tmp_path):
+    rows = load_questions(predicted_questions)
+    assert rows[0]["prediction"] == "red green blue red green blue"
+    assert "prediction" not in rows[1] and "prediction" not in rows[2]  # null or absent: none
+    bad = tmp_path / "bad.jsonl"
+    bad.write_text(json.dumps({"question_id": 1, "category": "c", "turns": ["x"], "prediction": [1, 2]}) + "\n")
+    with pytest.raises(ConfigError, match="bad.jsonl:1: 'prediction' must be a string or null, not list"):
+        load_questions(bad)
+
+
+def test_bench_gives_the_prediction_to_the_drafters_only(predicted_questions, tiny_target, monkeypatch):
+    """The prediction reaches generate_ids as the tokenized text (no template, no special tokens),
+    for the drafters' decoders only: not plain decoding, not the peers, not questions without one."""
+    from specdraft.decoder import SpeculativeDecoder
+
+    model, tokenizer = tiny_target
+    real, calls = SpeculativeDecoder.generate_ids, []
+
+    def generate_ids(self, prompt_ids, *args, prediction=None, **kw):  # a decoder that records, then decodes
+        calls.append((type(self.drafter).__name__, prediction))
+        return real(self, prompt_ids, *args, **kw)
+
+    monkeypatch.setattr(SpeculativeDecoder, "generate_ids", generate_ids)
+    settings = BenchSettings(questions=str(predicted_questions), limit_per_category=None,
+                             drafters=["ngram", "pl=prompt-lookup"], max_new_tokens=4, peers=["hf"])
+    records, summary, env = run_bench(model, tokenizer, settings, name="tiny", progress=False)
+    expected = [tokenizer("red green blue red green blue", add_special_tokens=False)["input_ids"]]
+    plain, ngram, lookup = "NoDrafter", "NGramDrafter", "PromptLookupDrafter"
+    assert calls == [
+        (plain, None), (ngram, expected), (lookup, expected),  # warm-up, on the first question
+        (plain, None), (ngram, expected), (lookup, expected),  # question 1
+        (plain, None), (ngram, None), (lookup, None),  # question 2 (null)
+        (plain, None), (ngram, None), (lookup, None)]  # question 3 (absent)
+    assert {r.method for r in records} == {"plain", "ngram", "pl", "hf-generate", "hf-prompt-lookup"}
+    assert env["predictions"].startswith("1 of 3 prompts carry a prediction")
+    assert summary["ngram"]["overall"]["mismatches"] == 0 and "tokens_per_pass" in summary["ngram"]["overall"]
+
+
+def test_bench_with_predictions_stays_exact(predicted_questions, tiny_target):
+    """With the decoder's own prediction support: the drafters' outputs equal plain decoding's."""
+    import inspect
+
+    from specdraft.decoder import SpeculativeDecoder
+
+    if "prediction" not in inspect.signature(SpeculativeDecoder.generate_ids).parameters:
+        pytest.skip("SpeculativeDecoder.generate_ids takes no prediction yet")
+    model, tokenizer = tiny_target
+    settings = BenchSettings(questions=str(predicted_questions), limit_per_category=None, drafters=["ngram"],
+                             max_new_tokens=16)
+    records, summary, env = run_bench(model, tokenizer, settings, name="tiny", progress=False)
+    assert summary["ngram"]["overall"]["mismatches"] == 0
+    assert {r.question_id for r in records if r.method == "ngram"} == {1, 2, 3}

@@ -51,7 +51,9 @@ def split_method(entry: str) -> tuple[str, str]:
 
 def load_questions(path: str | os.PathLike, categories: Sequence[str] | None = None,
                    limit_per_category: int | None = None) -> list[dict]:
-    """Spec-Bench schema (``question_id``, ``category``, ``turns``); the first turn is the prompt."""
+    """Spec-Bench schema (``question_id``, ``category``, ``turns``); the first turn is the prompt.
+    An optional ``prediction`` (text the answer is expected to mostly repeat, e.g. the original of
+    an edit; ``null`` for none) is kept as the row's ``prediction``: see :class:`_Methods`."""
     path = Path(path)
     if not path.is_file():
         raise ConfigError(f"questions file {str(path)!r} does not exist")
@@ -64,6 +66,11 @@ def load_questions(path: str | os.PathLike, categories: Sequence[str] | None = N
             row = {"question_id": int(q["question_id"]), "category": str(q["category"]), "prompt": str(q["turns"][0])}
         except (ValueError, KeyError, IndexError, TypeError) as exc:
             raise ConfigError(f"{path}:{n}: not a Spec-Bench question (need question_id, category, turns): {exc}") from None
+        prediction = q.get("prediction")
+        if prediction is not None and not isinstance(prediction, str):
+            raise ConfigError(f"{path}:{n}: 'prediction' must be a string or null, not {type(prediction).__name__}")
+        if prediction:  # "" predicts nothing, like null
+            row["prediction"] = prediction
         if categories and row["category"] not in categories:
             continue
         if limit_per_category is not None and seen.get(row["category"], 0) >= limit_per_category:
@@ -121,7 +128,11 @@ def environment(model, settings: BenchSettings, name: str) -> dict:
 
 
 class _Methods:
-    """The runnable methods: plain, the drafters, and the peers, sharing one model."""
+    """The runnable methods: plain, the drafters, and the peers, sharing one model.
+
+    A question's ``prediction`` goes to the drafters' decoders as token ids of the text alone
+    (no chat template, no special tokens: what the answer is expected to repeat), not to plain
+    decoding nor to the peers, which have no way to use one."""
 
     def __init__(self, model, tokenizer, settings: BenchSettings) -> None:
         from ..decoder import SpeculativeDecoder
@@ -145,14 +156,29 @@ class _Methods:
             self.names += PEERS[peer]
         self.llama = _llama_cpp(settings.gguf, model) if "llama-cpp" in settings.peers else None
         self.eos = set(self.decoders[PLAIN].target.eos_token_ids)
+        self._predictions: dict[str, list[int]] = {}
+
+    def prediction_ids(self, question: dict) -> list[int] | None:
+        """The question's prediction as token ids (tokenized once), or None without one."""
+        text = question.get("prediction")
+        if text is None:
+            return None
+        if text not in self._predictions:
+            self._predictions[text] = list(self.tokenizer(text, add_special_tokens=False)["input_ids"])
+        return self._predictions[text]
 
     def run(self, method: str, ids: list[int], question: dict) -> RunRecord:
         s = self.settings
         seed = question["question_id"]
+        kw: dict[str, Any] = {}
+        if method in self.decoders and method != PLAIN:
+            prediction = self.prediction_ids(question)  # before the clock starts
+            if prediction is not None:
+                kw["prediction"] = [prediction]
         start = time.perf_counter()
         if method in self.decoders:
             r = self.decoders[method].generate_ids([ids], max_new_tokens=s.max_new_tokens,
-                                                   temperature=s.temperature, seed=seed)[0]
+                                                   temperature=s.temperature, seed=seed, **kw)[0]
             elapsed = time.perf_counter() - start
             st = r.stats
             return RunRecord(method, question["question_id"], question["category"], len(r.token_ids), elapsed,
@@ -261,6 +287,10 @@ def run_bench(model, tokenizer, settings: BenchSettings, name: str = "", progres
         env["interrupted"] = f"after {finished} of {len(questions)} prompts (Ctrl-C); the unfinished prompt is dropped"
     else:
         env["questions"] = f"{settings.questions} ({len(questions)} prompts)"
+    predicted = sum(q.get("prediction") is not None for q in questions)
+    if predicted:
+        env["predictions"] = (f"{predicted} of {len(questions)} prompts carry a prediction, given to the drafters "
+                              f"(not to plain decoding nor the peers)")
     for drafter, options in settings.drafter_options.items():
         env[f"{drafter} options"] = ", ".join(f"{k}={v}" for k, v in options.items())
     if interrupted:
