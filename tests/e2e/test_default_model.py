@@ -41,9 +41,10 @@ def test_greedy_parity_on_real_prompts(default_f64, plain_outputs, prompts, draf
         assert sum(r.stats.accepted_tokens for r in results) > 0
 
 
-def test_predictions_right_wrong_and_absent_leave_the_output_alone(default_f64, plain_outputs, prompts):
+def test_predictions_right_wrong_and_absent_leave_the_output_alone(default_f64, plain_outputs, prompts, step_clock):
     """Predicted Outputs on the real model in float64: each prompt with its own plain output as
-    the prediction, an edited one (words swapped and dropped), or none, in one batch."""
+    the prediction, an edited one (words swapped and dropped), or none, in one batch
+    (``step_clock``: draft lengths chosen from equal pass costs, not from this machine's timings)."""
     model, tok = default_f64
     cats = list(prompts)
     predictions = []
