@@ -30,7 +30,9 @@ class SuffixDrafter(Drafter):
 
     class Options(TreeOptions):
         model_config = ConfigDict(extra="forbid")
-        tree_budget: int = Field(8, ge=1, le=31, description=TreeOptions.model_fields["tree_budget"].description)
+        # 1 (chains), as the other lookup drafters: on the repeated-work workload on a 2-core EPYC,
+        # chains ran 1.42x plain and a budget of 8 1.29x (docs/benchmarks.md); on a GPU try 8
+        tree_budget: int = Field(1, ge=1, le=31, description=TreeOptions.model_fields["tree_budget"].description)
         max_depth: int = Field(24, ge=2, le=64, description="longest window the tries count, in tokens (match "
                                                            "length + draft depth)")
         alpha: float = Field(2.0, gt=0, description="draft at most alpha x the match length tokens deep")
