@@ -457,47 +457,35 @@ class SpeculativeDecoder:
             return None
         if isinstance(predictions, (str, bytes)) or not hasattr(predictions, "__len__") or len(predictions) != count:
             raise ConfigError(f"prediction must be a list with one entry per prompt ({count}): token ids or None")
-        vocab, context = self.target.vocab_size, self.target.max_context
-        checked = []
-        for i, ids in enumerate(predictions):
-            if ids is None:
-                checked.append(None)
-                continue
-            if isinstance(ids, (str, bytes)) or not hasattr(ids, "__iter__"):
-                raise ConfigError(f"prediction {i} must be a list of token ids, got {type(ids).__name__}")
-            ids = [_token_id(t) for t in ids]
-            if None in ids or (ids and (min(ids) < 0 or max(ids) >= vocab)):
-                raise ConfigError(f"prediction {i} must hold token ids in [0, {vocab})")
-            if len(ids) >= context:
-                raise ConfigError(f"prediction {i} has {len(ids)} tokens but the model's context holds {context}; "
-                                  "shorten it")
-            checked.append(ids or None)
-        return checked
+        return [None if ids is None else self._token_ids(ids, f"prediction {i}") or None
+                for i, ids in enumerate(predictions)]
 
     def _check_prompt_ids(self, prompt_ids) -> list[list[int]]:
         if isinstance(prompt_ids, (str, bytes)) or not hasattr(prompt_ids, "__len__") or len(prompt_ids) == 0:
             raise ConfigError("prompt_ids must be a non-empty list of token-id lists")
         if all(_token_id(t) is not None for t in prompt_ids):
             raise ConfigError("prompt_ids must be a list of lists (one per sequence); wrap a single prompt: [ids]")
-        vocab, context = self.target.vocab_size, self.target.max_context
         prompts = []
         for i, ids in enumerate(prompt_ids):
-            if isinstance(ids, (str, bytes)) or not hasattr(ids, "__iter__"):
-                raise ConfigError(f"prompt {i} must be a list of token ids (ints), got {type(ids).__name__}")
-            ids = list(ids)  # any iterable of ids, read once
-            converted = [_token_id(t) for t in ids]
-            if None in converted:
-                bad = ids[converted.index(None)]
-                raise ConfigError(f"prompt {i} holds {bad!r} ({type(bad).__name__}); token ids must be integers")
-            ids = converted
+            ids = self._token_ids(ids, f"prompt {i}")
             if not ids:
                 raise ConfigError(f"prompt {i} is empty; give at least one token")
-            if min(ids) < 0 or max(ids) >= vocab:
-                raise ConfigError(f"prompt {i} has token ids outside [0, {vocab})")
-            if len(ids) >= context:
-                raise ConfigError(
-                    f"prompt {i} has {len(ids)} tokens but the model's context holds {context}; "
-                    f"shorten it to at most {context - 1} tokens"
-                )
             prompts.append(ids)
         return prompts
+
+    def _token_ids(self, ids, what: str) -> list[int]:
+        """``ids`` (any iterable of integers) as a list, checked against the vocabulary and the context."""
+        if isinstance(ids, (str, bytes)) or not hasattr(ids, "__iter__"):
+            raise ConfigError(f"{what} must be a list of token ids (ints), got {type(ids).__name__}")
+        ids = list(ids)  # any iterable of ids, read once
+        converted = [_token_id(t) for t in ids]
+        if None in converted:
+            bad = ids[converted.index(None)]
+            raise ConfigError(f"{what} holds {bad!r} ({type(bad).__name__}); token ids must be integers")
+        vocab, context = self.target.vocab_size, self.target.max_context
+        if converted and (min(converted) < 0 or max(converted) >= vocab):
+            raise ConfigError(f"{what} has token ids outside [0, {vocab})")
+        if len(converted) >= context:
+            raise ConfigError(f"{what} has {len(converted)} tokens but the model's context holds {context}; "
+                              f"shorten it to at most {context - 1} tokens")
+        return converted

@@ -168,7 +168,8 @@ def plain_bf16(default_bf16, eight_prompts):
 @pytest.mark.parametrize("drafter, options", [
     ("ngram", None), ("prompt-lookup", None), ("draft-model", None), ("medusa", None), ("eagle", None),
     ("mlp-speculator", None), ("eagle", {"tree_budget": 8, "tree_width": 2, "min_confidence": 0.0}),
-], ids=["ngram", "prompt-lookup", "draft-model", "medusa", "eagle", "mlp-speculator", "eagle-tree"])
+    ("suffix", None),
+], ids=["ngram", "prompt-lookup", "draft-model", "medusa", "eagle", "mlp-speculator", "eagle-tree", "suffix"])
 def test_greedy_parity_in_bfloat16(default_bf16, plain_bf16, eight_prompts, drafter, options):
     """bfloat16, the CPU default where the processor has native bfloat16 products: every built-in
     drafter (the shipped draft model and heads included) gives plain decoding's tokens on eight real
@@ -180,3 +181,18 @@ def test_greedy_parity_in_bfloat16(default_bf16, plain_bf16, eight_prompts, draf
     for cat, plain, r in zip(eight_prompts, plain_bf16, results, strict=True):
         assert r.token_ids == plain.token_ids, cat
     assert sum(r.stats.accepted_tokens for r in results) > 0
+
+
+def test_greedy_parity_with_predictions_in_bfloat16(default_bf16, plain_bf16, eight_prompts, step_clock):
+    """Predicted drafts are the widest passes (up to 33 tokens): in bfloat16 too they give plain
+    decoding's tokens, with the right output, an edited one or none as the prediction."""
+    model, tok = default_bf16
+    predictions = []
+    for i, plain in enumerate(plain_bf16):
+        words = plain.text.split(" ")
+        predictions.append([plain.text, " ".join(words[:4] + ["quite"] + words[6:]), None][i % 3])
+    with SpeculativeDecoder(model, tok, drafter="ngram", spec_length=4) as dec:
+        results = dec.generate(list(eight_prompts.values()), max_new_tokens=NEW, prediction=predictions)
+    for cat, plain, r in zip(eight_prompts, plain_bf16, results, strict=True):
+        assert r.token_ids == plain.token_ids, cat
+    assert results[0].stats.accepted_prediction_tokens > NEW // 2

@@ -91,7 +91,7 @@ def test_bad_predictions_are_refused_with_one_clear_error(tiny_model):
     prompt = repetitive_prompts(64)[0]
     with pytest.raises(ConfigError, match="one entry per prompt"):
         dec.generate_ids([prompt], max_new_tokens=4, prediction=[[1], [2]])
-    with pytest.raises(ConfigError, match=r"prediction 0 must hold token ids in \[0, 64\)"):
+    with pytest.raises(ConfigError, match=r"prediction 0 has token ids outside \[0, 64\)"):
         dec.generate_ids([prompt], max_new_tokens=4, prediction=[[1, 64]])
     with pytest.raises(ConfigError, match="prediction 0 has .* tokens but the model's context holds"):
         dec.generate_ids([prompt], max_new_tokens=4, prediction=[[1] * dec.target.max_context])
