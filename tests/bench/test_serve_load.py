@@ -7,7 +7,8 @@ import json
 
 import pytest
 
-from specdraft.bench.serve_load import Request, compare_with_plain, inter_token_latencies, summarize_level
+from specdraft.bench.serve_load import (Request, compare_with_plain, inter_token_latencies, markdown, request_body,
+                                        requests_for, summarize_level)
 from specdraft.cli import main
 
 
@@ -32,13 +33,52 @@ def test_speedup_and_mismatches_are_against_none_at_the_same_concurrency():
     assert "speedup" not in rows[2]  # no plain row at concurrency 4
 
 
+def test_prediction_tokens_are_summed_per_row_and_shown_as_accepted_over_rejected():
+    def req(i, accepted, rejected):
+        return Request(i, i, "p", 8, sent=0.0, chunks=[(0.5, "ab")], done=1.0, completion_tokens=2,
+                       target_passes=1, accepted_prediction_tokens=accepted, rejected_prediction_tokens=rejected,
+                       finish_reason="stop")
+
+    row = summarize_level("pld", 1, [req(0, 5, 2), req(1, 3, 0), req(2, 0, 0)], 1.0, len)
+    assert (row["accepted_prediction_tokens"], row["rejected_prediction_tokens"]) == (8, 2)
+    assert [(r["accepted_prediction_tokens"], r["rejected_prediction_tokens"]) for r in row["records"]] == [
+        (5, 2), (3, 0), (0, 0)]
+    plain = summarize_level("none", 1, [req(0, 0, 0)], 1.0, len)
+    table = markdown({"environment": {}, "load": [plain, row]})
+    assert "| prediction accepted / rejected | mismatches |" in table
+    assert "| 2.00 | - | - |" in table  # none: no prediction tokens; its mismatches not compared
+    assert "| 2.00 | 8 / 2 | - |" in table
+
+
+def test_the_body_carries_the_prediction_as_openai_predicted_outputs():
+    body = request_body(Request(0, 1, "Fix the typo: teh cat", 16, prediction="the cat"))
+    assert body["prediction"] == {"type": "content", "content": "the cat"}
+    assert body["messages"] == [{"role": "user", "content": "Fix the typo: teh cat"}]
+    assert (body["max_tokens"], body["temperature"], body["stream"]) == (16, 0, True)
+    assert "prediction" not in request_body(Request(0, 1, "Say hello.", 16))
+
+
+def test_plain_decoding_gets_no_prediction_and_the_drafters_do():
+    questions = [{"question_id": 7, "prompt": "edit this", "prediction": "this"},
+                 {"question_id": 8, "prompt": "say hello"},
+                 {"question_id": 9, "prompt": "edit that", "prediction": "that"}]
+    plain = requests_for("none", questions, 2, 32)
+    drafter = requests_for("prompt-lookup", questions, 2, 32)
+    assert [r.prediction for r in plain] == [None, None]
+    assert [r.prediction for r in drafter] == ["this", None]  # the first n, in order
+    for requests in (plain, drafter):
+        assert [(r.index, r.question_id, r.prompt, r.max_tokens) for r in requests] == [
+            (0, 7, "edit this", 32), (1, 8, "say hello", 32)]
+
+
 @pytest.mark.e2e
 @pytest.mark.server
 def test_bench_serve_end_to_end(tmp_path, capsys):
     pytest.importorskip("fastapi", reason="bench-serve starts `specdraft serve`: pip install 'specdraft[serve]'")
     pytest.importorskip("httpx")
     questions = tmp_path / "q.jsonl"
-    rows = [{"question_id": 1, "category": "copy", "turns": ["Repeat exactly: red green blue red green blue"]},
+    rows = [{"question_id": 1, "category": "copy", "turns": ["Repeat exactly: red green blue red green blue"],
+             "prediction": "red green blue red green blue"},
             {"question_id": 2, "category": "chat", "turns": ["Say hello."]}]
     questions.write_text("".join(json.dumps(r) + "\n" for r in rows))
     out = tmp_path / "out"
@@ -70,8 +110,13 @@ def test_bench_serve_end_to_end(tmp_path, capsys):
         assert r["tokens_per_pass"] == pytest.approx(r["output_tokens"] / sum(rec["target_passes"] for rec in records))
         assert r["speedup"] == pytest.approx(r["tokens_per_second"] / plain[r["concurrency"]]["tokens_per_second"])
         assert r["ttft_ms"]["p50"] <= r["ttft_ms"]["p90"]
-        if r["drafter"] == "none":  # plain decoding: one token per pass, and its own baseline
+        predicted = [(rec["accepted_prediction_tokens"], rec["rejected_prediction_tokens"]) for rec in records]
+        assert (r["accepted_prediction_tokens"], r["rejected_prediction_tokens"]) == tuple(map(sum, zip(*predicted)))
+        if r["drafter"] == "none":  # plain decoding: one token per pass, its own baseline, and no prediction
             assert r["tokens_per_pass"] == 1.0 and r["speedup"] == pytest.approx(1.0)
+            assert predicted == [(0, 0), (0, 0)]
+        else:  # the prediction drafted (question 1, index 0: first in the round robin); question 2 has none
+            assert sum(predicted[0]) > 0 and predicted[1] == (0, 0)
     fixed = results["fixed_batch"]
     assert [r["drafter"] for r in fixed["rows"]] == ["none", "prompt-lookup"]
     assert fixed["rows"][0]["output_tokens"] == fixed["rows"][1]["output_tokens"] >= fixed["requests"] == 2  # greedy
@@ -81,5 +126,6 @@ def test_bench_serve_end_to_end(tmp_path, capsys):
             runs = r[mode]["runs_s"]
             assert len(runs) == 2 and r[mode]["time_s"] == pytest.approx(sum(runs) / 2)
             assert r[mode]["tokens_per_second"] == pytest.approx(2 * r["output_tokens"] / sum(runs))
+    assert results["environment"]["predictions"].startswith("1 of 2 prompts carry a prediction")
     assert "| prompt-lookup | 2 | 2/2 |" in (out / "results.md").read_text()
     assert "| none | 1 | 2/2 |" in capsys.readouterr().out

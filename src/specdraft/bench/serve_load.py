@@ -15,7 +15,17 @@ level, so a busy machine weighs on all drafters alike. Definitions, per drafter 
   the chunk's tokens. Those are counted by the target's tokenizer on the chunk's text and
   scaled so that a request's chunks add up to its ``usage.completion_tokens``;
 * ``tokens_per_pass`` = output tokens / target passes (``spec_decode`` of the final chunk);
-* ``mismatches``: answers whose text differs from ``none``'s for the same prompt (greedy: 0).
+* ``mismatches``: answers whose text differs from ``none``'s for the same prompt (greedy: 0);
+* ``prediction accepted / rejected``: the summed ``usage.completion_tokens_details`` of the
+  requests that carried a prediction (``-``: none did).
+
+A row of the questions may carry a ``prediction`` (text the answer is expected to mostly repeat):
+it is sent as OpenAI's ``"prediction": {"type": "content", "content": ...}`` to every drafter's
+server, not to ``none`` (plain decoding runs without it, as in ``specdraft bench``), nor with the
+warm-up requests. The prompts go out interleaved by category, each category's rows in file
+order, so a stream of the repeated-work workload reaches the server in order: a drafter that
+learns across requests sees the earlier ones of its stream first (at concurrency > 1 some of a
+stream run at the same time).
 
 ``--fixed-batch N`` also runs, in this process, N requests of mixed lengths (max_tokens drawn
 from --max-tokens/8 to 2 x --max-tokens) through one decoder per drafter in two ways: in waves
@@ -67,7 +77,8 @@ def add_bench_serve_parser(subparsers) -> argparse.ArgumentParser:
                     "concurrent streaming clients at each concurrency, and report throughput, time to first "
                     "token, inter-token and end-to-end latency; write results.json and results.md.")
     p.add_argument("--questions", required=True, metavar="FILE.jsonl",
-                   help="Spec-Bench schema: question_id, category, turns (the first turn is used)")
+                   help="Spec-Bench schema: question_id, category, turns (the first turn is used), and an "
+                        f"optional prediction, sent to the drafters' servers (not to '{PLAIN}')")
     p.add_argument("--drafters", "--drafter", default=f"{PLAIN},prompt-lookup",
                    help=f"comma-separated; '{PLAIN}' is plain decoding through the same engine; LABEL=DRAFTER "
                         f"as for bench (default: {PLAIN},prompt-lookup)")
@@ -103,11 +114,14 @@ class Request:
     question_id: int
     prompt: str
     max_tokens: int
+    prediction: str | None = None  # sent as OpenAI's Predicted Outputs
     sent: float = 0.0
     chunks: list[tuple[float, str]] = field(default_factory=list)  # (arrival, text) of chunks with text
     done: float = 0.0
     completion_tokens: int = 0
     target_passes: int = 0
+    accepted_prediction_tokens: int = 0
+    rejected_prediction_tokens: int = 0
     finish_reason: str | None = None
     error: str | None = None
 
@@ -120,12 +134,20 @@ class Request:
         return "".join(text for _, text in self.chunks)
 
 
-def send(client, url: str, req: Request) -> None:
-    """Stream ``req`` as a chat completion (temperature 0, usage included) and time its chunks."""
-    import httpx
-
+def request_body(req: Request) -> dict:
+    """The chat completion ``req`` sends: streamed, temperature 0, usage included, and its prediction."""
     body = {"messages": [{"role": "user", "content": req.prompt}], "max_tokens": req.max_tokens,
             "temperature": 0, "stream": True, "stream_options": {"include_usage": True}}
+    if req.prediction is not None:
+        body["prediction"] = {"type": "content", "content": req.prediction}
+    return body
+
+
+def send(client, url: str, req: Request) -> None:
+    """Stream ``req`` as a chat completion (:func:`request_body`) and time its chunks."""
+    import httpx
+
+    body = request_body(req)
     req.sent = time.perf_counter()
     try:
         with client.stream("POST", f"{url}/v1/chat/completions", json=body) as response:
@@ -145,6 +167,9 @@ def send(client, url: str, req: Request) -> None:
                 if event.get("usage"):
                     req.completion_tokens = event["usage"]["completion_tokens"]
                     req.target_passes = (event.get("spec_decode") or {}).get("target_passes", 0)
+                    details = event["usage"].get("completion_tokens_details") or {}
+                    req.accepted_prediction_tokens = details.get("accepted_prediction_tokens") or 0
+                    req.rejected_prediction_tokens = details.get("rejected_prediction_tokens") or 0
     except httpx.HTTPError as exc:
         req.error = f"{type(exc).__name__}: {exc}"
     finally:
@@ -215,10 +240,14 @@ def summarize_level(drafter: str, concurrency: int, requests: list[Request], wal
         "itl_ms": _percentiles([x for r in ok for x in inter_token_latencies(r, count_tokens)], 1e3),
         "e2e_s": _percentiles([r.done - r.sent for r in ok]),
         "tokens_per_pass": tokens / passes if passes else None,
+        "accepted_prediction_tokens": sum(r.accepted_prediction_tokens for r in ok),
+        "rejected_prediction_tokens": sum(r.rejected_prediction_tokens for r in ok),
         "mismatches": None,  # filled in against none's row
         "errors": sorted({r.error for r in requests if r.error}),
         "records": [{"index": r.index, "question_id": r.question_id, "max_tokens": r.max_tokens,
                      "completion_tokens": r.completion_tokens, "target_passes": r.target_passes,
+                     "accepted_prediction_tokens": r.accepted_prediction_tokens,
+                     "rejected_prediction_tokens": r.rejected_prediction_tokens,
                      "chunks": len(r.chunks), "ttft_s": r.chunks[0][0] - r.sent if r.chunks else None,
                      "e2e_s": r.done - r.sent, "finish_reason": r.finish_reason, "error": r.error, "text": r.text}
                     for r in requests],
@@ -370,19 +399,24 @@ def _pair(d: dict, spec: str) -> str:
     return f"{_fmt(d['p50'], spec)} / {_fmt(d['p90'], spec)}"
 
 
+def _prediction(row: dict) -> str:
+    accepted, rejected = row.get("accepted_prediction_tokens", 0), row.get("rejected_prediction_tokens", 0)
+    return f"{accepted} / {rejected}" if accepted or rejected else "-"
+
+
 def markdown(results: dict) -> str:
     lines = ["# specdraft bench-serve", ""]
     lines += [f"- {k}: {v}" for k, v in results["environment"].items()]
     lines += ["", "## Streaming chat completions under load", "",
               "| drafter | concurrency | finished | tokens/s | speedup | TTFT p50 / p90 (ms) | ITL p50 / p90 (ms) "
-              "| e2e p50 / p90 (s) | tokens/pass | mismatches |",
-              "|---|---|---|---|---|---|---|---|---|---|"]
+              "| e2e p50 / p90 (s) | tokens/pass | prediction accepted / rejected | mismatches |",
+              "|---|---|---|---|---|---|---|---|---|---|---|"]
     for r in results["load"]:
         speedup = "-" if r["speedup"] is None else f"{r['speedup']:.2f}x"
         lines.append(f"| {r['drafter']} | {r['concurrency']} | {r['finished']}/{r['requests']} "
                      f"| {r['tokens_per_second']:.1f} | {speedup} | {_pair(r['ttft_ms'], '.0f')} "
                      f"| {_pair(r['itl_ms'], '.1f')} | {_pair(r['e2e_s'], '.2f')} | {_fmt(r['tokens_per_pass'], '.2f')} "
-                     f"| {_fmt(r['mismatches'], 'd')} |")
+                     f"| {_prediction(r)} | {_fmt(r['mismatches'], 'd')} |")
     fixed = results.get("fixed_batch")
     if fixed:
         low, high = fixed["max_tokens_range"]
@@ -398,7 +432,7 @@ def markdown(results: dict) -> str:
     return "\n".join(lines) + "\n"
 
 
-def environment(args, model: str) -> dict:
+def environment(args, model: str, questions: list[dict] | None = None) -> dict:
     from .. import __version__
 
     cpu = platform.processor() or platform.machine()
@@ -407,7 +441,7 @@ def environment(args, model: str) -> dict:
                    if line.startswith("model name"))
     except (OSError, StopIteration):
         pass
-    return {
+    env = {
         "date": datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%d %H:%M UTC"),
         "model": model,
         "machine": f"{cpu}, {os.cpu_count()} cores",
@@ -421,6 +455,11 @@ def environment(args, model: str) -> dict:
         "num_prompts": args.num_prompts or "2 x concurrency, at least 8",
         "versions": f"specdraft {__version__}, python {platform.python_version()}",
     }
+    predicted = sum(q.get("prediction") is not None for q in questions or [])
+    if predicted:
+        env["predictions"] = (f"{predicted} of {len(questions)} prompts carry a prediction, sent to the drafters' "
+                              f"servers (not to {PLAIN})")
+    return env
 
 
 # -- the command ------------------------------------------------------------------------------
@@ -433,6 +472,13 @@ def _round_robin(questions: list[dict]) -> list[dict]:
         by_category.setdefault(q["category"], []).append(q)
     columns = list(by_category.values())
     return [col[i] for i in range(max(map(len, columns))) for col in columns if i < len(col)]
+
+
+def requests_for(label: str, questions: list[dict], n: int, max_tokens: int) -> list[Request]:
+    """The first ``n`` questions as ``label``'s requests: with their predictions, except for ``none``."""
+    return [Request(i, q["question_id"], q["prompt"], max_tokens,
+                    prediction=None if label == PLAIN else q.get("prediction"))
+            for i, q in enumerate(questions[:n])]
 
 
 def _token_counter(target: str | None) -> Callable[[str], int]:
@@ -498,22 +544,22 @@ def bench_serve(args) -> int:
         import httpx
 
         model = httpx.get(f"{next(iter(urls.values()))}/v1/models", timeout=30).json()["data"][0]["id"]
-        for label, url in urls.items():  # warm-up, not counted
+        for label, url in urls.items():  # warm-up, not counted (no predictions)
             run_level(url, [Request(i, q["question_id"], q["prompt"], 8)
                             for i, q in enumerate(questions[:min(args.max_batch, max(args.levels))])],
                       min(args.max_batch, max(args.levels)))
         for level in args.levels:
             n = args.num_prompts or max(8, 2 * level)
             for label, url in urls.items():
-                requests = [Request(i, q["question_id"], q["prompt"], args.max_tokens)
-                            for i, q in enumerate(questions[:n])]
+                requests = requests_for(label, questions, n, args.max_tokens)
                 wall = run_level(url, requests, level)
                 rows.append(summarize_level(label, level, requests, wall, count_tokens))
                 r = rows[-1]
                 print(f"bench-serve: {label} at concurrency {level}: {r['finished']}/{r['requests']} finished, "
                       f"{r['tokens_per_second']:.1f} tokens/s", file=sys.stderr)
     compare_with_plain(rows)
-    results = {"environment": environment(args, model), "load": rows}
+    sent = questions[:max(args.num_prompts or max(8, 2 * level) for level in args.levels)]
+    results = {"environment": environment(args, model, sent), "load": rows}
     if args.fixed_batch:
         print(f"bench-serve: fixed-batch waves against continuous batching, {args.fixed_batch} requests",
               file=sys.stderr)
