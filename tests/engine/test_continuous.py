@@ -5,6 +5,7 @@ from __future__ import annotations
 import threading
 
 import pytest
+import torch
 
 from specdraft import Drafter, SpeculativeDecoder
 from specdraft.engine.sequence import Sequence
@@ -224,3 +225,25 @@ def test_a_dropped_decoder_is_freed(tiny_model):
     del dec
     gc.collect()
     assert engine() is None, "a dropped decoder's engine is still alive"
+
+
+def test_a_greedy_request_does_not_depend_on_who_joins_with_it_in_bfloat16():
+    """Each prompt is prefilled in a pass of its own. Prefilled as one padded batch, a row's keys
+    and values were rounded by the batch's longest prompt, and in bfloat16 plain decoding of a
+    prompt alone and of the same prompt joining with longer ones gave different tokens (this
+    failed on the first prompt). The model is wider than tiny_llama's: at width 32 the padded
+    batch happened to round alike."""
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    torch.manual_seed(5)
+    config = LlamaConfig(vocab_size=256, hidden_size=256, intermediate_size=512, num_hidden_layers=2,
+                         num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=512,
+                         bos_token_id=None, eos_token_id=None, pad_token_id=0, tie_word_embeddings=False)
+    model = LlamaForCausalLM(config).to(torch.bfloat16).eval()
+    g = torch.Generator().manual_seed(0)
+    prompts = [torch.randint(4, 256, (n,), generator=g).tolist() for n in (19, 97, 224)]
+    dec = SpeculativeDecoder(model, None, drafter="none", max_batch=3)
+    alone = [dec.generate_ids([p], max_new_tokens=32)[0].token_ids for p in prompts]
+    together = [r.token_ids for r in dec.generate_ids(prompts, max_new_tokens=32)]
+    assert together == alone
+

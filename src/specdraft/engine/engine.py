@@ -250,25 +250,22 @@ class Engine:
         for s in joined:
             self._call("on_join", s.id, list(s.tokens))
         start = time.perf_counter()
-        # Prefill everything but each prompt's last token (right-padded; padding is never read).
-        longest = max(s.prompt_len for s in joined) - 1
-        hidden = None
-        if longest > 0:
-            prefill = torch.zeros((len(joined), longest), dtype=torch.long)
-            for b, s in enumerate(joined):
-                prefill[b, : s.prompt_len - 1] = torch.tensor(s.tokens[: s.prompt_len - 1])
-            _, hidden = runner.forward(prefill.to(device), logits_at=torch.zeros((len(joined), 1), dtype=torch.long,
-                                                                                 device=device),
-                                       hidden=self.wants_hidden, advance=[s.prompt_len - 1 for s in joined],
-                                       slots=[s.slot for s in joined])
+        # Prefill everything but each prompt's last token, each prompt in a pass of its own: a
+        # padded batch of prompts rounds a row's keys and values by the batch's longest prompt (the
+        # products' blocking and attention's reductions follow the shape), so a request's output
+        # would depend on who joined with it (in bfloat16 it did: 2 of 4 greedy outputs changed).
+        states = {}
         for s in joined:
+            if s.prompt_len > 1:
+                _, hidden = runner.forward(torch.tensor([s.tokens[: s.prompt_len - 1]], device=device),
+                                           logits_at=torch.zeros((1, 1), dtype=torch.long, device=device),
+                                           hidden=self.wants_hidden, advance=[s.prompt_len - 1], slots=[s.slot])
+                if hidden is not None:
+                    states[s.id] = hidden[0]  # [prompt_len - 1, hidden_size]
             s.cached = s.prompt_len - 1
-        if self.wants_hidden:  # [joined, longest, hidden_size]
+        if self.wants_hidden:
             rows = list(self.scheduler.running)
-            where = {s.id: b for b, s in enumerate(joined)}
-            states = [hidden[where[s.id], : s.prompt_len - 1] if s.id in where and hidden is not None else None
-                      for s in rows]
-            self._hand_hidden(self._context(rows), states)
+            self._hand_hidden(self._context(rows), [states.get(s.id) for s in rows])
         took = time.perf_counter() - start
         for s in joined:
             s.stats.prefill_time_s += took
