@@ -33,7 +33,10 @@ cat <<'MD'
 - `--drafter-option` values are strings coerced by the drafter's own options model, for
   example `--drafter-option max_order=3`.
 - `--stop` may be given several times; generation ends at the first string that appears,
-  and the string itself is not printed.
+  and the string itself is not printed. `--stop-token-id` (repeatable) ends it at a token id
+  as end-of-sequence does (the token's text is not printed); `--ignore-eos` goes on past
+  end-of-sequence; `--min-tokens N` allows none of these before N tokens (vLLM's semantics;
+  the output stays exact, see [how it works](algorithm.md)).
 - `--stream` prints the text as tokens are accepted (several per step with a good drafter);
   what it prints equals what the command prints without it.
 

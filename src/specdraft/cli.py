@@ -18,6 +18,10 @@ from .cli_args import decoder_args, device_args, parse_drafter_option
 from .models import TRAIN_DTYPES
 
 
+#: the most bytes ``generate`` reads as its prompt (standard input, or the argument) or as its
+#: ``--prediction``: far more than any model's context holds as text, and bounded before any model loads
+MAX_PROMPT_BYTES = 8 * 1024 * 1024
+
 #: ``generate``'s flags that are :class:`~specdraft.SamplingParams` fields (same names)
 SAMPLING_FLAGS = ("temperature", "top_k", "top_p", "min_p", "repetition_penalty", "presence_penalty",
                   "frequency_penalty")
@@ -72,7 +76,22 @@ def _check_training_args(args, *positive: str, non_negative: Sequence[str] = ())
         if getattr(args, name) < 0:
             raise ConfigError(f"--{name.replace('_', '-')} must be >= 0")
     check_lr(args.lr)
+    _check_folder(args.output, "--output")
+    if args.work is not None:
+        _check_folder(args.work, "--work")
     load_prompts(args.prompts, limit=1)  # a missing or empty file, or a bad line in one
+
+
+def _check_folder(path: str, flag: str) -> None:
+    """``flag``'s folder ``path`` is a folder or can be made: neither it nor a folder above it is a file."""
+    wanted = Path(path).expanduser()
+    for where in (wanted, *wanted.parents):
+        if where.exists():
+            if where.is_dir():
+                return
+            if where == wanted:
+                raise ConfigError(f"{flag} {path!r} is a file; give a folder (it is made if missing)")
+            raise ConfigError(f"{flag} {path!r} cannot be made: {str(where)!r} is a file, not a folder")
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -102,6 +121,12 @@ def build_parser() -> argparse.ArgumentParser:
                           "0 = off (default)")
     gen.add_argument("--seed", type=int, default=None, help="seed for reproducible sampling, 0 to 2**64 - 1")
     gen.add_argument("--stop", action="append", default=[], metavar="STR", help="stop string (repeatable)")
+    gen.add_argument("--stop-token-id", action="append", type=int, default=[], metavar="ID",
+                     help="token id that ends the answer like end-of-sequence (repeatable)")
+    gen.add_argument("--min-tokens", type=int, default=0, metavar="N",
+                     help="generate at least N tokens: no end-of-sequence, stop token or stop string before them")
+    gen.add_argument("--ignore-eos", action="store_true",
+                     help="do not stop at end-of-sequence; generate until --max-new-tokens (or a stop)")
     gen.add_argument("--raw", action="store_true", help="do not apply the chat template")
     gen.add_argument("--prediction", metavar="FILE", default=None,
                      help="text the answer is expected to repeat much of (a file being edited; OpenAI's Predicted "
@@ -206,10 +231,15 @@ def format_stats(stats, drafter: str, spec_length: int, runner: dict | None = No
 
 
 def _read_prompt(arg: str) -> str:
-    """The prompt argument, or standard input for '-', as text; ConfigError unless valid UTF-8."""
+    """The prompt argument, or standard input for '-', as text; ConfigError unless valid UTF-8,
+    or when it is longer than :data:`MAX_PROMPT_BYTES` (standard input is read no further)."""
     import os
 
-    data = sys.stdin.buffer.read() if arg == "-" else os.fsencode(arg)  # argv as the shell passed it
+    # argv as the shell passed it; standard input no further than the limit (+1, to see it is over)
+    data = sys.stdin.buffer.read(MAX_PROMPT_BYTES + 1) if arg == "-" else os.fsencode(arg)
+    if len(data) > MAX_PROMPT_BYTES:
+        raise ConfigError(f"the prompt is longer than {MAX_PROMPT_BYTES >> 20} MiB, the most specdraft reads: far more "
+                          "than a model's context holds; shorten it")
     try:
         return data.decode("utf-8")
     except UnicodeDecodeError as exc:
@@ -222,9 +252,34 @@ def _read_prediction(path: str | None) -> str | None:
     if path is None:
         return None
     try:
-        return Path(path).read_text(encoding="utf-8") or None
+        with open(path, "rb") as f:
+            data = f.read(MAX_PROMPT_BYTES + 1)
+        if len(data) > MAX_PROMPT_BYTES:
+            raise ConfigError(f"--prediction {path}: it is longer than {MAX_PROMPT_BYTES >> 20} MiB, the most "
+                              "specdraft reads: far more than a model's context holds; shorten it")
+        return data.decode("utf-8") or None
     except (OSError, UnicodeDecodeError) as exc:
         raise ConfigError(f"--prediction {path}: cannot read it as UTF-8 text ({exc.__class__.__name__}: {exc})") from None
+
+
+def _check_fits(text: str, what: str, decoder) -> None:
+    """Refuse ``text`` before it is tokenized when its length alone shows it has more tokens than
+    the model's context holds (tokenizing a huge text costs seconds and gigabytes before its length
+    is known): the server's bound, :func:`specdraft.server.limits.chars_per_token` (none for
+    tokenizers that may drop text: those are tokenized, then checked)."""
+    from .server.limits import chars_per_token
+
+    context = decoder.target.max_context
+    if decoder.tokenizer is None or len(text) < context:  # fewer characters than the context has tokens
+        return
+    per_token = chars_per_token(decoder.tokenizer)
+    if per_token is None:
+        return
+    at_least = -(-len(text) // per_token)
+    if at_least >= context:
+        raise ConfigError(f"{what} has at least {at_least} tokens ({len(text)} characters, and no token of this "
+                          f"model covers more than {per_token}) but the model's context holds {context}; shorten it "
+                          f"to fewer than {context} tokens")
 
 
 def _generate(args) -> int:
@@ -232,23 +287,28 @@ def _generate(args) -> int:
     if not prompt.strip():
         raise ConfigError("the prompt is empty; give some text to continue")
     prediction = _read_prediction(args.prediction)
-    from .decoder import SpeculativeDecoder, check_generation_args, check_spec_length
+    from .decoder import SpeculativeDecoder, check_generation_args, check_spec_length, check_stop_settings
     from .plugins import get_registry
 
     # Cheap checks first, so a typo fails in a blink rather than after loading a model.
     check_spec_length(args.spec_length)
     sampling = {name: getattr(args, name) for name in SAMPLING_FLAGS}
     check_generation_args(args.max_new_tokens, sampling, args.seed, args.stop)
+    check_stop_settings(args.max_new_tokens, args.ignore_eos, args.min_tokens, args.stop_token_id)
     get_registry().validate_options(args.drafter, dict(args.drafter_options))
     decoder = SpeculativeDecoder.from_pretrained(
         target=args.target, drafter=args.drafter, spec_length=args.spec_length,
         drafter_options=dict(args.drafter_options), dtype=args.dtype, device=args.device,
         adaptive=not args.fixed_spec_length, compile=args.compile, quantize=args.quantize,
     )
+    _check_fits(prompt, "the prompt", decoder)
+    if prediction is not None:
+        _check_fits(prediction, f"--prediction {args.prediction}", decoder)
     from .engine import GenerationInterrupted
 
     settings = dict(max_new_tokens=args.max_new_tokens, seed=args.seed, stop=args.stop, raw=args.raw,
-                    prediction=prediction, **sampling)
+                    prediction=prediction, ignore_eos=args.ignore_eos, min_tokens=args.min_tokens,
+                    stop_token_ids=args.stop_token_id, **sampling)
     if args.stream:
         stream = decoder.stream(prompt, **settings)
         try:

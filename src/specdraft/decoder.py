@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import operator
-from typing import Any, Mapping, Sequence
+from typing import Any, Callable, Mapping, Sequence
 
 from pydantic import ValidationError
 
@@ -57,6 +57,31 @@ def check_generation_args(max_new_tokens, sampling: Mapping[str, Any], seed, sto
     if any(not isinstance(s, str) or not s for s in stops):
         raise ConfigError("stop strings must be non-empty strings")
     return params, stops
+
+
+def check_stop_settings(max_new_tokens, ignore_eos=False, min_tokens=0, stop_token_ids=None,
+                        vocab_size: int | None = None) -> tuple[bool, int, tuple[int, ...]]:
+    """Validate ``ignore_eos``, ``min_tokens`` and ``stop_token_ids`` (against ``vocab_size`` when
+    given); returns ``(ignore_eos, min_tokens, stop token ids)`` or raises a one-line ConfigError."""
+    if not isinstance(ignore_eos, bool):
+        raise ConfigError(f"ignore_eos must be True or False (got {ignore_eos!r})")
+    most = max_new_tokens if _is_int(max_new_tokens) else None
+    if not _is_int(min_tokens) or min_tokens < 0 or (most is not None and min_tokens > most):
+        raise ConfigError(f"min_tokens must be an integer from 0 to max_new_tokens ({most}) (got {min_tokens!r})"
+                          if most is not None else f"min_tokens must be an integer >= 0 (got {min_tokens!r})")
+    if stop_token_ids is None:
+        return ignore_eos, min_tokens, ()
+    if isinstance(stop_token_ids, (str, bytes, dict)) or not hasattr(stop_token_ids, "__iter__"):
+        raise ConfigError(f"stop_token_ids must be a list of token ids (ints), got {type(stop_token_ids).__name__}")
+    ids = list(stop_token_ids)
+    for value in ids:
+        token = _token_id(value)
+        if token is None:
+            raise ConfigError(f"stop_token_ids holds {value!r} ({type(value).__name__}); token ids must be integers")
+        if token < 0 or (vocab_size is not None and token >= vocab_size):
+            raise ConfigError(f"stop_token_ids holds {token}, outside the vocabulary [0, {vocab_size})"
+                              if vocab_size is not None else f"stop_token_ids holds {token}; token ids are >= 0")
+    return ignore_eos, min_tokens, tuple(sorted({_token_id(v) for v in ids}))
 
 
 def _token_id(value) -> int | None:
@@ -233,6 +258,25 @@ class SpeculativeDecoder:
             self.runner.warm_up(rows, range(1, max(self.spec_length, getattr(self.drafter, "tree_budget", 1)) + 2))
             self.engine.reset_cache()
 
+    def end_requests(self, error: BaseException, *, running: bool = True) -> int:
+        """End the waiting requests, and the running ones when ``running``, with ``error``: each
+        one's stream raises it, and results already complete stay complete. Returns how many
+        were ended. (A server's shutdown ends its requests this way.) No step runs meanwhile, so
+        a running request cannot finish between the check and the end (its answer would be lost)."""
+        from .engine.sequence import Status
+
+        ended = 0
+        with self._loop.step_lock:
+            scheduler = self.engine.scheduler
+            with scheduler.lock:
+                sequences = list(scheduler.waiting) + (list(scheduler.running) if running else [])
+            for seq in sequences:
+                if seq.status is not Status.FINISHED and seq.error is None:
+                    seq.error = error  # what its stream raises once it is done
+                    self._loop.abort(seq)  # a waiting one ends now, a running one at the next step
+                    ended += 1
+        return ended
+
     def close(self) -> None:
         """Stop every request and the engine's thread (a later call raises)."""
         self._loop.stop()
@@ -278,6 +322,9 @@ class SpeculativeDecoder:
         presence_penalty: float = 0.0,
         frequency_penalty: float = 0.0,
         prediction: str | Sequence[str | None] | None = None,
+        ignore_eos: bool = False,
+        min_tokens: int = 0,
+        stop_token_ids: Sequence[int] | None = None,
     ) -> list[GenerationResult]:
         """Generate for one prompt or a list of prompts; one result per prompt.
 
@@ -287,6 +334,13 @@ class SpeculativeDecoder:
         ``prediction``: text the output is expected to repeat much of (OpenAI's Predicted
         Outputs), one per prompt (a list; None entries for prompts without one): those rows
         draft from it, with any drafter; the output stays the target's own.
+
+        End of generation (vLLM's semantics): ``ignore_eos`` keeps generating past EOS (emitted
+        like any other token) to ``max_new_tokens``; ``stop_token_ids`` end it like EOS (finish
+        reason "stop"; the id is in ``token_ids``, its text is not); ``min_tokens``: the first
+        ``min_tokens`` tokens are never EOS (unless ``ignore_eos``) or a stop token, their
+        probability set to 0 in the target's distribution before acceptance, so the output stays
+        exact, and stop strings do not end generation before them.
         """
         if self.tokenizer is None:
             raise ConfigError("this decoder has no tokenizer; use generate_ids() with token ids")
@@ -295,7 +349,8 @@ class SpeculativeDecoder:
                                  temperature=temperature, top_k=top_k, top_p=top_p, seed=seed, stop=stop,
                                  min_p=min_p, repetition_penalty=repetition_penalty,
                                  presence_penalty=presence_penalty, frequency_penalty=frequency_penalty,
-                                 prediction=self._encode_predictions(prediction, len(texts)))
+                                 prediction=self._encode_predictions(prediction, len(texts)), ignore_eos=ignore_eos,
+                                 min_tokens=min_tokens, stop_token_ids=stop_token_ids)
 
     def _encode_predictions(self, prediction, count: int) -> list[list[int] | None] | None:
         """Token ids of each prompt's predicted text (``prediction``: a string for one prompt, or a
@@ -331,14 +386,19 @@ class SpeculativeDecoder:
         presence_penalty: float = 0.0,
         frequency_penalty: float = 0.0,
         prediction: Sequence[Sequence[int] | None] | None = None,
+        ignore_eos: bool = False,
+        min_tokens: int = 0,
+        stop_token_ids: Sequence[int] | None = None,
     ) -> list[GenerationResult]:
         """Generate from token ids (one list per sequence); no chat template is applied.
-        ``prediction``: each sequence's predicted output, token ids (None: none); see :meth:`generate`."""
+        ``prediction``: each sequence's predicted output, token ids (None: none); the other
+        settings as for :meth:`generate`."""
         from .engine import GenerationInterrupted, Stream
 
         seqs = self._sequences(prompt_ids, max_new_tokens, seed, stop, dict(
             temperature=temperature, top_k=top_k, top_p=top_p, min_p=min_p, repetition_penalty=repetition_penalty,
-            presence_penalty=presence_penalty, frequency_penalty=frequency_penalty), prediction)
+            presence_penalty=presence_penalty, frequency_penalty=frequency_penalty), prediction,
+            ignore_eos=ignore_eos, min_tokens=min_tokens, stop_token_ids=stop_token_ids)
         streams = [Stream(self._loop, s, self.tokenizer) for s in seqs]
         self._loop.submit(seqs, limit=False)
         try:
@@ -354,7 +414,9 @@ class SpeculativeDecoder:
             results = []
             for s in seqs:
                 reason = s.finish_reason if s.finish_reason not in (None, "aborted") else "interrupted"
-                text = None if self.tokenizer is None else output_text(self.tokenizer, s.new_tokens, reason, s.stop)
+                text = None if self.tokenizer is None else output_text(
+                    self.tokenizer, s.new_tokens, reason, s.stop, min_tokens=s.min_tokens,
+                    stop_token_ids=s.stop_token_ids)
                 results.append(result_of(s, text))
                 results[-1].finish_reason = reason
             raise GenerationInterrupted(results) from None
@@ -383,6 +445,9 @@ class SpeculativeDecoder:
         presence_penalty: float = 0.0,
         frequency_penalty: float = 0.0,
         prediction: str | None = None,
+        ignore_eos: bool = False,
+        min_tokens: int = 0,
+        stop_token_ids: Sequence[int] | None = None,
     ):
         """Generate for one prompt, yielding text as tokens are accepted (several per step).
 
@@ -400,7 +465,8 @@ class SpeculativeDecoder:
         return self.stream_ids(self.encode(text[0], raw=raw), max_new_tokens=max_new_tokens, temperature=temperature,
                                top_k=top_k, top_p=top_p, seed=seed, stop=stop, min_p=min_p,
                                repetition_penalty=repetition_penalty, presence_penalty=presence_penalty,
-                               frequency_penalty=frequency_penalty, prediction=predicted and predicted[0])
+                               frequency_penalty=frequency_penalty, prediction=predicted and predicted[0],
+                               ignore_eos=ignore_eos, min_tokens=min_tokens, stop_token_ids=stop_token_ids)
 
     def stream_ids(
         self,
@@ -417,6 +483,9 @@ class SpeculativeDecoder:
         presence_penalty: float = 0.0,
         frequency_penalty: float = 0.0,
         prediction: Sequence[int] | None = None,
+        ignore_eos: bool = False,
+        min_tokens: int = 0,
+        stop_token_ids: Sequence[int] | None = None,
     ):
         """:meth:`stream` from token ids (one sequence; ``prediction``: its predicted output's
         token ids); raises QueueFull when ``max_waiting`` requests already wait."""
@@ -425,31 +494,58 @@ class SpeculativeDecoder:
         [seq] = self._sequences([prompt_ids], max_new_tokens, seed, stop, dict(
             temperature=temperature, top_k=top_k, top_p=top_p, min_p=min_p, repetition_penalty=repetition_penalty,
             presence_penalty=presence_penalty, frequency_penalty=frequency_penalty),
-            None if prediction is None else [prediction])
+            None if prediction is None else [prediction], ignore_eos=ignore_eos, min_tokens=min_tokens,
+            stop_token_ids=stop_token_ids)
         stream = Stream(self._loop, seq, self.tokenizer)
         self._loop.submit([seq])
         return stream
 
-    def encode_chat(self, messages: Sequence[Mapping[str, Any]]) -> list[int]:
+    def encode_chat(self, messages: Sequence[Mapping[str, Any]], chat_template_kwargs: Mapping[str, Any] | None = None,
+                    *, add_special_tokens: bool = False, check_text: Callable[[str], None] | None = None) -> list[int]:
         """Token ids of a conversation (``[{"role": ..., "content": ...}, ...]``) through the chat
-        template, ending with the assistant's turn to speak."""
+        template, ending with the assistant's turn to speak.
+
+        ``chat_template_kwargs``: more variables for the template (e.g. ``{"enable_thinking":
+        False}``; ``add_generation_prompt`` and ``continue_final_message`` are transformers' own);
+        ``add_special_tokens``: whether the tokenizer adds its special tokens (BOS) to the rendered
+        text (the template usually has them); ``check_text`` is called with the rendered text before
+        it is tokenized (the server refuses a text too long for the context there, untokenized).
+        """
         if self.tokenizer is None or not getattr(self.tokenizer, "chat_template", None):
             raise ConfigError("this model has no chat template; use completions with a plain prompt")
+        if chat_template_kwargs is not None and (not isinstance(chat_template_kwargs, Mapping)
+                                                 or not all(isinstance(k, str) for k in chat_template_kwargs)):
+            raise ConfigError("chat_template_kwargs must be a mapping of variable names (strings) to values, "
+                              f"got {type(chat_template_kwargs).__name__}")
+        options = {"add_generation_prompt": True, **(chat_template_kwargs or {})}
+        # apply_chat_template's arguments that are not template variables (they change what it returns)
+        reserved = sorted(set(options) & {"conversation", "tokenize", "chat_template", "tools", "documents",
+                                          "return_dict", "return_tensors", "return_assistant_tokens_mask",
+                                          "padding", "truncation", "max_length", "tokenizer_kwargs"})
+        if reserved:
+            raise ConfigError(f"chat_template_kwargs cannot set {', '.join(reserved)}: they are arguments of "
+                              "apply_chat_template, not variables of the template")
         try:
-            text = self.tokenizer.apply_chat_template(list(messages), add_generation_prompt=True, tokenize=False)
+            text = self.tokenizer.apply_chat_template(list(messages), tokenize=False, **options)
         except Exception as exc:  # noqa: BLE001 - the template's own complaint, in one line
             raise ConfigError(f"the chat template cannot render these messages: {exc}") from None
-        return self.tokenizer(text, add_special_tokens=False).input_ids
+        if check_text is not None:
+            check_text(text)
+        return self.tokenizer(text, add_special_tokens=add_special_tokens).input_ids
 
-    def _sequences(self, prompt_ids, max_new_tokens, seed, stop, sampling: dict, predictions=None):
+    def _sequences(self, prompt_ids, max_new_tokens, seed, stop, sampling: dict, predictions=None, *,
+                   ignore_eos=False, min_tokens=0, stop_token_ids=None):
         from .engine.sequence import sequences_for
 
         params, stops = check_generation_args(max_new_tokens, sampling, seed, stop)
+        ignore_eos, min_tokens, stop_token_ids = check_stop_settings(max_new_tokens, ignore_eos, min_tokens,
+                                                                     stop_token_ids, self.target.vocab_size)
         if stops and self.tokenizer is None:
             raise ConfigError("stop strings need a tokenizer to decode the output; this decoder has none")
         prompts = self._check_prompt_ids(prompt_ids)
         return sequences_for(prompts, params, max_new_tokens, self.target.max_context, stops, seed,
-                             self._check_predicted_ids(predictions, len(prompts)))
+                             self._check_predicted_ids(predictions, len(prompts)), ignore_eos=ignore_eos,
+                             min_tokens=min_tokens, stop_token_ids=stop_token_ids)
 
     def _check_predicted_ids(self, predictions, count: int) -> list[list[int] | None] | None:
         """``predictions`` (None, or one token-id list or None per prompt), checked."""

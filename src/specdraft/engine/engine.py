@@ -6,7 +6,8 @@ One step, for the sequences running in it (each holds a row of the target's cach
     propose   d_1..d_k'          <- drafter.propose(ctx, k)          (k' <= k, per sequence)
     verify    logits             <- target([last, d_1..d_k'])        one pass over the running slots
     accept    n, next            <- greedy or rejection sampling      (per sequence: its settings,
-                                                                      its own generator)
+                                                                      its own generator; EOS and stop
+                                                                      tokens masked before min_tokens)
     commit    emit d_1..d_n, next (stop conditions token by token); cache length += n + 1;
               finished sequences leave at once and free their slot
 
@@ -30,6 +31,7 @@ from ..errors import DrafterError, SpecdraftError
 from ..sampling import RowSampling, TokenCounts
 from ..types import DraftContext, TargetInfo
 from ..verifier import Outcome, Proposal, Verifier
+from .output import first_stop, stop_floor
 from .policy import AdaptiveDraftLength
 from .scheduler import Scheduler
 from .sequence import Sequence, Status, mix_seed
@@ -136,6 +138,7 @@ class Engine:
         t1 = time.perf_counter()
         logits, hidden = self.verifier.verify(proposal, [s.tokens[-1] for s in batch], [s.slot for s in batch],
                                               max(s.cached for s in batch), hidden=self.wants_hidden)
+        logits = self._hold_stops(batch, proposal, logits)
         outcome = self.verifier.accept(proposal, logits, plan.ctx.sampling, self._generators(batch), plan.ctx.counts,
                                        hidden)
         t2 = time.perf_counter()
@@ -318,17 +321,57 @@ class Engine:
         """Each sampled row's verification generator (None for greedy rows)."""
         return [None if s.sampling.greedy else s.generator(1, self.target.device) for s in batch]
 
+    def _hold_stops(self, batch: list[Sequence], proposal: Proposal, logits: torch.Tensor) -> torch.Tensor:
+        """``min_tokens``: EOS and the stop tokens (:meth:`Sequence.early_stops`) get logit -inf, so
+        probability 0 (greedy: never the argmax), at every pass index whose token would be one of a
+        row's first ``min_tokens`` outputs: index ``j`` of a chain predicts output ``n + j`` (``n``
+        the row's output so far), a tree node at depth ``d`` output ``n + d``. That is plain
+        decoding's distribution with the same mask, applied before acceptance, so drafts of those
+        tokens are rejected as any token the target gives 0 is, and the output stays exact.
+        Returns ``logits`` (a masked copy when some row is still short; the runner's own untouched)."""
+        rows = []
+        for b, s in enumerate(batch):
+            short = s.min_tokens - len(s.new_tokens)
+            if short > 0:
+                held = s.early_stops(self.target.eos_token_ids)
+                if held:
+                    rows.append((b, short, held))
+        if not rows:
+            return logits
+        logits = logits.clone()
+        offsets = proposal.pass_depths  # [batch, width + 1]
+        for b, short, held in rows:
+            banned = torch.zeros(logits.shape[-1], dtype=torch.bool, device=logits.device)
+            banned[torch.tensor(held, device=logits.device)] = True
+            early = (offsets[b] < short).to(logits.device)  # [width + 1]
+            logits[b] = logits[b].masked_fill(early[:, None] & banned, float("-inf"))
+        return logits
+
     def _finish_reason(self, s: Sequence, token: int) -> str | None:
-        if token in self.target.eos_token_ids:
-            return "eos"
-        if s.stop:
-            window = max(len(x) for x in s.stop) + 4  # every token decodes to >= 1 character
-            tail = self.target.tokenizer.decode(s.new_tokens[-window:], skip_special_tokens=True)
-            if any(x in tail for x in s.stop):
+        """Why ``s`` ends after ``token`` (None: it goes on). Before ``min_tokens`` outputs only the
+        length limits end it (EOS and the stop tokens cannot come, stop strings do not count)."""
+        n = len(s.new_tokens)
+        if n >= s.min_tokens:
+            if token in self.target.eos_token_ids and not s.ignore_eos:
+                return "eos"
+            if token in s.stop_token_ids:
                 return "stop"
-        if len(s.new_tokens) >= s.max_new_tokens or len(s.tokens) >= s.max_len:
+            if s.stop and self._stop_string(s):
+                return "stop"
+        if n >= s.max_new_tokens or len(s.tokens) >= s.max_len:
             return "length"
         return None
+
+    def _stop_string(self, s: Sequence) -> bool:
+        """Whether a stop string ends in the text of ``s``'s newest token (or later in its window):
+        the tail of the output is decoded; while that tail reaches back before ``min_tokens``, the
+        whole output is, and only stop strings ending past :func:`stop_floor` count."""
+        tokenizer, output = self.target.tokenizer, s.new_tokens
+        window = max(len(x) for x in s.stop) + 4  # every token decodes to >= 1 character
+        if s.min_tokens > 1 and len(output) - window < s.min_tokens - 1:
+            text = tokenizer.decode(output, skip_special_tokens=True)
+            return first_stop(text, s.stop, stop_floor(tokenizer, output, s.min_tokens)) is not None
+        return first_stop(tokenizer.decode(output[-window:], skip_special_tokens=True), s.stop) is not None
 
     # -- the drafter ----------------------------------------------------------------------
 

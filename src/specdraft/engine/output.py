@@ -11,13 +11,36 @@ from ..types import GenerationResult
 INCOMPLETE = "\ufffd"
 
 
-def output_text(tokenizer, token_ids: list[int], finish_reason: str, stop: Sequence[str] = ()) -> str:
-    """The text of a row's new tokens: cut before the first stop string when one stopped it, and
-    without the half character at the end when the token limit (or Ctrl-C) cut one."""
+def stop_floor(tokenizer, token_ids: list[int], min_tokens: int) -> int:
+    """How many characters of the text of ``token_ids`` a stop string must end beyond to count:
+    the text of the first ``min_tokens - 1`` tokens (0 without ``min_tokens``). As vLLM, stop
+    strings are looked for from the ``min_tokens``-th token on: one that ends before it does not
+    end the request, one that ends in it or later does (even if it starts before it). With fewer
+    tokens than that so far, the whole text: nothing found in it counts yet."""
+    if min_tokens <= 1:
+        return 0
+    return len(tokenizer.decode(token_ids[: min_tokens - 1], skip_special_tokens=True))
+
+
+def first_stop(text: str, stop: Sequence[str], floor: int = 0) -> int | None:
+    """Where the first stop string that ends beyond character ``floor`` of ``text`` starts (None: none)."""
+    hits = [i for i in (text.find(s, max(0, floor - len(s) + 1)) for s in stop) if i >= 0]
+    return min(hits) if hits else None
+
+
+def output_text(tokenizer, token_ids: list[int], finish_reason: str, stop: Sequence[str] = (), *,
+                min_tokens: int = 0, stop_token_ids: Sequence[int] = ()) -> str:
+    """The text of a row's new tokens: cut before the first stop string when one stopped it
+    (one that ends within the first ``min_tokens - 1`` tokens does not count, see
+    :func:`stop_floor`), without the stop token that stopped it (``stop_token_ids``: its id stays
+    in the token ids, as EOS's does, but not in the text, as vLLM), and without the half
+    character at the end when the token limit (or Ctrl-C) cut one."""
+    if finish_reason == "stop" and token_ids and token_ids[-1] in stop_token_ids:
+        token_ids = token_ids[:-1]
     text = tokenizer.decode(token_ids, skip_special_tokens=True)
-    hits = [i for i in (text.find(s) for s in stop) if i >= 0] if finish_reason == "stop" else []
-    if hits:  # the stop string itself is not part of the output text
-        text = text[: min(hits)]
+    cut = first_stop(text, stop, stop_floor(tokenizer, token_ids, min_tokens)) if finish_reason == "stop" else None
+    if cut is not None:  # the stop string itself is not part of the output text
+        text = text[:cut]
     if finish_reason in ("length", "interrupted"):
         text = text.rstrip(INCOMPLETE)
     return text

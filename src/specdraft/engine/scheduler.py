@@ -34,8 +34,9 @@ class Scheduler:
             # requests a free slot will take at the next step do not count as waiting
             queued = len(self.waiting) + len(sequences) - len(self.free_slots)
             if limit and self.max_waiting is not None and queued > self.max_waiting:
-                raise QueueFull(f"the server is busy: {len(self.waiting)} requests are waiting (at most "
-                                f"{self.max_waiting}); retry later")
+                # (len(self.waiting) would mislead: it counts requests a free slot takes at the next step)
+                raise QueueFull(f"the server is busy: its queue of {self.max_waiting} waiting requests is full; "
+                                "retry later")
             self.waiting.extend(sequences)
 
     def abort(self, seq: Sequence) -> None:

@@ -70,6 +70,13 @@ class Sequence:
     #: the request's predicted output (token ids), drafted from instead of the drafter (see
     #: :mod:`specdraft.verifier.prediction`); None: none
     prediction: Prediction | None = None
+    #: EOS does not end the request (it is emitted like any other token)
+    ignore_eos: bool = False
+    #: the first ``min_tokens`` output tokens are never EOS or a stop token (the target's
+    #: distribution puts 0 on them there), and stop strings do not end the request before them
+    min_tokens: int = 0
+    #: tokens that end the request as EOS does (finish reason "stop"); kept in ``tokens``, not in the text
+    stop_token_ids: tuple[int, ...] = ()
 
     def __post_init__(self) -> None:
         self.tokens = list(self.tokens)
@@ -90,6 +97,11 @@ class Sequence:
         """Seeded sampling drafts a fixed length: a length chosen from timings or from its
         batchmates' acceptance would change which random numbers it draws, so its output."""
         return self.seed is not None and not self.sampling.greedy
+
+    def early_stops(self, eos_token_ids: Seq[int]) -> tuple[int, ...]:
+        """The tokens ``min_tokens`` holds back: the stop tokens, and EOS unless ``ignore_eos`` (vLLM's set)."""
+        eos = () if self.ignore_eos else tuple(eos_token_ids)
+        return tuple(sorted(set(self.stop_token_ids) | set(eos)))
 
     def generator(self, kind: int, device) -> torch.Generator:
         """This round's generator ``kind`` (0: drafting, 1: verification), reseeded from the seed
@@ -113,13 +125,16 @@ class Sequence:
 
 def sequences_for(prompts: Seq[Seq[int]], sampling: SamplingParams, max_new_tokens: int, max_context: int,
                   stop: Seq[str] = (), seed: int | None = None,
-                  predictions: Seq[Seq[int] | None] | None = None) -> list[Sequence]:
+                  predictions: Seq[Seq[int] | None] | None = None, *, ignore_eos: bool = False,
+                  min_tokens: int = 0, stop_token_ids: Seq[int] = ()) -> list[Sequence]:
     """One :class:`Sequence` per prompt of a call; a call's seed gives each prompt its own (its
     index mixed in), so the same call gives the same outputs however it is batched.
-    ``predictions[i]``: prompt ``i``'s predicted output, token ids (None or empty: none)."""
+    ``predictions[i]``: prompt ``i``'s predicted output, token ids (None or empty: none);
+    ``ignore_eos``, ``min_tokens``, ``stop_token_ids``: see :class:`Sequence` (checked already)."""
     predictions = predictions or [None] * len(prompts)
     return [Sequence(tokens=list(p), sampling=sampling, max_new_tokens=max_new_tokens,
                      max_len=min(max_context, len(p) + max_new_tokens), stop=tuple(stop),
                      seed=None if seed is None else mix_seed(seed, i),
-                     prediction=Prediction(list(predicted)) if predicted else None)
+                     prediction=Prediction(list(predicted)) if predicted else None, ignore_eos=ignore_eos,
+                     min_tokens=min_tokens, stop_token_ids=tuple(stop_token_ids))
             for i, (p, predicted) in enumerate(zip(prompts, predictions))]

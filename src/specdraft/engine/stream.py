@@ -7,7 +7,7 @@ from typing import Sequence as Seq
 
 from ..types import GenerationResult
 from .sequence import Sequence, Status
-from .output import INCOMPLETE, output_text
+from .output import INCOMPLETE, first_stop, output_text, stop_floor
 
 
 @dataclass
@@ -23,24 +23,37 @@ class TextSoFar:
     """Text deltas of a growing token list whose concatenation is exactly the final text
     (:func:`~specdraft.engine.output.output_text`): what could still change is held back."""
 
-    def __init__(self, tokenizer, stop: Seq[str] = ()) -> None:
+    def __init__(self, tokenizer, stop: Seq[str] = (), *, min_tokens: int = 0, stop_token_ids: Seq[int] = ()) -> None:
         self.tokenizer, self.stop = tokenizer, tuple(stop)
+        self.min_tokens, self.stop_token_ids = min_tokens, frozenset(stop_token_ids)
         self.emitted = ""
+        self._floor: int | None = None  # stop_floor, once the tokens it reads are all there
 
     def delta(self, tokens: list[int], finish_reason: str | None = None) -> str:
         if self.tokenizer is None:
             return ""
         if finish_reason is not None:
-            text = output_text(self.tokenizer, tokens, finish_reason, self.stop)
+            text = output_text(self.tokenizer, tokens, finish_reason, self.stop, min_tokens=self.min_tokens,
+                               stop_token_ids=self.stop_token_ids)
         else:
+            if tokens and tokens[-1] in self.stop_token_ids:  # it ends the request, and is not in the text
+                tokens = tokens[:-1]
             text = self.tokenizer.decode(tokens, skip_special_tokens=True).rstrip(INCOMPLETE)
             if self.stop:  # never past a stop string, and its start may be at the end: hold that back
-                hits = [i for i in (text.find(s) for s in self.stop) if i >= 0]
-                text = text[: min(hits)] if hits else text[: max(0, len(text) - max(len(s) for s in self.stop) + 1)]
+                cut = first_stop(text, self.stop, self._stop_floor(tokens))
+                text = text[:cut] if cut is not None else text[: max(0, len(text) - max(len(s) for s in self.stop) + 1)]
         if not text.startswith(self.emitted):  # a tokenizer's clean-up changed earlier text: wait
             return ""
         out, self.emitted = text[len(self.emitted):], text
         return out
+
+    def _stop_floor(self, tokens: list[int]) -> int:
+        if self._floor is not None:
+            return self._floor
+        floor = stop_floor(self.tokenizer, tokens, self.min_tokens)
+        if len(tokens) >= self.min_tokens - 1:
+            self._floor = floor
+        return floor
 
 
 class Stream:
@@ -51,7 +64,7 @@ class Stream:
 
     def __init__(self, loop, seq: Sequence, tokenizer) -> None:
         self._loop, self.seq = loop, seq
-        self._text = TextSoFar(tokenizer, seq.stop)
+        self._text = TextSoFar(tokenizer, seq.stop, min_tokens=seq.min_tokens, stop_token_ids=seq.stop_token_ids)
         self.result: GenerationResult | None = None
         self._done = False
 

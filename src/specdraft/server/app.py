@@ -1,14 +1,17 @@
 """The OpenAI-compatible HTTP API over a :class:`~specdraft.SpeculativeDecoder`.
 
 Endpoints: ``GET /v1/models``, ``POST /v1/completions``, ``POST /v1/chat/completions``
-(both with server-sent-event streaming), ``GET /health`` and ``GET /metrics`` (Prometheus).
+(both with server-sent-event streaming), ``POST /tokenize`` and ``POST /detokenize`` (vLLM's),
+``GET`` / ``HEAD /health`` and ``GET /metrics`` (Prometheus).
 
 The decoder's engine decodes in its own thread; this app only submits requests
 (``decoder.stream_ids``) and reads their streams, each blocking read in a worker thread, so
 the event loop never waits on the model. Every error is OpenAI's JSON
 ``{"error": {"message", "type", "param", "code"}}`` with a one-line message: 400 bad
-parameters, 401 a missing or wrong API key, 404 an unknown model or path, 429 a full queue,
-500 a failed drafter or anything unexpected (logged here with its traceback).
+parameters (an unknown one included), 401 a missing or wrong API key, 404 an unknown model or
+path, 413 a body over ``max_request_bytes``, 415 a body that is not ``application/json``, 429 a
+full queue (with ``Retry-After``), 500 a failed drafter or anything unexpected (logged here with
+its traceback).
 """
 
 from __future__ import annotations
@@ -16,8 +19,9 @@ from __future__ import annotations
 import hmac
 import json
 import logging
+import re
 import time
-from typing import Any, AsyncIterator, Callable
+from typing import Any, AsyncIterator, Callable, Mapping
 
 import anyio
 from fastapi import FastAPI, Request
@@ -30,6 +34,8 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from .. import __version__
 from ..errors import ConfigError, DrafterError, QueueFull, SpecdraftError, describe_validation_error
+from ..sampling import SamplingParams
+from .limits import chars_per_token
 from .metrics import ServerMetrics
 from .protocol import (
     CHAT_DEFAULT_MAX_TOKENS,
@@ -47,6 +53,8 @@ from .protocol import (
     CompletionStreamResponse,
     CompletionTokensDetails,
     DeltaMessage,
+    DetokenizeRequest,
+    DetokenizeResponse,
     ErrorInfo,
     ErrorResponse,
     ModelCard,
@@ -54,6 +62,9 @@ from .protocol import (
     OpenAIBaseModel,
     SamplingRequest,
     SpecDecodeInfo,
+    TokenizeChatRequest,
+    TokenizeCompletionRequest,
+    TokenizeResponse,
     UsageInfo,
     now,
     random_id,
@@ -66,26 +77,40 @@ FINISH_REASONS = {"eos": "stop", "stop": "stop", "length": "length"}
 #: worker threads that may wait on streams at once (each running or waiting request holds one
 #: while it waits for its next burst); apart from the default pool, which encodes prompts
 STREAM_THREADS = 512
+#: the largest request body read (bytes; ``create_app(max_request_bytes=...)``, ``serve
+#: --max-request-bytes``): 8 MiB holds a prompt far longer than any context (a token is a few
+#: bytes of text), and caps what one request can make the server parse and tokenize
+DEFAULT_MAX_REQUEST_BYTES = 8 * 1024 * 1024
+#: arrays and objects in a request body nest at most this deep (a real request nests 4 or 5)
+MAX_JSON_DEPTH = 64
+#: the ``Retry-After`` (seconds) of a 429: a place in the queue frees as soon as a request ends
+RETRY_AFTER_SECONDS = 1
+#: paths served without the API key (as in vLLM): load balancers and Prometheus probe them
+OPEN_PATHS = ("/health", "/metrics")
+#: chat roles a message may have; "developer" is passed to the template as "system"
+CHAT_ROLES = ("system", "developer", "user", "assistant")
 
 
 class APIError(Exception):
     """An error answered as OpenAI's error JSON with ``status``."""
 
     def __init__(self, status: int, message: str, type: str = "invalid_request_error",
-                 param: str | None = None, code: str | None = None) -> None:
+                 param: str | None = None, code: str | None = None, headers: Mapping[str, str] | None = None) -> None:
         super().__init__(message)
         self.status, self.message, self.type, self.param, self.code = status, _one_line(message), type, param, code
+        self.headers = dict(headers or {})
 
     def body(self) -> dict[str, Any]:
         info = ErrorInfo(message=self.message, type=self.type, param=self.param, code=self.code)
         return ErrorResponse(error=info).model_dump()
 
     def response(self) -> JSONResponse:
-        return JSONResponse(self.body(), status_code=self.status)
+        return JSONResponse(self.body(), status_code=self.status, headers=self.headers)
 
 
 def _one_line(text: str) -> str:
-    return " ".join(str(text).split()) or "error"
+    # lone surrogates (from a request's "\ud800") cannot be encoded as UTF-8: escaped
+    return " ".join(str(text).encode("utf-8", "backslashreplace").decode("utf-8").split()) or "error"
 
 
 def as_api_error(exc: BaseException) -> APIError:
@@ -93,7 +118,8 @@ def as_api_error(exc: BaseException) -> APIError:
     if isinstance(exc, APIError):
         return exc
     if isinstance(exc, QueueFull):
-        return APIError(429, str(exc), type="rate_limit_error", code="queue_full")
+        return APIError(429, str(exc), type="rate_limit_error", code="queue_full",
+                        headers={"Retry-After": str(RETRY_AFTER_SECONDS)})
     if isinstance(exc, ConfigError):
         return APIError(400, str(exc))
     if isinstance(exc, DrafterError):
@@ -118,14 +144,15 @@ class _BodyErrors:
 
 
 class _APIKeyMiddleware:
-    """401 for ``/v1/...`` requests without ``Authorization: Bearer <key>`` (``/health`` and
-    ``/metrics`` stay open, as in vLLM). Plain ASGI, so it never wraps a stream's ``receive``."""
+    """401 for requests without ``Authorization: Bearer <key>``: every path (``/v1/...``,
+    ``/tokenize``, ``/detokenize``, ``/docs``, ``/redoc``, ``/openapi.json``) but ``OPEN_PATHS``
+    (``/health`` and ``/metrics``, as in vLLM). Plain ASGI, so it never wraps a stream's ``receive``."""
 
     def __init__(self, app, api_key: str, metrics: ServerMetrics) -> None:
         self.app, self.key, self.metrics = app, api_key.encode(), metrics
 
     async def __call__(self, scope, receive, send) -> None:
-        if scope["type"] == "http" and scope["path"].startswith("/v1") and scope.get("method") != "OPTIONS":
+        if scope["type"] == "http" and scope["path"] not in OPEN_PATHS and scope.get("method") != "OPTIONS":
             header = dict(scope["headers"]).get(b"authorization", b"")
             scheme, _, token = header.partition(b" ")
             if scheme.lower() != b"bearer" or not hmac.compare_digest(token.strip(), self.key):
@@ -198,13 +225,15 @@ class _Reply:
     request is read (the class) and how one request's answer is shaped (an instance, holding the
     answer's id, creation time and model).
 
-    Subclasses define ``encoder(body, decoder)``, which checks the prompt and returns the function
-    that encodes it (it may block: it runs in a worker thread), ``choice(text, finish_reason)``, the
-    whole answer's choice, and ``stream_choice(text, finish_reason=None)``, a streamed one (text
-    None in the one that ends the stream).
+    Subclasses define ``encoder(body, decoder, check_length)``, which checks the prompt and returns
+    the function that encodes it (it may block: it runs in a worker thread; ``check_length(text,
+    param)`` refuses a text too long for the context before it is tokenized), ``choice(text,
+    finish_reason)``, the whole answer's choice, and ``stream_choice(text, finish_reason=None)``, a
+    streamed one (text None in the one that ends the stream).
     """
 
     request: type[SamplingRequest]
+    prompt_param: str  # the parameter holding the prompt (named in a 400 for a prompt too long)
     id_prefix: str
     default_max_tokens: int
     response: type[OpenAIBaseModel]  # the whole answer
@@ -241,12 +270,15 @@ class _Completion(_Reply):
     """``/v1/completions``: a raw prompt (text or token ids); a choice is the text."""
 
     request, response, stream_response = CompletionRequest, CompletionResponse, CompletionStreamResponse
-    id_prefix, default_max_tokens = "cmpl", COMPLETION_DEFAULT_MAX_TOKENS
+    id_prefix, default_max_tokens, prompt_param = "cmpl", COMPLETION_DEFAULT_MAX_TOKENS, "prompt"
 
     @staticmethod
-    def encoder(body: CompletionRequest, decoder) -> Callable[[], list[int]]:
+    def encoder(body: CompletionRequest, decoder, check_length) -> Callable[[], list[int]]:
         prompt = _completion_prompt(body.prompt)
-        return (lambda: list(prompt)) if isinstance(prompt, list) else (lambda: decoder.encode(prompt, raw=True))
+        if isinstance(prompt, list):
+            return lambda: list(prompt)
+        check_length(prompt, "prompt")
+        return lambda: decoder.encode(prompt, raw=True)
 
     @staticmethod
     def choice(text: str, finish_reason: str) -> CompletionResponseChoice:
@@ -262,12 +294,13 @@ class _ChatCompletion(_Reply):
     message, streamed as deltas after one that gives the role."""
 
     request, response, stream_response = ChatCompletionRequest, ChatCompletionResponse, ChatCompletionStreamResponse
-    id_prefix, default_max_tokens = "chatcmpl", CHAT_DEFAULT_MAX_TOKENS
+    id_prefix, default_max_tokens, prompt_param = "chatcmpl", CHAT_DEFAULT_MAX_TOKENS, "messages"
 
     @staticmethod
-    def encoder(body: ChatCompletionRequest, decoder) -> Callable[[], list[int]]:
+    def encoder(body: ChatCompletionRequest, decoder, check_length) -> Callable[[], list[int]]:
         messages = _chat_messages(body)
-        return lambda: decoder.encode_chat(messages)
+        options = _template_kwargs(body.chat_template_kwargs)
+        return lambda: decoder.encode_chat(messages, options, check_text=lambda text: check_length(text, "messages"))
 
     @staticmethod
     def max_tokens(body: ChatCompletionRequest) -> tuple[int | None, str]:
@@ -292,8 +325,12 @@ class _Server:
     """One app's state (the decoder, the name it is served as, the metrics) and its routes, which
     :meth:`register` adds to the app."""
 
-    def __init__(self, decoder, served: str) -> None:
+    def __init__(self, decoder, served: str, max_request_bytes: int = DEFAULT_MAX_REQUEST_BYTES) -> None:
         self.decoder, self.served, self.metrics = decoder, served, ServerMetrics(decoder, served)
+        self.max_request_bytes = max_request_bytes
+        # the most characters one token covers (None: no sound bound; see .limits), read once here
+        tokenizer = getattr(decoder, "tokenizer", None)
+        self.chars_per_token = None if tokenizer is None else chars_per_token(tokenizer)
         self._limiter: anyio.CapacityLimiter | None = None  # made on first use, inside the event loop
 
     def register(self, app: FastAPI) -> None:
@@ -302,10 +339,13 @@ class _Server:
         app.add_exception_handler(RequestValidationError, self._on_invalid_body)
         app.add_exception_handler(StarletteHTTPException, self._on_http_error)
         app.get("/health")(self.health)
+        app.head("/health", include_in_schema=False)(self.health)  # load balancers probe with HEAD
         app.get("/metrics")(self.prometheus_metrics)
         app.get("/v1/models")(self.models)
         app.post("/v1/completions")(self.completions)
         app.post("/v1/chat/completions")(self.chat_completions)
+        app.post("/tokenize")(self.tokenize)
+        app.post("/detokenize")(self.detokenize)
 
     # -- routes (their names are the OpenAPI operation ids) ---------------------------------
 
@@ -326,6 +366,73 @@ class _Server:
 
     async def chat_completions(self, request: Request):
         return await self.generate(request, _ChatCompletion)
+
+    async def tokenize(self, request: Request):
+        """vLLM's ``/tokenize``: ``{"prompt"}`` as completions tokenize it, or ``{"messages"}`` as
+        chat completions render and tokenize them; ``{"tokens", "count", "max_model_len"}``."""
+        try:
+            data = await _read_json(request, self.max_request_bytes)
+            body = _validate(data, TokenizeChatRequest if "messages" in data else TokenizeCompletionRequest)
+            self.check_served(body)
+            tokenizer = self.tokenizer()
+            if isinstance(body, TokenizeChatRequest):
+                messages = _chat_messages(body)
+                options = {"add_generation_prompt": body.add_generation_prompt,
+                           **_template_kwargs(body.chat_template_kwargs)}
+
+                def encode() -> list[int]:
+                    return self.decoder.encode_chat(messages, options, add_special_tokens=body.add_special_tokens,
+                                                    check_text=lambda text: self.check_length(text, "messages"))
+            else:
+                self.check_length(body.prompt, "prompt")
+
+                def encode() -> list[int]:
+                    return list(tokenizer(body.prompt, add_special_tokens=body.add_special_tokens).input_ids)
+
+            try:
+                ids = await run_in_threadpool(encode)
+            except ConfigError as exc:
+                raise APIError(400, str(exc), param=_config_param(exc, body, "messages")) from None
+            return TokenizeResponse(count=len(ids), max_model_len=self.decoder.target.max_context,
+                                    tokens=ids).model_dump()
+        except Exception as exc:
+            return self.error(exc).response()
+
+    async def detokenize(self, request: Request):
+        """vLLM's ``/detokenize``: ``{"tokens": [ids]}`` -> ``{"prompt": text}``."""
+        try:
+            body = await _parse(request, DetokenizeRequest, self.max_request_bytes)
+            self.check_served(body)
+            tokenizer = self.tokenizer()
+            vocab = self.decoder.target.vocab_size
+            bad = next((t for t in body.tokens if not 0 <= t < vocab), None)
+            if bad is not None:
+                raise APIError(400, f"tokens holds {bad}, outside the vocabulary [0, {vocab}); send the model's "
+                                    "token ids", param="tokens")
+            text = await run_in_threadpool(tokenizer.decode, body.tokens)
+            return DetokenizeResponse(prompt=text).model_dump()
+        except Exception as exc:
+            return self.error(exc).response()
+
+    def tokenizer(self):
+        """The decoder's tokenizer; APIError when it has none."""
+        tokenizer = getattr(self.decoder, "tokenizer", None)
+        if tokenizer is None:
+            raise APIError(400, "this server's decoder has no tokenizer: it takes and returns token ids only")
+        return tokenizer
+
+    def check_length(self, text: str, param: str) -> None:
+        """400 for a text whose length alone shows it has more tokens than the context holds,
+        before anything tokenizes it (a 20 MB prompt would take the tokenizer seconds and GBs)."""
+        per_token = self.chars_per_token
+        if per_token is None:
+            return
+        context = self.decoder.target.max_context
+        at_least = -(-len(text) // per_token)
+        if at_least >= context:
+            raise APIError(400, f"{param} has at least {at_least} tokens ({len(text)} characters, and no token of "
+                                f"this model covers more than {per_token}) but the model's context holds {context}; "
+                                f"shorten it to fewer than {context} tokens", param=param)
 
     # -- errors -----------------------------------------------------------------------------
 
@@ -352,7 +459,7 @@ class _Server:
         """Both generating routes: the request submitted to the engine, then its answer streamed
         or read to the end; any failure before the answer starts is answered as an error."""
         try:
-            body = await _parse(request, kind.request)
+            body = await _parse(request, kind.request, self.max_request_bytes)
             started = time.monotonic()
             self.check_model(body)
             stream = await self.submit(body, kind)
@@ -366,17 +473,25 @@ class _Server:
         except Exception as exc:
             return self.error(exc).response()
 
-    def check_model(self, body: SamplingRequest) -> None:
+    def check_served(self, body) -> None:
+        """404 unless the request names the served model (or none)."""
         if body.model is not None and body.model != self.served:
             raise APIError(404, f"the model {body.model!r} does not exist; this server serves {self.served!r} "
                                 "(see GET /v1/models)", param="model", code="model_not_found")
+
+    def check_model(self, body: SamplingRequest) -> None:
+        """The served model, no parameter specdraft cannot honour, and sampling settings in range
+        (checked here, before the prompt is tokenized, so that the 400 names the parameter)."""
+        self.check_served(body)
         bad = body.unsupported()
         if bad is not None:
             raise APIError(400, f"{bad}: not supported by specdraft's server"
                                 + (" (only n=1)" if bad == "n" else ""), param=bad, code="unsupported_parameter")
-        ignored = body.ignored_fields()
-        if ignored:
-            logger.debug("ignoring request fields specdraft does not know: %s", ", ".join(ignored))
+        settings = body.sampling()
+        try:
+            SamplingParams(**{k: v for k, v in settings.items() if k in SamplingParams.model_fields})
+        except ValidationError as exc:
+            raise _invalid(exc, "invalid sampling settings") from None
 
     def max_new_tokens(self, requested: int | None, default: int, prompt_len: int, param: str) -> int:
         max_context = self.decoder.target.max_context
@@ -393,21 +508,26 @@ class _Server:
 
     async def submit(self, body: SamplingRequest, kind: type[_Reply]):
         """Check the prompt, then encode it and hand the request to the engine (a worker thread: both block)."""
-        encode = kind.encoder(body, self.decoder)
+        encode = kind.encoder(body, self.decoder, self.check_length)
         requested, param = kind.max_tokens(body)
+        text = body.prediction.text if body.prediction is not None else ""
+        if text:
+            self.check_length(text, "prediction")
 
         def _submit():
             ids = encode()
             limit = self.max_new_tokens(requested, kind.default_max_tokens, len(ids), param)
-            return self.decoder.stream_ids(ids, max_new_tokens=limit, prediction=self.prediction(body),
+            return self.decoder.stream_ids(ids, max_new_tokens=limit, prediction=self.prediction(text),
                                            **body.sampling())
 
-        return await run_in_threadpool(_submit)
+        try:
+            return await run_in_threadpool(_submit)
+        except ConfigError as exc:  # the decoder's own checks: the 400 names the parameter at fault
+            raise APIError(400, str(exc), param=_config_param(exc, body, kind.prompt_param, param)) from None
 
-    def prediction(self, body: SamplingRequest) -> list[int] | None:
-        """The request's predicted output as token ids (None: none, or empty); the decoder checks
+    def prediction(self, text: str) -> list[int] | None:
+        """A request's predicted output as token ids (None: none, or empty); the decoder checks
         them (too long for the context: its ConfigError, a 400)."""
-        text = body.prediction.text if body.prediction is not None else ""
         return self.decoder.tokenizer(text, add_special_tokens=False).input_ids if text else None
 
     async def bursts(self, stream, started: float) -> AsyncIterator:
@@ -493,12 +613,17 @@ class _Server:
         return _EventStreamResponse(events(), on_exit=abandon)
 
 
-def create_app(decoder, *, model_name: str | None = None, api_key: str | None = None) -> FastAPI:
+def create_app(decoder, *, model_name: str | None = None, api_key: str | None = None,
+               max_request_bytes: int = DEFAULT_MAX_REQUEST_BYTES) -> FastAPI:
     """An OpenAI-compatible app serving ``decoder`` as ``model_name`` (default: the target's name).
 
-    With ``api_key`` every ``/v1`` request must send ``Authorization: Bearer <api_key>``.
+    With ``api_key`` every request but ``/health`` and ``/metrics`` (``/v1/...``, ``/tokenize``,
+    ``/detokenize``, ``/docs``, ``/redoc``, ``/openapi.json``) must send ``Authorization: Bearer
+    <api_key>``. A request body over ``max_request_bytes`` is refused (413) before it is read whole.
     """
-    server = _Server(decoder, model_name or decoder.target.name or "specdraft")
+    if isinstance(max_request_bytes, bool) or not isinstance(max_request_bytes, int) or max_request_bytes < 1:
+        raise ConfigError(f"max_request_bytes must be an integer >= 1 (got {max_request_bytes!r})")
+    server = _Server(decoder, model_name or decoder.target.name or "specdraft", max_request_bytes)
     app = FastAPI(title="specdraft", version=__version__,
                   description="OpenAI-compatible server of exact speculative decoding")
     app.state.decoder, app.state.metrics, app.state.model_name = decoder, server.metrics, server.served
@@ -508,32 +633,165 @@ def create_app(decoder, *, model_name: str | None = None, api_key: str | None = 
     return app
 
 
-def _invalid(exc) -> APIError:
-    """A 400 from pydantic's errors (``exc.errors()``), naming the first parameter at fault."""
-    locs = [e["loc"] for e in exc.errors() if e["loc"]]
-    param = ".".join(str(p) for p in locs[0]) if locs else None
-    return APIError(400, f"invalid request: {describe_validation_error(exc)}", param=param)
+def _invalid(exc, what: str = "invalid request", data: Any = None) -> APIError:
+    """A 400 from pydantic's errors (``exc.errors()``), naming the first parameter at fault (an
+    unknown one first: ``unknown parameter 'X'``). With ``data`` (the request's JSON), the name
+    stops where the body does (pydantic adds a union member's type to the location)."""
+    errors = [e for e in exc.errors() if e["loc"]]
+    unknown = [e for e in errors if e.get("type") == "extra_forbidden"]
+    if unknown:
+        param = ".".join(str(p) for p in unknown[0]["loc"])
+        return APIError(400, f"unknown parameter {param!r}: specdraft's server does not take it; remove it "
+                             "(docs/serving.md lists the parameters it takes)", param=param, code="unknown_parameter")
+    param = _param_path(errors[0]["loc"], None if errors[0].get("type") == "missing" else data) if errors else None
+    return APIError(400, f"{what}: {describe_validation_error(exc)}", param=param)
 
 
-async def _parse(request: Request, model: type[OpenAIBaseModel]):
-    """The request's JSON body as ``model``, whatever its content type (curl's ``-d`` sends
-    form-encoded); APIError (400) for an empty body, bad JSON, or invalid parameters."""
-    raw = await request.body()
+def _param_path(loc: tuple, data: Any) -> str:
+    """``loc`` as a dotted parameter name, cut where ``data`` has no such member (None: not cut,
+    e.g. for a missing field)."""
+    if data is None:
+        return ".".join(str(p) for p in loc)
+    parts, node = [], data
+    for key in loc:
+        member = isinstance(node, dict) and key in node
+        if member or isinstance(node, list) and isinstance(key, int) and 0 <= key < len(node):
+            parts.append(str(key))
+            node = node[key]
+        else:
+            break
+    return ".".join(parts) or ".".join(str(p) for p in loc)
+
+
+def _config_param(exc: ConfigError, body, prompt_param: str, max_tokens_param: str = "max_tokens") -> str | None:
+    """The request parameter the decoder's ConfigError is about (its message starts with its name)."""
+    message = str(exc).removeprefix("invalid sampling settings: ")
+    word = re.match(r"[A-Za-z_]*", message).group()
+    if word == "prompt":
+        return prompt_param
+    if word == "max_new_tokens":
+        return max_tokens_param
+    if word in type(body).model_fields:
+        return word
+    if message.startswith("stop strings"):
+        return "stop"
+    if "chat template" in message:
+        return "messages"
+    return None
+
+
+def _too_large(limit: int, what: str) -> APIError:
+    return APIError(413, f"the request body is too large ({what}); this server reads at most {limit} bytes: send a "
+                         "shorter prompt, or start the server with a larger --max-request-bytes",
+                    code="request_too_large")
+
+
+async def _read_body(request: Request, limit: int) -> bytes:
+    """The body, refused (413) as soon as it is known to exceed ``limit`` bytes: by its
+    Content-Length before reading any of it, or while a chunked one arrives (never buffered whole)."""
+    declared = request.headers.get("content-length", "")
+    if declared.isdigit() and int(declared) > limit:
+        raise _too_large(limit, f"Content-Length {int(declared)}")
+    chunks, size = [], 0
+    async for chunk in request.stream():
+        size += len(chunk)
+        if size > limit:
+            raise _too_large(limit, f"more than {limit} bytes")
+        chunks.append(chunk)
+    return b"".join(chunks)
+
+
+async def _read_json(request: Request, limit: int) -> dict:
+    """The request's body as a JSON object; APIError: 415 for a content type other than
+    ``application/json``, 413 for a body over ``limit`` bytes, 400 for an empty body, bad JSON,
+    nesting deeper than ``MAX_JSON_DEPTH`` or a lone surrogate in a string."""
+    media = request.headers.get("content-type")
+    if media is None or media.split(";", 1)[0].strip().lower() != "application/json":
+        got = f"got {media.split(';', 1)[0].strip()!r}" if media else "it has none"
+        raise APIError(415, f"the request body must be JSON sent with the header `Content-Type: application/json` "
+                            f"({got}); with curl, add -H 'Content-Type: application/json'",
+                       code="unsupported_media_type")
+    raw = await _read_body(request, limit)
     if not raw.strip():
         raise APIError(400, "the request body is empty; send the parameters as a JSON object")
     try:
-        data = json.loads(raw)
+        # strict UTF-8: json.loads(bytes) would let encoded surrogates (b"\xed\xa0\x80") through
+        data = json.loads(raw.decode("utf-8"))
     except json.JSONDecodeError as exc:
         raise APIError(400, f"the request body is not valid JSON: {exc.msg} (at character {exc.pos})") from None
-    except UnicodeDecodeError:
-        raise APIError(400, "the request body is not valid JSON: it is not UTF-8 text") from None
+    except UnicodeDecodeError as exc:
+        raise APIError(400, f"the request body is not valid JSON: it is not UTF-8 text (byte {exc.start}); "
+                            "send the JSON encoded as UTF-8") from None
+    except RecursionError:
+        raise _too_deep() from None
     if not isinstance(data, dict):
         kind = {list: "an array", str: "a string", type(None): "null"}.get(type(data), "a number or boolean")
         raise APIError(400, f"the request body must be a JSON object of parameters, got {kind}")
+    _check_json(raw, data)
+    return data
+
+
+def _too_deep() -> APIError:
+    return APIError(400, f"the request body nests arrays and objects more than {MAX_JSON_DEPTH} levels deep; "
+                         "send the parameters as documented (a request nests a few levels)")
+
+
+#: a JSON escape of a UTF-16 surrogate (\ud800-\udfff): only such escapes can give a string one
+_SURROGATE_ESCAPE = re.compile(rb"\\u[dD][89a-fA-F]")
+
+
+def _check_json(raw: bytes, data: Any) -> None:
+    """400 for nesting deeper than ``MAX_JSON_DEPTH``, and for a string or a key that holds a lone
+    surrogate (JSON's ``"\\ud800"`` unpaired: no tokenizer takes it); the 400 names where. The
+    walk runs only when ``raw`` could hold either (it has that many brackets, or such an escape)."""
+    deep = raw.count(b"[") + raw.count(b"{") > MAX_JSON_DEPTH
+    surrogates = _SURROGATE_ESCAPE.search(raw) is not None
+    if not (deep or surrogates):
+        return
+    stack: list[tuple[tuple, Any, int]] = [((), data, 1)]
+    while stack:
+        path, value, depth = stack.pop()
+        if isinstance(value, str):
+            if surrogates:
+                _check_text(value, ".".join(map(str, path)))
+            continue
+        if not isinstance(value, (dict, list)):
+            continue
+        if depth > MAX_JSON_DEPTH:
+            raise _too_deep()
+        items = list(value.items() if isinstance(value, dict) else enumerate(value))
+        for key, item in reversed(items):  # the first member is checked first
+            if isinstance(key, str) and surrogates:
+                _check_text(key, ".".join(map(str, (*path, key))), "the parameter name ")
+            stack.append(((*path, key), item, depth + 1))
+
+
+def _check_text(text: str, where: str, what: str = "") -> None:
+    try:
+        text.encode("utf-8")
+    except UnicodeEncodeError as exc:
+        where = where.encode("utf-8", "backslashreplace").decode("utf-8")
+        raise APIError(400, f"{what}{where or 'the body'} is not valid text: it holds a lone surrogate "
+                            f"({text[exc.start:exc.end]!r}) at character {exc.start}; send valid Unicode (a "
+                            "\\ud800-\\udfff escape must be half of a pair)", param=where or None) from None
+
+
+def _validate(data: dict, model: type[OpenAIBaseModel]):
+    """``data`` as ``model``; APIError (400) naming the parameter at fault."""
     try:
         return model.model_validate(data)
     except ValidationError as exc:
-        raise _invalid(exc) from None
+        raise _invalid(exc, data=data) from None
+
+
+async def _parse(request: Request, model: type[OpenAIBaseModel], limit: int = DEFAULT_MAX_REQUEST_BYTES):
+    """The request's JSON body (see :func:`_read_json`) as ``model``."""
+    return _validate(await _read_json(request, limit), model)
+
+
+def _template_kwargs(kwargs: dict[str, Any] | None) -> dict[str, Any]:
+    """A request's ``chat_template_kwargs`` (the decoder refuses the names that are not template variables)."""
+    return dict(kwargs or {})
 
 
 def _completion_prompt(prompt) -> str | list[int]:
@@ -552,20 +810,47 @@ def _completion_prompt(prompt) -> str | list[int]:
                         "send one prompt per request", param="prompt")
 
 
-def _chat_messages(body: ChatCompletionRequest) -> list[dict[str, str]]:
-    """The messages as ``[{"role", "content"}]`` for the chat template; text content parts are
-    joined with newlines, other parts (images, audio) are refused."""
+def _chat_messages(body) -> list[dict[str, str]]:
+    """The messages as ``[{"role", "content"}]`` (and ``name`` where given) for the chat template;
+    text content parts are joined with newlines. APIError (400, naming the field) for a role other
+    than system, developer, user and assistant (tool and function: no tool calling), for null
+    content outside an assistant's message, for parts other than text (images, audio), and for
+    tool calls or a refusal echoed back in an assistant's message."""
     messages = []
     for i, message in enumerate(body.messages):
-        content = message.content
+        at, role, content = f"messages.{i}", message.role, message.content
+        if role in ("tool", "function"):
+            raise APIError(400, f"{at}.role: {role!r} messages are not supported: specdraft's server has no tool "
+                                f"calling; send {', '.join(CHAT_ROLES)} messages", param=f"{at}.role",
+                           code="unsupported_parameter")
+        if role not in CHAT_ROLES:
+            raise APIError(400, f"{at}.role: unknown role {role!r}; use one of {', '.join(CHAT_ROLES)}",
+                           param=f"{at}.role")
+        for name in ("tool_calls", "function_call", "tool_call_id", "refusal"):
+            if getattr(message, name) not in (None, []):
+                raise APIError(400, f"{at}.{name}: not supported by specdraft's server (it has no tool calling); "
+                                    "send the message's text as its content", param=f"{at}.{name}",
+                               code="unsupported_parameter")
+        if content is None:
+            if role != "assistant":
+                raise APIError(400, f"{at}.content: a {role} message needs content (a string or a list of text "
+                                    "parts); only an assistant's may be null", param=f"{at}.content")
+            content = ""
         if isinstance(content, list):
             texts = []
-            for part in content:
+            for j, part in enumerate(content):
                 if part.get("type") != "text" or not isinstance(part.get("text"), str):
-                    raise APIError(400, f"messages.{i}.content: only text parts are supported "
-                                        f"(got type {part.get('type')!r})", param=f"messages.{i}.content")
+                    raise APIError(400, f"{at}.content: only text parts are supported "
+                                        f"(got type {part.get('type')!r})", param=f"{at}.content")
+                extra = sorted(set(part) - {"type", "text"})
+                if extra:
+                    param = f"{at}.content.{j}.{extra[0]}"
+                    raise APIError(400, f"unknown parameter {param!r}: a text part is {{\"type\": \"text\", "
+                                        "\"text\": ...}; remove it", param=param, code="unknown_parameter")
                 texts.append(part["text"])
             content = "\n".join(texts)
-        role = "system" if message.role == "developer" else message.role
-        messages.append({"role": role, "content": content or ""})
+        entry = {"role": "system" if role == "developer" else role, "content": content}
+        if message.name is not None:
+            entry["name"] = message.name
+        messages.append(entry)
     return messages

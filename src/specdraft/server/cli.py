@@ -9,15 +9,34 @@ from __future__ import annotations
 import argparse
 import copy
 import importlib.util
+import ipaddress
+import math
 import os
 import socket
+import sys
 
 from ..errors import ConfigError, SpecdraftError
 
 #: the extra's modules (pip names differ only for prometheus_client's dash)
 SERVE_MODULES = ("fastapi", "uvicorn", "prometheus_client")
-#: seconds a shutdown waits for open requests (streams) before closing them
+#: seconds running requests get to finish after SIGTERM or Ctrl-C (``--drain-timeout``)
+DRAIN_TIMEOUT_S = 10.0
+#: seconds, once the drain is over, that connections get to send their last event before they are cut
 GRACEFUL_SHUTDOWN_S = 5
+#: connections the kernel queues before the server accepts them (also while the model loads)
+LISTEN_BACKLOG = 2048
+#: seconds a connection may stay idle after an answer (``--timeout-keep-alive``; uvicorn's default)
+KEEP_ALIVE_S = 5.0
+#: seconds a client has to send a request's headers and body (``--read-timeout``)
+READ_TIMEOUT_S = 30.0
+#: connections and requests at once (``--limit-concurrency``): the app's stream threads
+#: (``app.STREAM_THREADS``) are 512
+LIMIT_CONCURRENCY = 512
+#: bytes of a request's line and headers buffered while incomplete (``--h11-max-incomplete-event-size``;
+#: h11's default)
+MAX_HEADER_BYTES = 16 * 1024
+#: bytes of a request's body (``--max-request-bytes``; ``app.DEFAULT_MAX_REQUEST_BYTES``)
+MAX_REQUEST_BYTES = 8 * 1024 * 1024
 
 
 def add_serve_parser(subparsers) -> argparse.ArgumentParser:
@@ -40,10 +59,28 @@ def add_serve_parser(subparsers) -> argparse.ArgumentParser:
                    help="requests that may wait for a place in the batch (new ones wait until the engine's "
                         "next step); more get HTTP 429 (default: 64)")
     p.add_argument("--api-key", default=os.environ.get("SPECDRAFT_API_KEY") or None, metavar="KEY",
-                   help="require `Authorization: Bearer KEY` on /v1 requests (default: $SPECDRAFT_API_KEY, "
-                        "else no key)")
+                   help="require `Authorization: Bearer KEY` on every path but /health and /metrics (/v1, /tokenize, "
+                        "/detokenize, /docs, /openapi.json) (default: $SPECDRAFT_API_KEY, else no key)")
     p.add_argument("--served-model-name", default=None, metavar="NAME",
                    help="the model's name in the API (default: the target's name)")
+    p.add_argument("--drain-timeout", type=float, default=DRAIN_TIMEOUT_S, metavar="S",
+                   help="on SIGTERM or Ctrl-C: new requests get 503, waiting ones end with a 503 at once, running "
+                        "ones get up to S seconds to finish, then end with a 503 (a stream: an error event, then "
+                        "[DONE]); a second signal ends them at once (default: %(default)g)")
+    p.add_argument("--timeout-keep-alive", type=float, default=KEEP_ALIVE_S, metavar="S",
+                   help="close a connection idle for S seconds after an answer (default: %(default)g)")
+    p.add_argument("--read-timeout", type=float, default=READ_TIMEOUT_S, metavar="S",
+                   help="a client must send a request's headers and body within S seconds of connecting (or of "
+                        "its previous answer), else 408 and the connection is closed; 0 = no limit "
+                        "(default: %(default)g)")
+    p.add_argument("--limit-concurrency", type=int, default=LIMIT_CONCURRENCY, metavar="N",
+                   help="at most N open connections and requests; requests beyond that get 503 at once "
+                        "(default: %(default)d)")
+    p.add_argument("--h11-max-incomplete-event-size", type=int, default=MAX_HEADER_BYTES, metavar="N",
+                   help="bytes of a request's line and headers buffered while they are incomplete; beyond that, "
+                        "400 and the connection is closed (uvicorn's option; default: %(default)d)")
+    p.add_argument("--max-request-bytes", type=int, default=MAX_REQUEST_BYTES, metavar="N",
+                   help="a request's body may take at most N bytes, else 413 (default: %(default)d, 8 MiB)")
     return p
 
 
@@ -54,8 +91,25 @@ def _check_extra() -> None:
                              "with: pip install 'specdraft[serve]'")
 
 
+def _check_process_args(args) -> None:
+    """The server process's limits (before anything loads)."""
+    for name, low in (("drain_timeout", 0.0), ("timeout_keep_alive", 0.0), ("read_timeout", 0.0)):
+        value = getattr(args, name)
+        if not math.isfinite(value) or value < low or (name == "timeout_keep_alive" and value == 0):
+            bound = "> 0" if name == "timeout_keep_alive" else ">= 0"
+            raise ConfigError(f"--{name.replace('_', '-')} must be a number of seconds {bound} (got {value:g})")
+    if args.limit_concurrency < 1:
+        raise ConfigError(f"--limit-concurrency must be >= 1 (got {args.limit_concurrency})")
+    if args.h11_max_incomplete_event_size < 1024:
+        raise ConfigError(f"--h11-max-incomplete-event-size must be >= 1024: clients send more than that in "
+                          f"ordinary headers (got {args.h11_max_incomplete_event_size})")
+    if args.max_request_bytes < 1:
+        raise ConfigError(f"--max-request-bytes must be >= 1 (got {args.max_request_bytes})")
+
+
 def _bind(host: str, port: int) -> socket.socket:
-    """The listening socket, bound before the model loads so a taken port fails at once."""
+    """The listening socket, bound and listening before the model loads, so a taken port fails at
+    once (connections made while the model loads wait in the backlog)."""
     if not 0 <= port <= 65535:
         raise ConfigError(f"--port must be from 0 to 65535 (got {port})")
     try:
@@ -66,6 +120,7 @@ def _bind(host: str, port: int) -> socket.socket:
     sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
     try:
         sock.bind((host, port))
+        sock.listen(LISTEN_BACKLOG)  # bound alone, a port another server also bound (SO_REUSEADDR) still fails later
     except OSError as exc:
         sock.close()
         raise ConfigError(f"cannot listen on {host}:{port}: {exc.strerror}; pick another --port "
@@ -74,8 +129,26 @@ def _bind(host: str, port: int) -> socket.socket:
     return sock
 
 
+def _open_without_key(sock: socket.socket, api_key: str | None) -> str | None:
+    """The warning for a server on a non-loopback address without an API key (None: no warning)."""
+    if api_key:
+        return None
+    host = sock.getsockname()[0]
+    try:
+        address = ipaddress.ip_address(host.split("%")[0])
+    except ValueError:
+        return None
+    if address.is_loopback or (address.version == 6 and address.ipv4_mapped is not None
+                               and address.ipv4_mapped.is_loopback):
+        return None
+    where = "every interface" if address.is_unspecified else host
+    return (f"specdraft: warning: serving on {where} without --api-key: anyone who can reach this port can use it "
+            "and read /docs")
+
+
 def serve(args) -> int:
-    """Load the decoder ``args`` describe and serve it until Ctrl-C (or SIGTERM)."""
+    """Load the decoder ``args`` describe and serve it until SIGTERM or Ctrl-C, which drain it
+    (:mod:`.process`): 0 after SIGTERM; Ctrl-C raises KeyboardInterrupt once the server has stopped."""
     _check_extra()
     from ..decoder import check_spec_length
     from ..plugins import get_registry
@@ -86,8 +159,12 @@ def serve(args) -> int:
         raise ConfigError("--max-batch must be >= 1")
     if args.max_waiting < 1:  # a new request waits until the engine's next step takes it in
         raise ConfigError("--max-waiting must be >= 1: every request waits for the engine's next step")
+    _check_process_args(args)
     get_registry().validate_options(args.drafter, dict(args.drafter_options))
     sock = _bind(args.host, args.port)
+    warning = _open_without_key(sock, args.api_key)
+    if warning:
+        print(warning, file=sys.stderr, flush=True)
     try:
         from ..decoder import SpeculativeDecoder
 
@@ -100,25 +177,23 @@ def serve(args) -> int:
         import uvicorn
 
         from .app import create_app
+        from .process import make_server
 
-        app = create_app(decoder, model_name=args.served_model_name, api_key=args.api_key)
+        app = create_app(decoder, model_name=args.served_model_name, api_key=args.api_key,
+                         max_request_bytes=args.max_request_bytes)
         host, port = sock.getsockname()[:2]
         url_host = f"[{host}]" if ":" in host else host
         ready = (f"specdraft: serving {app.state.model_name} with drafter {decoder.drafter.name or args.drafter} "
                  f"on http://{url_host}:{port}")
-
-        class Server(uvicorn.Server):
-            async def startup(self, sockets=None) -> None:
-                await super().startup(sockets=sockets)
-                if not self.should_exit:
-                    print(ready, flush=True)
-
         log_config = copy.deepcopy(uvicorn.config.LOGGING_CONFIG)  # the server's own errors print like uvicorn's
         log_config["loggers"]["specdraft"] = {"handlers": ["default"], "level": "INFO", "propagate": False}
         log_config["handlers"]["access"]["stream"] = "ext://sys.stderr"  # stdout: only the ready line
-        config = uvicorn.Config(app, timeout_graceful_shutdown=GRACEFUL_SHUTDOWN_S, log_level="info",
-                                log_config=log_config)
-        Server(config).run(sockets=[sock])
+        server = make_server(app, decoder, drain_timeout=args.drain_timeout, read_timeout=args.read_timeout,
+                             timeout_keep_alive=args.timeout_keep_alive, limit_concurrency=args.limit_concurrency,
+                             max_header_bytes=args.h11_max_incomplete_event_size,
+                             graceful_shutdown=GRACEFUL_SHUTDOWN_S, backlog=LISTEN_BACKLOG, ready=ready,
+                             log_config=log_config)
+        server.run(sockets=[sock])
     finally:
         sock.close()
     return 0

@@ -1,10 +1,13 @@
 """Request and response bodies of the OpenAI-compatible server, in OpenAI's shapes.
 
-Modelled on vLLM's ``vllm/entrypoints/openai/protocol.py``: requests accept unknown fields
-(OpenAI clients send some, e.g. ``user`` or ``store``) and the server ignores them; the
-OpenAI parameters specdraft cannot honour (``logprobs``, ``echo``, ``tools``, ...) are declared
-so that :meth:`unsupported` can name them in a 400 when a request sets them. Two additions
-to OpenAI's responses: ``spec_decode`` (what speculation did for the request) and
+Modelled on vLLM's ``vllm/entrypoints/openai/protocol.py``, but nothing a request sends is
+silently dropped: request bodies (:class:`RequestModel`) refuse unknown fields (the server
+answers 400 ``unknown parameter``) and check types strictly (``max_tokens: true`` or ``stream:
+"yes"`` is a 400, not 1 or true; a float field takes an integer). The OpenAI fields that cannot
+change the output (``user``, ``store``, ``metadata``, ...) are declared and accepted without
+effect; the OpenAI parameters specdraft cannot honour (``logprobs``, ``echo``, ``tools``, ...)
+are declared so that :meth:`unsupported` can name them in a 400 when a request sets them. Two
+additions to OpenAI's responses: ``spec_decode`` (what speculation did for the request) and
 ``max_model_len`` on the model card (as vLLM).
 """
 
@@ -32,12 +35,16 @@ def now() -> int:
 
 
 class OpenAIBaseModel(BaseModel):
-    # unknown fields are kept (not rejected) so that clients sending newer OpenAI fields work
+    # responses: built by the server itself
     model_config = ConfigDict(extra="allow")
 
-    def ignored_fields(self) -> list[str]:
-        """The fields of the request that are not OpenAI parameters specdraft knows."""
-        return sorted(self.model_extra or {})
+
+class RequestModel(OpenAIBaseModel):
+    """A request body (or a part of one): unknown fields are refused (the server's 400 names the
+    first as ``unknown parameter``) and types are strict (no ``true`` for 1, no ``"yes"`` for
+    true, no ``"0.5"`` for 0.5; an integer is still a valid float)."""
+
+    model_config = ConfigDict(extra="forbid", strict=True)
 
 
 # -- errors ---------------------------------------------------------------------------------
@@ -74,7 +81,7 @@ class ModelList(OpenAIBaseModel):
 # -- shared pieces ----------------------------------------------------------------------------
 
 
-class StreamOptions(OpenAIBaseModel):
+class StreamOptions(RequestModel):
     include_usage: bool | None = False
 
 
@@ -85,19 +92,25 @@ class CompletionTokensDetails(OpenAIBaseModel):
     rejected_prediction_tokens: int = 0
 
 
+class PromptTokensDetails(OpenAIBaseModel):
+    # specdraft has no prefix cache: every prompt token is computed, none is read from a cache
+    cached_tokens: int = 0
+
+
 class UsageInfo(OpenAIBaseModel):
     prompt_tokens: int = 0
     completion_tokens: int = 0
     total_tokens: int = 0
+    prompt_tokens_details: PromptTokensDetails = Field(default_factory=PromptTokensDetails)
     completion_tokens_details: CompletionTokensDetails | None = None  # requests with a prediction
 
 
-class TextPart(OpenAIBaseModel):
+class TextPart(RequestModel):
     type: Literal["text"]
     text: str
 
 
-class PredictionParam(OpenAIBaseModel):
+class PredictionParam(RequestModel):
     """OpenAI's ``prediction``: ``{"type": "content", "content": "..."}`` (or a list of text parts)."""
 
     type: Literal["content"]
@@ -125,10 +138,13 @@ class SpecDecodeInfo(OpenAIBaseModel):
                    drafts=stats.drafts, target_passes=stats.target_passes)
 
 
-class SamplingRequest(OpenAIBaseModel):
+class SamplingRequest(RequestModel):
     """The parameters completions and chat completions share."""
 
     model: str | None = None  # None: the served model
+    # accepted without effect: end-user ids for OpenAI's abuse monitoring
+    user: str | None = None
+    safety_identifier: str | None = None
     # sampling: None = the default (OpenAI's temperature 1, the others off); the decoder checks ranges
     temperature: float | None = None
     top_p: float | None = None
@@ -137,8 +153,13 @@ class SamplingRequest(OpenAIBaseModel):
     presence_penalty: float | None = None
     frequency_penalty: float | None = None
     repetition_penalty: float | None = None  # extension
-    seed: int | None = None
+    seed: int | None = Field(None, ge=0, le=2**64 - 1)
     stop: str | list[str] | None = None
+    # vLLM's extensions (the decoder checks them): keep going past EOS; no EOS, stop token or stop
+    # string before this many tokens; token ids that end the answer like EOS
+    ignore_eos: bool | None = None
+    min_tokens: int | None = None
+    stop_token_ids: list[int] | None = None
     stream: bool | None = False
     stream_options: StreamOptions | None = None
     n: int | None = 1  # only 1
@@ -161,6 +182,9 @@ class SamplingRequest(OpenAIBaseModel):
             "repetition_penalty": 1.0 if self.repetition_penalty is None else self.repetition_penalty,
             "seed": self.seed,
             "stop": self.stop,
+            "ignore_eos": bool(self.ignore_eos),
+            "min_tokens": 0 if self.min_tokens is None else self.min_tokens,
+            "stop_token_ids": self.stop_token_ids,
         }
 
     @property
@@ -239,11 +263,18 @@ class CompletionStreamResponse(OpenAIBaseModel):
 # -- /v1/chat/completions -------------------------------------------------------------------
 
 
-class ChatMessageParam(OpenAIBaseModel):
+class ChatMessageParam(RequestModel):
+    # system, developer, user or assistant (the server checks it, and refuses tool and function)
     role: str
-    # a string, or a list of content parts of which only {"type": "text", "text": ...} is supported
+    # a string, or a list of content parts of which only {"type": "text", "text": ...} is supported;
+    # None only for an assistant's message
     content: str | list[dict[str, Any]] | None = None
-    name: str | None = None
+    name: str | None = None  # passed to the chat template (most templates leave it out)
+    # what an assistant's message echoed back from a response may hold: accepted when empty
+    refusal: str | None = None
+    tool_calls: list[Any] | None = None
+    function_call: Any = None
+    tool_call_id: str | None = None
 
 
 class ChatCompletionRequest(SamplingRequest):
@@ -256,6 +287,20 @@ class ChatCompletionRequest(SamplingRequest):
     functions: list[Any] | None = None
     function_call: Any = None
     response_format: dict[str, Any] | None = None
+    reasoning_effort: str | None = None  # refused when set: the output would not follow it
+    verbosity: str | None = None  # refused when set, as reasoning_effort
+    audio: Any = None  # refused when set: text only
+    web_search_options: Any = None  # refused when set
+    #: more variables for the chat template (vLLM's extension; e.g. {"enable_thinking": false})
+    chat_template_kwargs: dict[str, Any] | None = None
+    # accepted without effect: specdraft stores nothing, has one service tier, no tools, no cache
+    # to key, and answers with text
+    store: bool | None = None
+    metadata: dict[str, str] | None = None
+    service_tier: str | None = None
+    parallel_tool_calls: bool | None = None
+    prompt_cache_key: str | None = None
+    modalities: list[Literal["text"]] | None = None  # only ["text"]
 
     @property
     def requested_max_tokens(self) -> int | None:
@@ -274,6 +319,9 @@ class ChatCompletionRequest(SamplingRequest):
             return "response_format"
         if self.top_logprobs:
             return "top_logprobs"
+        for name in ("reasoning_effort", "verbosity", "audio", "web_search_options"):
+            if getattr(self, name) is not None:
+                return name
         return super().unsupported()
 
 
@@ -322,3 +370,35 @@ class ChatCompletionStreamResponse(OpenAIBaseModel):
     choices: list[ChatCompletionResponseStreamChoice]
     usage: UsageInfo | None = None
     spec_decode: SpecDecodeInfo | None = None
+
+
+# -- /tokenize and /detokenize (vLLM's) ---------------------------------------------------------
+
+
+class TokenizeCompletionRequest(RequestModel):
+    model: str | None = None
+    prompt: str
+    add_special_tokens: bool = True  # as /v1/completions tokenizes a prompt
+
+
+class TokenizeChatRequest(RequestModel):
+    model: str | None = None
+    messages: list[ChatMessageParam] = Field(min_length=1)
+    add_generation_prompt: bool = True  # as /v1/chat/completions renders the messages
+    add_special_tokens: bool = False  # the template has them
+    chat_template_kwargs: dict[str, Any] | None = None
+
+
+class TokenizeResponse(OpenAIBaseModel):
+    count: int
+    max_model_len: int
+    tokens: list[int]
+
+
+class DetokenizeRequest(RequestModel):
+    model: str | None = None
+    tokens: list[int]
+
+
+class DetokenizeResponse(OpenAIBaseModel):
+    prompt: str

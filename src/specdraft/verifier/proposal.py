@@ -131,6 +131,16 @@ class Proposal:
         """Each row's levels verified: a chain's length, a tree's deepest valid node.  # [batch]"""
         return self.lengths if self.tree is None else self.tree.depths.max(1).values
 
+    @property
+    def pass_depths(self) -> torch.Tensor:
+        """How many tokens after the row's next one each pass index's logits predict  # [batch, width + 1]:
+        index ``j`` of a chain ``j``, a tree node's its depth (index 0, the last committed token, 0).
+        What padding and invalid nodes get does not matter: acceptance never reads their logits."""
+        batch = self.token_ids.shape[0]
+        if self.tree is None:
+            return torch.arange(self.width + 1, device=self.token_ids.device).expand(batch, -1)
+        return torch.cat([torch.zeros_like(self.tree.depths[:, :1]), self.tree.depths], 1)
+
     def pass_inputs(self, last: torch.Tensor) -> tuple[torch.Tensor, dict]:
         """The verify pass ``[last, d_1..d_width]  # [batch, width + 1]`` after each row's last
         committed token ``last # [batch, 1]``, and the runner's tree arguments (none for a chain)."""

@@ -134,8 +134,9 @@ def is_compact_draft(path: str | Path) -> bool:
 
 def load_compact_draft(path: str | Path, embeddings: Any, target_name: str, dtype, device):
     """Load a draft saved by :func:`save_compact_draft` onto the target's ``embeddings`` module."""
-    from safetensors.torch import load_file
     from transformers import LlamaConfig, LlamaForCausalLM
+
+    from .weights import load_weights
 
     path = Path(path)
     meta = json.loads((path / FORMAT_FILE).read_text())
@@ -150,7 +151,7 @@ def load_compact_draft(path: str | Path, embeddings: Any, target_name: str, dtyp
             f"not for {target_name!r} (fingerprint {fingerprint}); train one for this target with `specdraft distill`"
         )
     cfg = LlamaConfig.from_json_file(path / "config.json")
-    state = load_file(path / "model.safetensors")
+    state = load_weights(path / "model.safetensors")
     draft = LlamaForCausalLM(cfg)
     draft.lm_head = ScatteredHead(cfg.hidden_size, state["lm_head.head_ids"], cfg.vocab_size)
     if "copy_gate" in meta:

@@ -31,6 +31,7 @@ import torch
 
 from ..api import ConfigError, TargetInfo, write_atomic
 from ..common.copy_gate import STATE_PREFIX, CopyGate
+from ..common.weights import load_weights
 from .modules import KINDS, EagleDraft, MedusaHeads, SharedHead, build_heads, eagle_layer_config
 
 FORMAT_FILE = "specdraft_heads.json"
@@ -76,11 +77,7 @@ def detect_format(path: Path) -> str:
 
 
 def _read_weights(path: Path) -> dict[str, torch.Tensor]:
-    if path.suffix == ".safetensors":
-        from safetensors.torch import load_file
-
-        return load_file(path)
-    return torch.load(path, map_location="cpu", weights_only=True)
+    return load_weights(path)  # one line for a corrupt file or a pickle torch refuses
 
 
 def _load_strict(module: torch.nn.Module, state: dict[str, torch.Tensor], where: Path) -> None:
@@ -107,8 +104,6 @@ def _check_width(found: int, target: TargetInfo, where: Path, what: str) -> None
 
 
 def _load_specdraft(path: Path, target: TargetInfo):
-    from safetensors.torch import load_file
-
     from ..common.compact_draft import target_fingerprint
 
     meta = json.loads((path / FORMAT_FILE).read_text())
@@ -122,7 +117,7 @@ def _load_specdraft(path: Path, target: TargetInfo):
                 f"(fingerprint {meta.get('target_fingerprint')}), not for {target.name!r} (fingerprint {fingerprint}); "
                 f"train heads for this target with `specdraft train-heads --kind {meta.get('kind')}`"
             )
-    state = load_file(path / WEIGHTS_FILE)
+    state = load_weights(path / WEIGHTS_FILE)
     head_ids = state.pop("head_ids", None)
     _check_width(int(meta["config"]["hidden_size"]), target, path, f"target {meta.get('target')!r}")
     module = build_heads(meta["kind"], target.config, **meta["config"])
