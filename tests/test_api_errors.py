@@ -21,6 +21,8 @@ def dec(tiny_model):
     ({"max_new_tokens": 2.5}, "max_new_tokens must be an integer >= 1"),
     ({"seed": -3}, r"seed must be an integer from 0 to 2\*\*64 - 1"),
     ({"stop": [""]}, "stop strings must be non-empty"),
+    ({"stop": 5}, r"stop must be a string or a list of strings \(got int 5\)"),  # was a bare TypeError
+    ({"stop": ["ok", 5]}, r"stop strings must be non-empty strings \(got \['ok', 5\]\)"),
     ({"seed": 2**64}, r"seed must be an integer from 0 to 2\*\*64 - 1, or None \(got 18446744073709551616\)"),
     ({"temperature": 1e-38}, "temperature: Value error, must be 0 \\(greedy\\) or from 0.0001 to 100"),
     ({"temperature": float("inf")}, "temperature: Input should be a finite number"),

@@ -53,9 +53,11 @@ def check_generation_args(max_new_tokens, sampling: Mapping[str, Any], seed, sto
         raise ConfigError(f"max_new_tokens must be an integer >= 1 (got {max_new_tokens!r})")
     if seed is not None and (not _is_int(seed) or not 0 <= seed <= MAX_SEED):
         raise ConfigError(f"seed must be an integer from 0 to 2**64 - 1, or None (got {seed!r})")
+    if stop is not None and not isinstance(stop, (str, list, tuple)):
+        raise ConfigError(f"stop must be a string or a list of strings (got {type(stop).__name__} {stop!r})")
     stops = [stop] if isinstance(stop, str) else list(stop or ())
     if any(not isinstance(s, str) or not s for s in stops):
-        raise ConfigError("stop strings must be non-empty strings")
+        raise ConfigError(f"stop strings must be non-empty strings (got {stops!r})")
     return params, stops
 
 
