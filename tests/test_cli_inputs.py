@@ -132,7 +132,7 @@ def test_a_prompt_no_context_could_hold_is_refused_before_it_is_tokenized(capsys
                               generate=lambda *a, **k: pytest.fail("generate ran"),
                               stream=lambda *a, **k: pytest.fail("stream ran"))
     monkeypatch.setattr("specdraft.decoder.SpeculativeDecoder.from_pretrained", lambda *a, **k: decoder)
-    monkeypatch.setattr("specdraft.server.limits.chars_per_token", lambda tokenizer: 7)
+    monkeypatch.setattr("specdraft.limits.chars_per_token", lambda tokenizer: 7)
     monkeypatch.setattr("sys.stdin", io.TextIOWrapper(io.BytesIO(b"x" * 64)))
     assert main(["generate", "-"]) == 2
     assert ("the prompt has at least 10 tokens (64 characters, and no token of this model covers more than 7) but "

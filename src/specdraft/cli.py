@@ -263,23 +263,14 @@ def _read_prediction(path: str | None) -> str | None:
 
 
 def _check_fits(text: str, what: str, decoder) -> None:
-    """Refuse ``text`` before it is tokenized when its length alone shows it has more tokens than
-    the model's context holds (tokenizing a huge text costs seconds and gigabytes before its length
-    is known): the server's bound, :func:`specdraft.server.limits.chars_per_token` (none for
-    tokenizers that may drop text: those are tokenized, then checked)."""
-    from .server.limits import chars_per_token
+    """Refuse ``text`` before it is tokenized when its length alone shows it is too long for the
+    context (:func:`specdraft.limits.check_fits`; the bound is read only for a text with more
+    characters than the context has tokens)."""
+    from .limits import chars_per_token, check_fits
 
     context = decoder.target.max_context
-    if decoder.tokenizer is None or len(text) < context:  # fewer characters than the context has tokens
-        return
-    per_token = chars_per_token(decoder.tokenizer)
-    if per_token is None:
-        return
-    at_least = -(-len(text) // per_token)
-    if at_least >= context:
-        raise ConfigError(f"{what} has at least {at_least} tokens ({len(text)} characters, and no token of this "
-                          f"model covers more than {per_token}) but the model's context holds {context}; shorten it "
-                          f"to fewer than {context} tokens")
+    if decoder.tokenizer is not None and len(text) >= context:
+        check_fits(text, what, chars_per_token(decoder.tokenizer), context)
 
 
 def _generate(args) -> int:

@@ -169,7 +169,7 @@ def test_the_characters_per_token_bound_is_sound(smol_tokenizer):
     from tokenizers import Tokenizer, normalizers
     from transformers import PreTrainedTokenizerFast
 
-    from specdraft.server.limits import chars_per_token
+    from specdraft.limits import chars_per_token
     from specdraft.testing.models import tiny_tokenizer
 
     bound = chars_per_token(smol_tokenizer)

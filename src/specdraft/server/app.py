@@ -34,8 +34,8 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from .. import __version__
 from ..errors import ConfigError, DrafterError, QueueFull, SpecdraftError, describe_validation_error
+from ..limits import chars_per_token, check_fits
 from ..sampling import SamplingParams
-from .limits import chars_per_token
 from .metrics import ServerMetrics
 from .protocol import (
     CHAT_DEFAULT_MAX_TOKENS,
@@ -423,16 +423,11 @@ class _Server:
 
     def check_length(self, text: str, param: str) -> None:
         """400 for a text whose length alone shows it has more tokens than the context holds,
-        before anything tokenizes it (a 20 MB prompt would take the tokenizer seconds and GBs)."""
-        per_token = self.chars_per_token
-        if per_token is None:
-            return
-        context = self.decoder.target.max_context
-        at_least = -(-len(text) // per_token)
-        if at_least >= context:
-            raise APIError(400, f"{param} has at least {at_least} tokens ({len(text)} characters, and no token of "
-                                f"this model covers more than {per_token}) but the model's context holds {context}; "
-                                f"shorten it to fewer than {context} tokens", param=param)
+        before anything tokenizes it (:func:`specdraft.limits.check_fits`)."""
+        try:
+            check_fits(text, param, self.chars_per_token, self.decoder.target.max_context)
+        except ConfigError as exc:
+            raise APIError(400, str(exc), param=param) from None
 
     # -- errors -----------------------------------------------------------------------------
 

@@ -23,7 +23,9 @@ import json
 import logging
 import math
 
-logger = logging.getLogger("specdraft.server")
+from .errors import ConfigError
+
+logger = logging.getLogger("specdraft")
 
 #: the most characters Unicode canonical composition (NFC, NFKC) turns into one (e.g. U+1FAF
 #: from Omega and three combining marks)
@@ -60,6 +62,20 @@ def chars_per_token(tokenizer) -> int | None:
         logger.debug("no characters-per-token bound for this tokenizer", exc_info=True)
         return None
     return math.ceil(longest * shrink)
+
+
+def check_fits(text: str, what: str, per_token: int | None, context: int) -> None:
+    """ConfigError (one line, naming ``what``) when the length of ``text`` alone shows it has more
+    tokens than ``context`` holds, no token covering more than ``per_token`` characters (None: no
+    bound, nothing checked). The CLI and the server refuse a prompt this way before tokenizing it
+    (a 20 MB text takes the tokenizer seconds and gigabytes)."""
+    if per_token is None:
+        return
+    at_least = -(-len(text) // per_token)
+    if at_least >= context:
+        raise ConfigError(f"{what} has at least {at_least} tokens ({len(text)} characters, and no token of this "
+                          f"model covers more than {per_token}) but the model's context holds {context}; shorten it "
+                          f"to fewer than {context} tokens")
 
 
 def _components(node, key: str) -> list[dict] | None:
