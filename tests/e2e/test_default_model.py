@@ -196,3 +196,19 @@ def test_greedy_parity_with_predictions_in_bfloat16(default_bf16, plain_bf16, ei
     for cat, plain, r in zip(eight_prompts, plain_bf16, results, strict=True):
         assert r.token_ids == plain.token_ids, cat
     assert results[0].stats.accepted_prediction_tokens > NEW // 2
+
+
+def test_min_tokens_and_stop_token_ids_in_bfloat16(default_bf16, eight_prompts):
+    """min_tokens masks EOS and the stop tokens in the target's distribution before acceptance: in
+    bfloat16 a drafter still gives plain decoding's tokens under the same settings ("." stops the
+    answer, but not within its first NEW // 2 tokens)."""
+    model, tok = default_bf16
+    settings = dict(max_new_tokens=NEW, min_tokens=NEW // 2, stop_token_ids=tok.encode(".", add_special_tokens=False))
+    with SpeculativeDecoder(model, tok, drafter="none") as dec:
+        plain = dec.generate(list(eight_prompts.values()), **settings)
+    with SpeculativeDecoder(model, tok, drafter="ngram", spec_length=4, adaptive=False) as dec:
+        results = dec.generate(list(eight_prompts.values()), **settings)
+    for cat, p, r in zip(eight_prompts, plain, results, strict=True):
+        assert r.token_ids == p.token_ids, cat
+    assert any(p.finish_reason == "stop" for p in plain)  # the stop token did end some answers
+    assert all(len(p.token_ids) >= NEW // 2 for p in plain)
