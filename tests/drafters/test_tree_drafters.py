@@ -95,3 +95,13 @@ def test_sampled_trees_match_the_target_law(small_vocab_model, tmp_path, kind, p
     assert pvalue > ALPHA
     assert sum(r.stats.drafted_tokens for r in results) > 2 * sum(r.stats.drafts for r in results)  # trees
     assert sum(r.stats.accepted_tokens for r in results) > len(results) // 10
+
+
+def test_a_one_token_prompt_drafts_an_empty_sampled_tree(tiny_model, medusa_heads):
+    """Heads have no hidden state to draft from before a one-token prompt's first round: the tree
+    is empty in every row, which was a StopIteration building its (empty) probability table."""
+    dec = SpeculativeDecoder(tiny_model, None, drafter="medusa", spec_length=4, adaptive=False,
+                             drafter_options=_options("medusa", medusa_heads))
+    [result] = dec.generate_ids([[7]], max_new_tokens=6, temperature=1.0, seed=0)
+    assert len(result.token_ids) == 6
+    dec.close()

@@ -58,7 +58,7 @@ def tree_draft(rows: Sequence[Sequence[tuple[int, int]]], device: Any = None, pr
     """A :class:`Draft` from one list of ``(parent, token)`` nodes per row (ragged is fine);
     ``probs``: None (deterministic) or one ``[vocab]`` tensor per node per row."""
     draft = Draft.from_tree_lists(rows, device=device)
-    if probs is not None:
+    if probs is not None and any(len(row) for row in probs):  # no node anywhere: nothing to describe
         import torch
 
         batch, width = draft.token_ids.shape
