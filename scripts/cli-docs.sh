@@ -37,6 +37,13 @@ cat <<'MD'
   as end-of-sequence does (the token's text is not printed); `--ignore-eos` goes on past
   end-of-sequence; `--min-tokens N` allows none of these before N tokens (vLLM's semantics;
   the output stays exact, see [how it works](algorithm.md)).
+- `--response-format json_object` (or `FILE`, an OpenAI `response_format` object in JSON),
+  `--json-schema FILE` and `--regex R` (one of them) constrain the answer: a JSON object,
+  JSON matching the schema, text matching the regular expression. The output is exactly what
+  plain decoding under the grammar gives (see [how it works](algorithm.md#structured-output));
+  a complete answer ends with end-of-sequence. Not with `--ignore-eos`. Needs
+  `pip install 'specdraft[structured]'` (llguidance); a bad schema or regex is reported before
+  the model loads.
 - `--stream` prints the text as tokens are accepted (several per step with a good drafter);
   what it prints equals what the command prints without it.
 

@@ -14,7 +14,7 @@ from .errors import (
 )
 from .hookspecs import hookimpl
 from .sampling import SamplingParams, TokenCounts, logits_to_probs
-from .types import Draft, DraftContext, GenerationResult, GenerationStats, TargetInfo
+from .types import Draft, DraftContext, GenerationResult, GenerationStats, TargetInfo, TokenLogprob
 
 try:
     __version__ = _metadata.version("specdraft")
@@ -24,5 +24,6 @@ except _metadata.PackageNotFoundError:  # running from a source tree that is not
 __all__ = [
     "ConfigError", "Draft", "DraftContext", "Drafter", "DrafterError", "GenerationResult",
     "GenerationStats", "ModelLoadError", "PluginError", "SamplingParams", "SpecdraftError",
-    "SpeculativeDecoder", "TargetInfo", "TokenCounts", "UnknownDrafterError", "hookimpl", "logits_to_probs",
+    "SpeculativeDecoder", "TargetInfo", "TokenCounts", "TokenLogprob", "UnknownDrafterError", "hookimpl",
+    "logits_to_probs",
 ]

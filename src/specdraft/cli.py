@@ -14,7 +14,7 @@ from typing import Sequence
 
 from . import __version__
 from .errors import ConfigError, SpecdraftError
-from .cli_args import decoder_args, device_args, parse_drafter_option
+from .cli_args import decoder_args, device_args, parse_drafter_option, structured_args
 from .models import TRAIN_DTYPES
 
 
@@ -131,6 +131,7 @@ def build_parser() -> argparse.ArgumentParser:
     gen.add_argument("--prediction", metavar="FILE", default=None,
                      help="text the answer is expected to repeat much of (a file being edited; OpenAI's Predicted "
                           "Outputs): drafted from with any --drafter, the answer stays the model's own")
+    structured_args(gen)
     gen.add_argument("--stream", action="store_true", help="print the text as it is generated")
     gen.add_argument("--stats", action="store_true", help="print speculation metrics to stderr")
     device_args(gen)
@@ -287,6 +288,7 @@ def _generate(args) -> int:
     check_generation_args(args.max_new_tokens, sampling, args.seed, args.stop)
     check_stop_settings(args.max_new_tokens, args.ignore_eos, args.min_tokens, args.stop_token_id)
     get_registry().validate_options(args.drafter, dict(args.drafter_options))
+    response_format = _response_format(args)
     decoder = SpeculativeDecoder.from_pretrained(
         target=args.target, drafter=args.drafter, spec_length=args.spec_length,
         drafter_options=dict(args.drafter_options), dtype=args.dtype, device=args.device,
@@ -299,7 +301,7 @@ def _generate(args) -> int:
 
     settings = dict(max_new_tokens=args.max_new_tokens, seed=args.seed, stop=args.stop, raw=args.raw,
                     prediction=prediction, ignore_eos=args.ignore_eos, min_tokens=args.min_tokens,
-                    stop_token_ids=args.stop_token_id, **sampling)
+                    stop_token_ids=args.stop_token_id, response_format=response_format, **sampling)
     if args.stream:
         stream = decoder.stream(prompt, **settings)
         try:
@@ -324,6 +326,22 @@ def _generate(args) -> int:
         print(format_stats(result.stats, decoder.drafter.name or args.drafter, args.spec_length, decoder.runner_info),
               file=sys.stderr)
     return 0
+
+
+def _response_format(args):
+    """``--response-format`` / ``--json-schema`` / ``--regex`` as a grammar (None: none), checked
+    before any model loads: a file that cannot be read, bad JSON, a second flag, or a grammar
+    without llguidance installed is one line and exit 2."""
+    from .engine.grammar import check_spec
+    from .structured import from_cli
+
+    spec = from_cli(args.response_format, args.json_schema, args.regex)
+    if spec is not None:
+        if args.ignore_eos:
+            raise ConfigError(f"--ignore-eos cannot be combined with {spec.field}: the grammar ends the answer "
+                              "once it is complete")
+        check_spec(spec)  # llguidance installed, and the schema or regex valid
+    return spec
 
 
 def _drafters(args) -> int:

@@ -49,3 +49,14 @@ def runner_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--quantize", choices=["int8", "int4"], default=None,
                    help="weight-only int8 (per channel) or int4 (per group of 32; CPU only) target: the quantized "
                         "model is the one decoded, exactly")
+
+
+def structured_args(p: argparse.ArgumentParser) -> None:
+    """Structured output (``generate``): the answer matches a JSON schema or a regular expression."""
+    p.add_argument("--response-format", default=None, metavar="json_object|FILE",
+                   help="json_object: the answer is a JSON object; FILE: an OpenAI response_format in JSON "
+                        "({\"type\": \"json_schema\", \"json_schema\": {\"name\": ..., \"schema\": {...}}}); "
+                        "exact under speculation; needs pip install 'specdraft[structured]'")
+    p.add_argument("--json-schema", default=None, metavar="FILE",
+                   help="the answer is JSON matching the JSON schema in FILE")
+    p.add_argument("--regex", default=None, metavar="R", help="the answer matches the regular expression R")

@@ -9,7 +9,7 @@ from pydantic import ValidationError
 
 from .errors import ConfigError, describe_validation_error
 from .sampling import SamplingParams
-from .types import GenerationResult, TargetInfo
+from .types import LOGPROBS_MODES, MAX_CHOICES, MAX_LOGPROBS, GenerationResult, TargetInfo
 
 
 def _eos_ids(model, tokenizer) -> tuple[int, ...]:
@@ -84,6 +84,17 @@ def check_stop_settings(max_new_tokens, ignore_eos=False, min_tokens=0, stop_tok
             raise ConfigError(f"stop_token_ids holds {token}, outside the vocabulary [0, {vocab_size})"
                               if vocab_size is not None else f"stop_token_ids holds {token}; token ids are >= 0")
     return ignore_eos, min_tokens, tuple(sorted({_token_id(v) for v in ids}))
+
+
+def check_logprobs(logprobs=None, logprobs_mode="processed") -> None:
+    """Validate ``logprobs`` (None, or the top tokens to report per position, 0 to
+    ``MAX_LOGPROBS``) and ``logprobs_mode``; a one-line ConfigError naming the field."""
+    if logprobs is not None and (not _is_int(logprobs) or not 0 <= logprobs <= MAX_LOGPROBS):
+        raise ConfigError(f"logprobs must be an integer from 0 to {MAX_LOGPROBS} (the most likely tokens to report "
+                          f"at each position; 0: the output token's own only), or None for none (got {logprobs!r})")
+    if not isinstance(logprobs_mode, str) or logprobs_mode not in LOGPROBS_MODES:
+        raise ConfigError(f"logprobs_mode must be one of {', '.join(map(repr, LOGPROBS_MODES))} (got "
+                          f"{logprobs_mode!r}): 'processed' after the sampling settings, 'raw' the model's own")
 
 
 def _token_id(value) -> int | None:
@@ -173,18 +184,23 @@ class SpeculativeDecoder:
         quantize: str | None = None,
         max_batch: int = 8,
         max_waiting: int | None = None,
+        prefill_chunk: int | None = None,
     ) -> None:
         from .drafters.api import Drafter
         from .engine import Engine, EngineLoop
-        from .engine.engine import release_openmp_workers
+        from .engine.engine import DEFAULT_PREFILL_CHUNK, release_openmp_workers
         from .plugins import get_registry
         from .runner import default_compile, load_runner
+        from .structured import Grammars
 
         check_spec_length(spec_length)
         if not _is_int(max_batch) or not 1 <= max_batch <= 1024:
             raise ConfigError(f"max_batch must be an integer from 1 to 1024 (got {max_batch!r})")
         if max_waiting is not None and (not _is_int(max_waiting) or max_waiting < 0):
             raise ConfigError(f"max_waiting must be an integer >= 0, or None for no limit (got {max_waiting!r})")
+        if prefill_chunk is not None and (not _is_int(prefill_chunk) or prefill_chunk < 0):
+            raise ConfigError(f"prefill_chunk must be an integer >= 0 (prompt tokens per prefill pass; 0: whole "
+                              f"prompts; None: the default, 256), got {prefill_chunk!r}")
         if compile is not None and not isinstance(compile, bool):
             raise ConfigError(f"compile must be True, False or None (the device's default), got {compile!r}")
         self.model = model.eval()
@@ -203,8 +219,10 @@ class SpeculativeDecoder:
             self.drafter = get_registry().create(str(drafter), drafter_options, self.target)
         self.spec_length = spec_length
         self.engine = Engine(self.runner, self.drafter, self.target, spec_length, adaptive=adaptive,
-                             max_batch=max_batch, max_waiting=max_waiting)
+                             max_batch=max_batch, max_waiting=max_waiting,
+                             prefill_chunk=DEFAULT_PREFILL_CHUNK if prefill_chunk is None else prefill_chunk)
         self._loop = EngineLoop(self.engine)
+        self._grammars = Grammars(tokenizer, self.target)  # response_format: compiled at first use, cached
         # this thread built the model (OpenMP workers of its own); a server submits from other threads
         release_openmp_workers()
 
@@ -223,6 +241,7 @@ class SpeculativeDecoder:
         quantize: str | None = None,
         max_batch: int = 8,
         max_waiting: int | None = None,
+        prefill_chunk: int | None = None,
     ) -> "SpeculativeDecoder":
         """Load ``target`` (None = SmolLM2-135M-Instruct, offline; else hub id, folder or .gguf).
 
@@ -238,7 +257,9 @@ class SpeculativeDecoder:
 
         ``max_batch``: sequences decoded together (each holds a row of the KV cache); more wait
         and join as others finish. ``max_waiting``: with ``stream()``, at most this many requests
-        wait (QueueFull beyond; None: no limit).
+        wait (QueueFull beyond; None: no limit). ``prefill_chunk``: prompt tokens per prefill pass;
+        while others decode, a step prefills at most this many, so a long prompt joining delays
+        the running requests' next round by one such pass (None: 256; 0: each prompt in one pass).
         """
         from .models import load_target
 
@@ -246,7 +267,8 @@ class SpeculativeDecoder:
 
         model, tokenizer, name = load_target(target, dtype=dtype, device=device)
         decoder = cls(model, tokenizer, drafter, spec_length, drafter_options, adaptive=adaptive, target_name=name,
-                      compile=compile, quantize=quantize, max_batch=max_batch, max_waiting=max_waiting)
+                      compile=compile, quantize=quantize, max_batch=max_batch, max_waiting=max_waiting,
+                      prefill_chunk=prefill_chunk)
         decoder.dtype_reason = "asked for" if dtype is not None else default_dtype(resolve_device(device))[1]
         return decoder
 
@@ -327,8 +349,14 @@ class SpeculativeDecoder:
         ignore_eos: bool = False,
         min_tokens: int = 0,
         stop_token_ids: Sequence[int] | None = None,
+        n: int = 1,
+        logprobs: int | None = None,
+        logprobs_mode: str = "processed",
+        response_format: Any = None,
     ) -> list[GenerationResult]:
-        """Generate for one prompt or a list of prompts; one result per prompt.
+        """Generate for one prompt or a list of prompts; one result per prompt (``n`` per prompt,
+        prompt by prompt, with ``n > 1``: each prompt's choices, prefilled once, each drawing its
+        own random numbers; with a ``seed``, reproducible and distinct).
 
         Instruct models get their chat template (the prompt is the user's message) unless
         ``raw`` is True, in which case the prompt is tokenized as is. The sampling settings
@@ -343,6 +371,22 @@ class SpeculativeDecoder:
         ``min_tokens`` tokens are never EOS (unless ``ignore_eos``) or a stop token, their
         probability set to 0 in the target's distribution before acceptance, so the output stays
         exact, and stop strings do not end generation before them.
+
+        ``logprobs=N`` (0 to 20): each result's ``logprobs`` has a
+        :class:`~specdraft.types.TokenLogprob` per output token, its log-probability and the
+        ``N`` most likely tokens at its position, the numbers plain decoding gives there:
+        ``logprobs_mode="processed"`` from the distribution the token was drawn from (after the
+        penalties, temperature and filters; greedy: the penalized logits), ``"raw"`` from the
+        model's logits (see :mod:`specdraft.engine.logprobs`).
+
+        ``response_format`` (structured output; needs ``pip install 'specdraft[structured]'``):
+        ``{"type": "json_object"}``, ``{"type": "json_schema", "json_schema": {"name": ...,
+        "schema": {...}}}``, ``{"type": "regex", "regex": ...}``, ``{"type": "choice", "choice":
+        [...]}`` or ``{"type": "grammar", "grammar": ...}`` (Lark or GBNF; see
+        :mod:`specdraft.structured`). The grammar sets the target's probability of every token it
+        forbids to 0 at every verified position, so the output is exactly what plain decoding
+        under the grammar gives; a complete output ends with EOS (finish reason "eos"). Not with
+        ``ignore_eos``; ``min_tokens`` holds EOS back only while the grammar allows another token.
         """
         if self.tokenizer is None:
             raise ConfigError("this decoder has no tokenizer; use generate_ids() with token ids")
@@ -352,7 +396,9 @@ class SpeculativeDecoder:
                                  min_p=min_p, repetition_penalty=repetition_penalty,
                                  presence_penalty=presence_penalty, frequency_penalty=frequency_penalty,
                                  prediction=self._encode_predictions(prediction, len(texts)), ignore_eos=ignore_eos,
-                                 min_tokens=min_tokens, stop_token_ids=stop_token_ids)
+                                 min_tokens=min_tokens, stop_token_ids=stop_token_ids, logprobs=logprobs,
+                                 logprobs_mode=logprobs_mode, n=n,
+                                 response_format=response_format)
 
     def _encode_predictions(self, prediction, count: int) -> list[list[int] | None] | None:
         """Token ids of each prompt's predicted text (``prediction``: a string for one prompt, or a
@@ -391,6 +437,10 @@ class SpeculativeDecoder:
         ignore_eos: bool = False,
         min_tokens: int = 0,
         stop_token_ids: Sequence[int] | None = None,
+        n: int = 1,
+        logprobs: int | None = None,
+        logprobs_mode: str = "processed",
+        response_format: Any = None,
     ) -> list[GenerationResult]:
         """Generate from token ids (one list per sequence); no chat template is applied.
         ``prediction``: each sequence's predicted output, token ids (None: none); the other
@@ -400,7 +450,8 @@ class SpeculativeDecoder:
         seqs = self._sequences(prompt_ids, max_new_tokens, seed, stop, dict(
             temperature=temperature, top_k=top_k, top_p=top_p, min_p=min_p, repetition_penalty=repetition_penalty,
             presence_penalty=presence_penalty, frequency_penalty=frequency_penalty), prediction,
-            ignore_eos=ignore_eos, min_tokens=min_tokens, stop_token_ids=stop_token_ids)
+            ignore_eos=ignore_eos, min_tokens=min_tokens, stop_token_ids=stop_token_ids, logprobs=logprobs,
+            logprobs_mode=logprobs_mode, n=n, response_format=response_format)
         streams = [Stream(self._loop, s, self.tokenizer) for s in seqs]
         self._loop.submit(seqs, limit=False)
         try:
@@ -450,13 +501,17 @@ class SpeculativeDecoder:
         ignore_eos: bool = False,
         min_tokens: int = 0,
         stop_token_ids: Sequence[int] | None = None,
+        logprobs: int | None = None,
+        logprobs_mode: str = "processed",
+        response_format: Any = None,
     ):
         """Generate for one prompt, yielding text as tokens are accepted (several per step).
 
         Returns a :class:`~specdraft.engine.Stream`: iterate it for
-        :class:`~specdraft.engine.StreamChunk` bursts (``.text``, ``.token_ids``); the texts add
-        up to what :meth:`generate` returns, and ``stream.result`` has the whole result at the
-        end. Close it (or use ``with``) to stop early. Settings as for :meth:`generate`.
+        :class:`~specdraft.engine.StreamChunk` bursts (``.text``, ``.token_ids``, and with
+        ``logprobs`` a ``.logprobs`` entry per token id); the texts add up to what :meth:`generate`
+        returns, and ``stream.result`` has the whole result at the end. Close it (or use ``with``)
+        to stop early. Settings as for :meth:`generate`.
         """
         if self.tokenizer is None:
             raise ConfigError("this decoder has no tokenizer; use stream_ids() with token ids")
@@ -468,7 +523,9 @@ class SpeculativeDecoder:
                                top_k=top_k, top_p=top_p, seed=seed, stop=stop, min_p=min_p,
                                repetition_penalty=repetition_penalty, presence_penalty=presence_penalty,
                                frequency_penalty=frequency_penalty, prediction=predicted and predicted[0],
-                               ignore_eos=ignore_eos, min_tokens=min_tokens, stop_token_ids=stop_token_ids)
+                               ignore_eos=ignore_eos, min_tokens=min_tokens, stop_token_ids=stop_token_ids,
+                               logprobs=logprobs, logprobs_mode=logprobs_mode,
+                               response_format=response_format)
 
     def stream_ids(
         self,
@@ -488,19 +545,25 @@ class SpeculativeDecoder:
         ignore_eos: bool = False,
         min_tokens: int = 0,
         stop_token_ids: Sequence[int] | None = None,
+        n: int = 1,
+        logprobs: int | None = None,
+        logprobs_mode: str = "processed",
+        response_format: Any = None,
     ):
         """:meth:`stream` from token ids (one sequence; ``prediction``: its predicted output's
-        token ids); raises QueueFull when ``max_waiting`` requests already wait."""
+        token ids); raises QueueFull when ``max_waiting`` requests already wait. With ``n > 1``, a
+        list of ``n`` streams: the prompt's choices (prefilled once; see :meth:`generate`)."""
         from .engine import Stream
 
-        [seq] = self._sequences([prompt_ids], max_new_tokens, seed, stop, dict(
+        seqs = self._sequences([prompt_ids], max_new_tokens, seed, stop, dict(
             temperature=temperature, top_k=top_k, top_p=top_p, min_p=min_p, repetition_penalty=repetition_penalty,
             presence_penalty=presence_penalty, frequency_penalty=frequency_penalty),
             None if prediction is None else [prediction], ignore_eos=ignore_eos, min_tokens=min_tokens,
-            stop_token_ids=stop_token_ids)
-        stream = Stream(self._loop, seq, self.tokenizer)
-        self._loop.submit([seq])
-        return stream
+            stop_token_ids=stop_token_ids, logprobs=logprobs, logprobs_mode=logprobs_mode, n=n,
+            response_format=response_format)
+        streams = [Stream(self._loop, seq, self.tokenizer) for seq in seqs]
+        self._loop.submit(seqs)
+        return streams[0] if n == 1 else streams
 
     def encode_chat(self, messages: Sequence[Mapping[str, Any]], chat_template_kwargs: Mapping[str, Any] | None = None,
                     *, add_special_tokens: bool = False, check_text: Callable[[str], None] | None = None) -> list[int]:
@@ -536,18 +599,26 @@ class SpeculativeDecoder:
         return self.tokenizer(text, add_special_tokens=add_special_tokens).input_ids
 
     def _sequences(self, prompt_ids, max_new_tokens, seed, stop, sampling: dict, predictions=None, *,
-                   ignore_eos=False, min_tokens=0, stop_token_ids=None):
+                   ignore_eos=False, min_tokens=0, stop_token_ids=None, logprobs=None, logprobs_mode="processed", n=1,
+                   response_format=None):
         from .engine.sequence import sequences_for
 
+        if not _is_int(n) or not 1 <= n <= MAX_CHOICES:
+            raise ConfigError(f"n must be an integer from 1 to {MAX_CHOICES} (choices per prompt), got {n!r}")
+        if n > 1 and predictions is not None and any(predictions):
+            raise ConfigError("prediction works with n=1 only: its acceptance counts are a request's, not a choice's")
         params, stops = check_generation_args(max_new_tokens, sampling, seed, stop)
         ignore_eos, min_tokens, stop_token_ids = check_stop_settings(max_new_tokens, ignore_eos, min_tokens,
                                                                      stop_token_ids, self.target.vocab_size)
+        check_logprobs(logprobs, logprobs_mode)
+        grammar = self._grammars.compile(response_format, ignore_eos=ignore_eos, stop_token_ids=stop_token_ids)
         if stops and self.tokenizer is None:
             raise ConfigError("stop strings need a tokenizer to decode the output; this decoder has none")
         prompts = self._check_prompt_ids(prompt_ids)
         return sequences_for(prompts, params, max_new_tokens, self.target.max_context, stops, seed,
                              self._check_predicted_ids(predictions, len(prompts)), ignore_eos=ignore_eos,
-                             min_tokens=min_tokens, stop_token_ids=stop_token_ids)
+                             min_tokens=min_tokens, stop_token_ids=stop_token_ids, logprobs=logprobs,
+                             logprobs_mode=logprobs_mode, n=n, grammar=grammar)
 
     def _check_predicted_ids(self, predictions, count: int) -> list[list[int] | None] | None:
         """``predictions`` (None, or one token-id list or None per prompt), checked."""

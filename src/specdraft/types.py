@@ -251,6 +251,30 @@ class GenerationStats:
                 self.accepted_per_position[i] += 1
 
 
+#: The most choices (``n``) one request may ask for: OpenAI's limit.
+MAX_CHOICES = 128
+
+#: the most top tokens a request may ask for at each output position (``logprobs=N``; vLLM's default
+#: limit and OpenAI's chat limit)
+MAX_LOGPROBS = 20
+#: what ``logprobs_mode`` may be (vLLM's ``--logprobs-mode`` names, less its logits variants)
+LOGPROBS_MODES = ("processed", "raw")
+
+
+@dataclass(frozen=True)
+class TokenLogprob:
+    """The target's log-probability of one output token, and the most likely tokens at its
+    position (asked for with ``logprobs=N``): from the distribution the token was drawn from
+    (``logprobs_mode="processed"``: after the penalties, temperature and filters, -inf for a
+    filtered token; greedy rows: the penalized logits without temperature) or from the model's
+    own logits (``"raw"``); the same numbers plain decoding reports at that position."""
+
+    token_id: int
+    logprob: float
+    #: the ``N`` most likely tokens there, ``(token id, logprob)``, most likely first (ties: lower id first)
+    top: tuple[tuple[int, float], ...] = ()
+
+
 @dataclass
 class GenerationResult:
     """One request's output. ``token_ids`` are the new tokens only (EOS included if hit)."""
@@ -261,3 +285,5 @@ class GenerationResult:
     #: | "aborted" (the caller closed its stream)
     finish_reason: str
     stats: GenerationStats
+    #: one entry per token of ``token_ids`` when the call asked for ``logprobs``, else None
+    logprobs: list[TokenLogprob] | None = None

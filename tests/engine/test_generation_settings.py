@@ -17,11 +17,11 @@ import functools
 import pytest
 import torch
 
-from specdraft import Draft, Drafter, SamplingParams, SpeculativeDecoder
+from specdraft import SamplingParams, SpeculativeDecoder
 from specdraft.errors import ConfigError
 from specdraft.testing import (SIGNIFICANCE, TargetDrafter, enumerate_plain_sampling, repetitive_prompts,
                                samples_needed, samples_pvalue, tiny_llama, tiny_tokenizer)
-from specdraft.testing.drafters import last_logits
+from specdraft.testing.drafters import TopTwoTree
 from specdraft.testing.reference import Enumerated, reference_probs
 from specdraft.testing.stats import family_size
 
@@ -76,31 +76,6 @@ def _expected(eos: int, prompt: tuple, settings: tuple):
 def expected(eos, prompt, settings):
     return _expected(eos, tuple(prompt), tuple((k, tuple(v) if isinstance(v, list) else v)
                                                for k, v in sorted(settings.items())))
-
-
-class TopTwoTree(Drafter):
-    """Drafts a tree from the target's own unmasked logits: at each level the runner-up, then the
-    argmax (the spine the next level hangs under). Where ``min_tokens`` holds back the argmax, the
-    masked argmax is often the runner-up: the walk must leave the spine for a sibling there."""
-
-    api_version = 2
-
-    def __init__(self, model):
-        super().__init__(None, None)
-        self.model = model
-
-    def propose(self, ctx, k):
-        rows = [list(t) for t in ctx.token_ids]
-        ids, parents = [[] for _ in rows], [[] for _ in rows]
-        spine = [-1] * len(rows)
-        for _ in range(k):
-            top = last_logits(self.model, rows).topk(2, dim=-1).indices.tolist()
-            for b, (first, second) in enumerate(top):
-                ids[b] += [second, first]
-                parents[b] += [spine[b], spine[b]]
-                spine[b] = len(ids[b]) - 1
-                rows[b].append(first)
-        return Draft(token_ids=torch.tensor(ids), parents=torch.tensor(parents))
 
 
 DRAFTERS = {

@@ -132,8 +132,9 @@ def raw_post(url: str, path: str, body, headers=None) -> httpx.Response:
     ({"prompt": "Hi", "temperature": "hot"}, 400, "temperature", "temperature"),  # the request's types
     ({"prompt": "Hi", "max_tokens": 0}, 400, "max_tokens", "greater than or equal to 1"),
     ({"prompt": "Hi", "max_tokens": 100}, 400, "max_tokens", "context holds 64 tokens"),
-    ({"prompt": "Hi", "n": 2}, 400, "n", "only n=1"),
-    ({"prompt": "Hi", "logprobs": 2}, 400, "logprobs", "not supported"),
+    ({"prompt": "Hi", "n": 129}, 400, "n", "less than or equal to 128"),
+    ({"prompt": "Hi", "logprobs": 21}, 400, "logprobs", "less than or equal to 20"),
+    ({"prompt": "Hi", "logprobs": 2}, 400, "logprobs", "no tokenizer"),  # the fake decoder has none
     ({"prompt": "Hi", "echo": True}, 400, "echo", "not supported"),
     ({"prompt": "Hi", "best_of": 3}, 400, "best_of", "not supported"),
     ({"prompt": ["a", "b"]}, 400, "prompt", "one prompt per request"),
@@ -156,8 +157,8 @@ def test_bad_completion_requests(server, body, status, param, says):
     ({"messages": [{"role": "user", "content": [{"type": "image_url"}]}]}, "messages.0.content",
      "only text parts"),
     ({"messages": [{"role": "user", "content": "hi"}], "tools": [{"type": "function"}]}, "tools", "not supported"),
-    ({"messages": [{"role": "user", "content": "hi"}], "response_format": {"type": "json_object"}},
-     "response_format", "not supported"),
+    ({"messages": [{"role": "user", "content": "hi"}], "response_format": {"type": "xml"}},
+     "response_format", "response_format.type: must be one of"),  # structured output: test_structured_server.py
     ({"messages": [{"role": "user", "content": "hi"}], "max_completion_tokens": 500}, "max_completion_tokens",
      "context holds"),
 ])
@@ -179,7 +180,7 @@ def test_not_json_unknown_paths_and_methods(server):
 
 def test_openai_client_sees_the_errors(client):
     with pytest.raises(openai.BadRequestError) as caught:
-        client.completions.create(model="fake-model", prompt="Hi", n=2)
+        client.completions.create(model="fake-model", prompt="Hi", n=0)
     assert caught.value.body["param"] == "n"
     with pytest.raises(openai.NotFoundError):
         client.chat.completions.create(model="nope", messages=[{"role": "user", "content": "hi"}])
@@ -288,7 +289,7 @@ def test_metrics_move(client, server, fake_decoder):
     assert before["specdraft:num_requests_running"] == 0 and before["specdraft:num_requests_waiting"] == 0
     client.completions.create(model="fake-model", prompt="Hello", max_tokens=9)
     list(client.completions.create(model="fake-model", prompt="Hello", max_tokens=3, stream=True, stop=" t107"))
-    raw_post(server, "/v1/completions", {"prompt": "Hi", "n": 3})
+    raw_post(server, "/v1/completions", {"prompt": "Hi", "n": 0})
     after = scrape()
 
     def moved(name):

@@ -355,7 +355,7 @@ def test_an_assistant_message_echoed_back_is_accepted(server, fake_decoder):
 
 @pytest.mark.parametrize("path, extra, param", [
     ("/v1/completions", {"some_new_openai_field": True}, "some_new_openai_field"),
-    ("/v1/completions", {"best_of": 1, "guided_json": {}}, "guided_json"),
+    ("/v1/completions", {"best_of": 1, "guided_decoding_backend": "xgrammar"}, "guided_decoding_backend"),
     ("/v1/chat/completions", {"include_stop_str_in_output": True}, "include_stop_str_in_output"),
     ("/v1/chat/completions", {"stream_options": {"continuous_usage_stats": True}},
      "stream_options.continuous_usage_stats"),

@@ -121,6 +121,13 @@ class StaticCache:
         rows = None if slots is None else as_long([int(s) for s in slots], self.kv.device)
         self.kv.move(rows, src.to(self.kv.device), dst.to(self.kv.device))
 
+    def copy_prefix(self, src: int, dst: int, length: int) -> None:
+        """Row ``dst`` becomes row ``src``'s first ``length`` positions (a prompt prefilled once for
+        several sequences: a request's ``n`` choices), and its length ``length``."""
+        for buf in self.kv.keys + self.kv.values:
+            buf[dst, :, :length] = buf[src, :, :length]
+        self.set_lengths([length], slots=[dst])
+
     def keep_paths(self, paths: list[tuple[int, int, list[int]]]) -> None:
         """Move each tree's accepted path into place: ``(slot, start, nodes)``, node ``j`` stored at
         ``start + 1 + j`` and kept at ``start + 1 + its place on the path`` (lengths unchanged:

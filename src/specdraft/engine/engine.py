@@ -9,7 +9,8 @@ One step, for the sequences running in it (each holds a row of the target's cach
                                                                       its own generator; EOS and stop
                                                                       tokens masked before min_tokens)
     commit    emit d_1..d_n, next (stop conditions token by token); cache length += n + 1;
-              finished sequences leave at once and free their slot
+              finished sequences leave at once and free their slot; requests that ask get the
+              tokens' log-probabilities from the same logits (:mod:`.logprobs`)
 
 The :class:`~specdraft.engine.scheduler.Scheduler` decides who runs; the
 :class:`~specdraft.verifier.Verifier` turns the draft into a proposal, runs the pass and accepts.
@@ -31,11 +32,21 @@ from ..errors import DrafterError, SpecdraftError
 from ..sampling import RowSampling, TokenCounts
 from ..types import DraftContext, TargetInfo
 from ..verifier import Outcome, Proposal, Verifier
+from .grammar import GrammarMasks
+from .logprobs import round_logprobs
 from .output import first_stop, stop_floor
 from .policy import AdaptiveDraftLength
+from .report import Observer, StepReport, finish_report, notify, prefill_report, round_report
 from .scheduler import Scheduler
 from .sequence import Sequence, Status, mix_seed
 from .waves import WaveDrafter
+
+#: Prompt tokens per prefill pass by default: a newcomer then delays the running requests' next
+#: round by one such pass at most (see :meth:`Engine._prefill`).
+DEFAULT_PREFILL_CHUNK = 256
+#: Prompt tokens one step prefills at most when chunking is off (``prefill_chunk=0``; a prompt
+#: longer than this still goes in one pass).
+PREFILL_BUDGET = 4096
 
 
 def _rows_bucket(rows: int) -> int:
@@ -76,20 +87,29 @@ class Engine:
     :class:`~specdraft.engine.waves.WaveDrafter`, in waves."""
 
     def __init__(self, runner, drafter, target: TargetInfo, spec_length: int, adaptive: bool = True,
-                 max_batch: int = 8, max_waiting: int | None = None) -> None:
+                 max_batch: int = 8, max_waiting: int | None = None,
+                 prefill_chunk: int = DEFAULT_PREFILL_CHUNK) -> None:
         self.runner = runner  # specdraft.runner: ModelRunner or TransformersRunner
         self.drafter = drafter
         self.target = target
         self.spec_length = spec_length
         self.adaptive = adaptive
+        #: prompt tokens per prefill pass, and at most per step while others decode (0: whole prompts)
+        self.prefill_chunk = prefill_chunk
+        self._filling: list[Sequence] = []  # admitted sequences still prefilling, first come first
         waves = getattr(drafter, "api_version", 1) < 2
         self.scheduler = Scheduler(max_batch, max_waiting, waves=waves)
         self.verifier = Verifier(runner, target.vocab_size, target.device, who=drafter_label(drafter))
+        self.grammars = GrammarMasks(target.eos_token_ids)  # structured output's masks (rows with a grammar)
         self._drafting = WaveDrafter(drafter, self.verifier) if waves else drafter  # what the rounds call
         #: draft-length policies per batch-size bucket: verify costs differ with the batch
         self.policies: dict[int, AdaptiveDraftLength] = {}
         self._drafted_last = False
         self._shared: torch.Generator | None = None  # the round's one generator (``ctx.generator``)
+        #: called on the engine's thread with a StepReport per round, prefill pass and leaving
+        #: sequence (see :mod:`specdraft.engine.report`); a failing one is logged once, never raised
+        self.observers: list[Observer] = []
+        self._failed_observers: set[int] = set()
         self.reset_cache()
 
     def reset_cache(self) -> None:
@@ -126,9 +146,12 @@ class Engine:
                 self._leave(s, "aborted")
             joined = self.scheduler.admit()
             if joined:
-                self._guarded(joined, self._prefill)
-            if self.scheduler.running:
-                self._guarded(list(self.scheduler.running), self._round)
+                self._guarded(joined, self._join)
+            if self._filling:
+                self._prefill()
+            ready = [s for s in self.scheduler.running if not s.prefilling]
+            if ready:
+                self._guarded(ready, self._round)
 
     def _round(self, batch: list[Sequence]) -> None:
         t0 = time.perf_counter()
@@ -138,11 +161,17 @@ class Engine:
         t1 = time.perf_counter()
         logits, hidden = self.verifier.verify(proposal, [s.tokens[-1] for s in batch], [s.slot for s in batch],
                                               max(s.cached for s in batch), hidden=self.wants_hidden)
-        logits = self._hold_stops(batch, proposal, logits)
+        raw_logits = logits  # the model's own (logprobs_mode "raw"); the masks below make copies
+        logits = self.grammars.apply(batch, proposal, self._hold_stops(batch, proposal, logits), raw_logits)
         outcome = self.verifier.accept(proposal, logits, plan.ctx.sampling, self._generators(batch), plan.ctx.counts,
                                        hidden)
+        logprobs = round_logprobs(batch, outcome, raw_logits, logits, plan.ctx.counts)  # rows that asked
         t2 = time.perf_counter()
-        committed = self._commit(batch, outcome)
+        committed = self._commit(batch, outcome, logprobs)
+        self.grammars.advance(batch, committed)  # each grammar's matcher over its row's new tokens
+        self._observe(round_report(batch, outcome, committed, plan.predicted, draft_s=t1 - t0, verify_s=t2 - t1))
+        for s, n in zip(batch, committed):  # after the observers: what a reader has got is counted already
+            s.events.put(("tokens", s.tokens[len(s.tokens) - n:]))
         self._learn(batch, plan, proposal, outcome, draft_s=t1 - t0, verify_s=t2 - t1)
         self._report(plan, outcome, committed)
         t3 = time.perf_counter()
@@ -175,9 +204,10 @@ class Engine:
                                              self.target.device)
         return plan
 
-    def _commit(self, batch: list[Sequence], outcome: Outcome) -> list[int]:
-        """Append each row's new tokens up to its first stop and send them to its reader; the cache
-        keeps them (a tree's path moved into place) and nothing after. Returns each row's count."""
+    def _commit(self, batch: list[Sequence], outcome: Outcome, logprobs: dict | None = None) -> list[int]:
+        """Append each row's new tokens up to its first stop (:meth:`_round` sends them to its
+        reader); the cache keeps them (a tree's path moved into place) and nothing after. Returns each row's count.
+        ``logprobs``: row -> a TokenLogprob per committed token, kept for those appended."""
         committed, paths = [], []
         for b, s in enumerate(batch):
             before, start = len(s.tokens), s.cached
@@ -189,7 +219,8 @@ class Engine:
                     break
             s.cached = len(s.tokens) - 1
             committed.append(len(s.tokens) - before)
-            s.events.put(("tokens", s.tokens[before:]))
+            if logprobs and b in logprobs:  # before the event: its reader finds them there
+                s.output_logprobs.extend(logprobs[b][: len(s.tokens) - before])
             if s.finish_reason is None and outcome.branched(b):
                 paths.append((s.slot, start, outcome.paths[b]))
         live = [s for s in batch if s.finish_reason is None]
@@ -245,33 +276,87 @@ class Engine:
 
     # -- joining and leaving ----------------------------------------------------------------
 
-    def _prefill(self, joined: list[Sequence]) -> None:
-        """Give the newcomers their cache rows, tell the drafter, prefill their prompts."""
-        runner, device = self.runner, self.target.device
-        runner.cache.reserve(max(s.max_len for s in joined) + self.spec_length + 1, rows=self.scheduler.max_batch)
-        runner.cache.set_lengths([0] * len(joined), slots=[s.slot for s in joined])
+    def _join(self, joined: list[Sequence]) -> None:
+        """Give the newcomers their cache rows and tell the drafter; their prompts wait to be prefilled."""
+        self.runner.cache.reserve(max(s.max_len for s in joined) + self.spec_length + 1,
+                                  rows=self.scheduler.max_batch)
+        self.runner.cache.set_lengths([0] * len(joined), slots=[s.slot for s in joined])
         for s in joined:
             self._call("on_join", s.id, list(s.tokens))
-        start = time.perf_counter()
-        # Prefill everything but each prompt's last token, each prompt in a pass of its own: a
-        # padded batch of prompts rounds a row's keys and values by the batch's longest prompt (the
-        # products' blocking and attention's reductions follow the shape), so a request's output
-        # would depend on who joined with it (in bfloat16 it did: 2 of 4 greedy outputs changed).
-        states = {}
-        for s in joined:
-            if s.prompt_len > 1:
-                _, hidden = runner.forward(torch.tensor([s.tokens[: s.prompt_len - 1]], device=device),
-                                           logits_at=torch.zeros((1, 1), dtype=torch.long, device=device),
-                                           hidden=self.wants_hidden, advance=[s.prompt_len - 1], slots=[s.slot])
-                if hidden is not None:
-                    states[s.id] = hidden[0]  # [prompt_len - 1, hidden_size]
-            s.cached = s.prompt_len - 1
-        if self.wants_hidden:
-            rows = list(self.scheduler.running)
+            s.prefilled = s.cached = 0
+            self._filling.append(s)
+
+    def _prefill(self) -> None:
+        """Prefill the newcomers' prompts (all but each one's last token), first come first, in
+        chunks of ``prefill_chunk`` tokens: while others decode, at most one chunk's worth of
+        tokens per step (so a long prompt delays their next round by one chunk's pass, not by its
+        whole prefill); when nobody decodes, every prompt to its end.
+
+        A chunk is ``prompt[i * chunk : (i + 1) * chunk]`` (offsets fixed by the prompt alone) in
+        a pass of its own, never padded together with another prompt: a padded batch would round
+        a row's keys and values by its batchmates' shapes (the products' blocking and attention's
+        reductions follow the shape), so a request's output would depend on who joined with it (in
+        bfloat16 it did: 2 of 4 greedy outputs changed)."""
+        chunk = self.prefill_chunk or PREFILL_BUDGET
+        budget = chunk if any(not s.prefilling for s in self.scheduler.running) else None
+        done: list[Sequence] = []
+        while self._filling:
+            s = self._filling[0]
+            if s.prefilling and s.prefilled == 0:
+                self._guarded([s], self._from_sibling)
+            if s.prefilling:
+                end = min(s.prompt_len - 1, (s.prefilled // chunk + 1) * chunk) if self.prefill_chunk else s.prompt_len - 1
+                size = end - s.prefilled
+                if budget is not None and (budget <= 0 or (size > budget and budget < chunk)):
+                    break  # the rest of this step's budget is less than the next chunk
+                self._guarded([s], lambda _: self._prefill_chunk(s, end))
+                if budget is not None:
+                    budget -= size
+            if s.status is not Status.RUNNING:
+                continue  # it failed, and left (and left the queue)
+            if not s.prefilling:
+                self._filling.pop(0)
+                done.append(s)
+        if done and self.wants_hidden:
+            rows = [s for s in self.scheduler.running if not s.prefilling]
+            states = {s.id: torch.cat(s.prefill_states) if s.prefill_states else None for s in done}
+            for s in done:
+                s.prefill_states = []
+                if s.group is not None and s.group.states is None:
+                    s.group.states = states[s.id]
             self._hand_hidden(self._context(rows), [states.get(s.id) for s in rows])
-        took = time.perf_counter() - start
-        for s in joined:
-            s.stats.prefill_time_s += took
+
+    def _from_sibling(self, sequences: list[Sequence]) -> None:
+        """A sequence whose prompt a sibling (same :class:`PromptGroup`) has prefilled and still
+        holds gets a copy of it instead of a prefill of its own."""
+        [s] = sequences
+        copy = getattr(self.runner.cache, "copy_prefix", None)
+        if s.group is None or copy is None:
+            return
+        for t in s.group.members:
+            if t is not s and t.status is Status.RUNNING and t.slot is not None and not t.prefilling:
+                copy(t.slot, s.slot, s.prompt_len - 1)
+                s.prefilled = s.cached = s.prompt_len - 1
+                if s.group.states is not None:
+                    s.prefill_states = [s.group.states]
+                return
+
+    def _prefill_chunk(self, s: Sequence, end: int) -> None:
+        """One pass of ``s``'s prompt tokens ``prefilled:end`` into its cache row."""
+        start, device = time.perf_counter(), self.target.device
+        _, hidden = self.runner.forward(torch.tensor([s.tokens[s.prefilled : end]], device=device),
+                                        logits_at=torch.zeros((1, 1), dtype=torch.long, device=device),
+                                        hidden=self.wants_hidden, advance=[end - s.prefilled], slots=[s.slot])
+        if hidden is not None:
+            s.prefill_states.append(hidden[0])  # [end - prefilled, hidden_size]
+        self._observe(prefill_report(s, end - s.prefilled, time.perf_counter() - start))
+        s.prefilled = s.cached = end
+        s.stats.prefill_time_s += time.perf_counter() - start
+
+    def _observe(self, report: StepReport) -> None:
+        """Tell the observers (an observer's failure is logged once, never raised)."""
+        if self.observers:
+            notify(self.observers, report, self._failed_observers)
 
     def _guarded(self, sequences: list[Sequence], work) -> None:
         """``work(sequences)``; when it fails (a drafter's or the model's failure), only those requests fail."""
@@ -292,11 +377,14 @@ class Engine:
 
     def _leave(self, s: Sequence, reason: str) -> None:
         """``s`` leaves the batch: its slot is free for the next newcomer, the drafter forgets it."""
+        if s in self._filling:
+            self._filling.remove(s)
         if self.scheduler.release(s):
             try:
                 self._call("on_leave", s.id)
             except DrafterError:
                 pass  # the sequence is done either way; the drafter's next call will say more
+        self._observe(finish_report(s, reason))
         s.finish(reason)
 
     def _context(self, rows: list[Sequence]) -> DraftContext:
@@ -351,7 +439,8 @@ class Engine:
         """Why ``s`` ends after ``token`` (None: it goes on). Before ``min_tokens`` outputs only the
         length limits end it (EOS and the stop tokens cannot come, stop strings do not count)."""
         n = len(s.new_tokens)
-        if n >= s.min_tokens:
+        # a grammar that allows nothing but its end lets the end tokens through before min_tokens too
+        if n >= s.min_tokens or (s.grammar is not None and token in s.early_stops(self.target.eos_token_ids)):
             if token in self.target.eos_token_ids and not s.ignore_eos:
                 return "eos"
             if token in s.stop_token_ids:

@@ -3,19 +3,16 @@
 from __future__ import annotations
 
 import threading
+import time
 from collections import deque
 
 from ..errors import QueueFull
 from .sequence import Sequence, Status
 
-#: Prompt tokens one step prefills at most (the first newcomer is always admitted).
-PREFILL_BUDGET = 4096
-
-
 class Scheduler:
     """First come, first served: at most ``max_batch`` sequences run, each holding a row of the
-    target's cache (its slot) while it runs; a step admits waiting ones into free slots up to
-    :data:`PREFILL_BUDGET` prompt tokens. ``waves``: newcomers wait until the running batch is
+    target's cache (its slot) while it runs, from the step that admits it (prefilling its prompt,
+    chunk by chunk: the engine's business) to its end. ``waves``: newcomers wait until the running batch is
     empty (an API-version-1 drafter's waves). ``add`` and ``abort`` may be called from any thread;
     the rest from the engine's."""
 
@@ -59,15 +56,11 @@ class Scheduler:
         with self.lock:
             if self.waves and self.running:
                 return joined  # a wave runs to its end before the next starts
-            budget = PREFILL_BUDGET
             while self.waiting and self.free_slots:
-                seq = self.waiting[0]
-                if joined and seq.prompt_len > budget:
-                    break
-                self.waiting.popleft()
-                budget -= seq.prompt_len
+                seq = self.waiting.popleft()
                 seq.slot = self.free_slots.pop(0)
                 seq.status = Status.RUNNING
+                seq.admitted = time.perf_counter()
                 joined.append(seq)
         self.running = sorted(self.running + joined, key=lambda s: s.slot)
         return joined

@@ -8,6 +8,7 @@ import queue
 import random
 import time
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
 from typing import Sequence as Seq
 
 import torch
@@ -16,6 +17,9 @@ from ..sampling import SamplingParams
 from ..types import GenerationStats
 from ..verifier.prediction import MAX_PREDICTED, Prediction
 from .policy import AdaptiveDraftLength
+
+if TYPE_CHECKING:  # pragma: no cover
+    from .grammar import GrammarMatcher
 
 #: How likely a predicted token is taken to be accepted before the request has shown it.
 PREDICTION_PRIOR = 0.8
@@ -32,6 +36,17 @@ def mix_seed(*values: int) -> int:
         z = (z ^ (z >> 27)) * 0x94D049BB133111EB & _MASK
         z ^= z >> 31
     return z
+
+
+class PromptGroup:
+    """Sequences of one prompt (a request's ``n`` choices): the first to be prefilled lends its
+    cache row's prompt to the others (a copy; a row's keys and values do not depend on its
+    batchmates, so the copy is what prefilling would give), and the prompt's hidden states to a
+    drafter that asks for them."""
+
+    def __init__(self) -> None:
+        self.members: list[Sequence] = []
+        self.states: torch.Tensor | None = None  # [prompt_len - 1, hidden_size]
 
 
 class Status(enum.Enum):
@@ -63,9 +78,20 @@ class Sequence:
     error: BaseException | None = None
     slot: int | None = None  # the target cache row it holds while running
     cached: int = 0  # tokens whose keys and values the target cache holds (all but the last)
+    #: prompt tokens prefilled so far (chunk by chunk); it decodes once all but the prompt's last are
+    prefilled: int = 0
+    #: the target's hidden states of the prompt's prefilled chunks, for a drafter that asks for them
+    prefill_states: list = field(default_factory=list, repr=False)
+    #: the sequences of the same prompt (a request's ``n`` choices), which prefill it once; None: alone
+    group: "PromptGroup | None" = field(default=None, repr=False)
     stats: GenerationStats = field(default_factory=GenerationStats)
     events: "queue.SimpleQueue" = field(default_factory=queue.SimpleQueue)
     submitted: float = field(default_factory=time.perf_counter)
+    #: perf_counter when it got a slot, and when its first and latest output were committed (None:
+    #: not yet); see :mod:`specdraft.engine.report`
+    admitted: float | None = None
+    first_token: float | None = None
+    last_token: float | None = None
     aborted: bool = False
     #: the request's predicted output (token ids), drafted from instead of the drafter (see
     #: :mod:`specdraft.verifier.prediction`); None: none
@@ -77,6 +103,17 @@ class Sequence:
     min_tokens: int = 0
     #: tokens that end the request as EOS does (finish reason "stop"); kept in ``tokens``, not in the text
     stop_token_ids: tuple[int, ...] = ()
+    #: structured output: the request's place in its grammar (see :mod:`specdraft.engine.grammar`),
+    #: which masks the target's distribution at every verified position; None: unconstrained
+    grammar: "GrammarMatcher | None" = field(default=None, repr=False)
+    #: log-probabilities asked for: the most likely tokens to report at each output position
+    #: (0-20; 0: the output token's own only), None: none (see :mod:`specdraft.engine.logprobs`)
+    logprobs: int | None = None
+    #: "processed" (the distribution each token was drawn from) or "raw" (the model's logits)
+    logprobs_mode: str = "processed"
+    #: a :class:`~specdraft.types.TokenLogprob` per output token when ``logprobs`` is set, appended
+    #: with the tokens (before their ``("tokens", ...)`` event)
+    output_logprobs: list = field(default_factory=list, repr=False)
 
     def __post_init__(self) -> None:
         self.tokens = list(self.tokens)
@@ -91,6 +128,11 @@ class Sequence:
     @property
     def new_tokens(self) -> list[int]:
         return self.tokens[self.prompt_len:]
+
+    @property
+    def prefilling(self) -> bool:
+        """Whether some of the prompt (all but its last token) is still to be prefilled."""
+        return self.prefilled < self.prompt_len - 1
 
     @property
     def fixed_draft_length(self) -> bool:
@@ -126,15 +168,28 @@ class Sequence:
 def sequences_for(prompts: Seq[Seq[int]], sampling: SamplingParams, max_new_tokens: int, max_context: int,
                   stop: Seq[str] = (), seed: int | None = None,
                   predictions: Seq[Seq[int] | None] | None = None, *, ignore_eos: bool = False,
-                  min_tokens: int = 0, stop_token_ids: Seq[int] = ()) -> list[Sequence]:
+                  min_tokens: int = 0, stop_token_ids: Seq[int] = (), logprobs: int | None = None,
+                  logprobs_mode: str = "processed", n: int = 1, grammar=None) -> list[Sequence]:
     """One :class:`Sequence` per prompt of a call; a call's seed gives each prompt its own (its
     index mixed in), so the same call gives the same outputs however it is batched.
     ``predictions[i]``: prompt ``i``'s predicted output, token ids (None or empty: none);
-    ``ignore_eos``, ``min_tokens``, ``stop_token_ids``: see :class:`Sequence` (checked already)."""
+    ``ignore_eos``, ``min_tokens``, ``stop_token_ids``, ``logprobs``, ``logprobs_mode``: see
+    :class:`Sequence` (checked already). ``n``: sequences per prompt (its choices, in a
+    :class:`PromptGroup`: prefilled once), prompt by prompt; choice ``j > 0`` of prompt ``i`` gets
+    the seed ``mix_seed(seed, i, j)`` (choice 0 what ``n=1`` gives). ``grammar``: a compiled
+    :class:`~specdraft.engine.grammar.Grammar` (structured output) each sequence gets a matcher of."""
     predictions = predictions or [None] * len(prompts)
-    return [Sequence(tokens=list(p), sampling=sampling, max_new_tokens=max_new_tokens,
-                     max_len=min(max_context, len(p) + max_new_tokens), stop=tuple(stop),
-                     seed=None if seed is None else mix_seed(seed, i),
-                     prediction=Prediction(list(predicted)) if predicted else None, ignore_eos=ignore_eos,
-                     min_tokens=min_tokens, stop_token_ids=tuple(stop_token_ids))
-            for i, (p, predicted) in enumerate(zip(prompts, predictions))]
+    sequences = [Sequence(tokens=list(p), sampling=sampling, max_new_tokens=max_new_tokens,
+                          max_len=min(max_context, len(p) + max_new_tokens), stop=tuple(stop),
+                          seed=None if seed is None else mix_seed(seed, i, *([j] if j else [])),
+                          prediction=Prediction(list(predicted)) if predicted else None, ignore_eos=ignore_eos,
+                          min_tokens=min_tokens, stop_token_ids=tuple(stop_token_ids), logprobs=logprobs,
+                          logprobs_mode=logprobs_mode, grammar=None if grammar is None else grammar.matcher())
+                 for i, (p, predicted) in enumerate(zip(prompts, predictions)) for j in range(n)]
+    if n > 1:
+        for i in range(0, len(sequences), n):
+            group = PromptGroup()
+            group.members = sequences[i : i + n]
+            for seq in group.members:
+                seq.group = group
+    return sequences

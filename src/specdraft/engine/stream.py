@@ -5,7 +5,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Sequence as Seq
 
-from ..types import GenerationResult
+from ..types import GenerationResult, TokenLogprob
 from .sequence import Sequence, Status
 from .output import INCOMPLETE, first_stop, output_text, stop_floor
 
@@ -13,10 +13,13 @@ from .output import INCOMPLETE, first_stop, output_text, stop_floor
 @dataclass
 class StreamChunk:
     """One burst of a request's output: the tokens one step accepted (1..K+1) and the text they
-    complete (may be "": half a character, or what could still become a stop string, is held)."""
+    complete (may be "": half a character, or what could still become a stop string, is held).
+    ``logprobs``: a :class:`~specdraft.types.TokenLogprob` per token of ``token_ids`` when the
+    request asked for them, else None."""
 
     text: str
     token_ids: list[int]
+    logprobs: list[TokenLogprob] | None = None
 
 
 class TextSoFar:
@@ -67,6 +70,7 @@ class Stream:
         self._text = TextSoFar(tokenizer, seq.stop, min_tokens=seq.min_tokens, stop_token_ids=seq.stop_token_ids)
         self.result: GenerationResult | None = None
         self._done = False
+        self._read = 0  # output tokens handed out so far (their logprobs are seq.output_logprobs[:_read])
 
     @property
     def prompt_tokens(self) -> int:
@@ -80,14 +84,16 @@ class Stream:
         while not self._done:
             kind, tokens = seq.events.get()
             if kind == "tokens":
-                return StreamChunk(self._text.delta(seq.new_tokens), tokens)
+                start, self._read = self._read, self._read + len(tokens)
+                logprobs = None if seq.logprobs is None else seq.output_logprobs[start : self._read]
+                return StreamChunk(self._text.delta(seq.new_tokens), tokens, logprobs)
             self._done = True  # "done"
             if seq.error is not None:
                 raise seq.error
             rest = self._text.delta(seq.new_tokens, seq.finish_reason)
             self.result = result_of(seq, self._text.emitted if self._text.tokenizer is not None else None)
             if rest:
-                return StreamChunk(rest, [])
+                return StreamChunk(rest, [], None if seq.logprobs is None else [])
         raise StopIteration
 
     def close(self) -> None:
@@ -103,4 +109,6 @@ class Stream:
 
 
 def result_of(seq: Sequence, text: str | None) -> GenerationResult:
-    return GenerationResult(token_ids=seq.new_tokens, text=text, finish_reason=seq.finish_reason, stats=seq.stats)
+    tokens = seq.new_tokens
+    return GenerationResult(token_ids=tokens, text=text, finish_reason=seq.finish_reason, stats=seq.stats,
+                            logprobs=None if seq.logprobs is None else seq.output_logprobs[: len(tokens)])

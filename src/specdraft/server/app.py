@@ -36,6 +36,8 @@ from .. import __version__
 from ..errors import ConfigError, DrafterError, QueueFull, SpecdraftError, describe_validation_error
 from ..limits import chars_per_token, check_fits
 from ..sampling import SamplingParams
+from ..types import LOGPROBS_MODES
+from .logprobs import ChatFormat, CompletionFormat, StreamedLogprobs, TokenTexts
 from .metrics import ServerMetrics
 from .protocol import (
     CHAT_DEFAULT_MAX_TOKENS,
@@ -208,9 +210,12 @@ def _finish_reason(result) -> str:
     return FINISH_REASONS.get(result.finish_reason, result.finish_reason)
 
 
-def _usage(stream, result) -> UsageInfo:
+def _usage(streams: list, results: list) -> UsageInfo:
+    """The usage of a request's choices (``streams``, their ``results``): the prompt once, the
+    completions summed."""
+    stream, result = streams[0], results[0]
     prompt = result.stats.prompt_tokens if result is not None else stream.prompt_tokens
-    completion = len(result.token_ids) if result is not None else 0
+    completion = sum(len(r.token_ids) for r in results if r is not None)
     details = None
     if stream.seq.prediction is not None:  # OpenAI's Predicted Outputs usage
         stats = result.stats if result is not None else stream.seq.stats
@@ -228,8 +233,8 @@ class _Reply:
     Subclasses define ``encoder(body, decoder, check_length)``, which checks the prompt and returns
     the function that encodes it (it may block: it runs in a worker thread; ``check_length(text,
     param)`` refuses a text too long for the context before it is tokenized), ``choice(text,
-    finish_reason)``, the whole answer's choice, and ``stream_choice(text, finish_reason=None)``, a
-    streamed one (text None in the one that ends the stream).
+    finish_reason)``, the whole answer's choice, and ``stream_choice(text, finish_reason=None,
+    logprobs=None)``, a streamed one (text None in the one that ends the stream).
     """
 
     request: type[SamplingRequest]
@@ -238,24 +243,48 @@ class _Reply:
     default_max_tokens: int
     response: type[OpenAIBaseModel]  # the whole answer
     stream_response: type[OpenAIBaseModel]  # one chunk of a streamed answer
+    logprob_format: type  # log-probabilities in this route's shape (.logprobs)
 
-    def __init__(self, model: str) -> None:
+    def __init__(self, model: str, texts: TokenTexts | None = None) -> None:
         self.id, self.created, self.model = random_id(self.id_prefix), now(), model
+        #: the tokens' texts when the request asked for log-probabilities (None: it did not)
+        self.texts = texts
+        self._streamed: dict[int, tuple] = {}  # choice index -> (its logprob_format, its StreamedLogprobs)
+
+    def whole_logprobs(self, result):
+        """A whole choice's ``logprobs`` for ``result`` (None: not asked for)."""
+        return None if self.texts is None else self.logprob_format(self.texts)(result.logprobs or [])
+
+    def chunk_logprobs(self, chunk=None, index: int = 0):
+        """Streamed choice ``index``'s ``logprobs`` for ``chunk`` (None: not asked for): of the
+        tokens whose text the text sent so far completes (see :class:`.logprobs.StreamedLogprobs`),
+        or, with no chunk (the chunk that ends the choice), of every token left."""
+        if self.texts is None:
+            return None
+        if index not in self._streamed:
+            self._streamed[index] = (self.logprob_format(self.texts), StreamedLogprobs(self.texts.tokenizer))
+        shape, streamed = self._streamed[index]
+        return shape(streamed.add(chunk) if chunk is not None else streamed.rest())
 
     @staticmethod
     def max_tokens(body) -> tuple[int | None, str]:
         """The requested completion length (None: ``default_max_tokens``) and the parameter that set it."""
         return body.max_tokens, "max_tokens"
 
-    def opening(self) -> list:
-        """The streamed choices sent before the first token, one chunk each."""
+    def opening(self, index: int = 0) -> list:
+        """Choice ``index``'s streamed choices sent before its first token, one chunk each."""
         return []
 
-    def whole(self, stream, result) -> dict:
-        choice = self.choice(result.text or "", _finish_reason(result))
-        return self.response(id=self.id, created=self.created, model=self.model, choices=[choice],
-                             usage=_usage(stream, result), spec_decode=SpecDecodeInfo.from_stats(result.stats)
-                             ).model_dump()
+    def whole(self, streams: list, results: list) -> dict:
+        """The whole answer: a choice per result (``index`` in order)."""
+        choices = []
+        for index, result in enumerate(results):
+            choice = self.choice(result.text or "", _finish_reason(result))
+            choice.index, choice.logprobs = index, self.whole_logprobs(result)
+            choices.append(choice)
+        return self.response(id=self.id, created=self.created, model=self.model, choices=choices,
+                             usage=_usage(streams, results),
+                             spec_decode=SpecDecodeInfo.from_stats(*(r.stats for r in results))).model_dump()
 
     def event(self, choices: list, usage: UsageInfo | None = None, spec_decode: SpecDecodeInfo | None = None) -> str:
         """A stream chunk as OpenAI sends it: null fields left out, but every choice's finish_reason kept."""
@@ -271,6 +300,7 @@ class _Completion(_Reply):
 
     request, response, stream_response = CompletionRequest, CompletionResponse, CompletionStreamResponse
     id_prefix, default_max_tokens, prompt_param = "cmpl", COMPLETION_DEFAULT_MAX_TOKENS, "prompt"
+    logprob_format = CompletionFormat
 
     @staticmethod
     def encoder(body: CompletionRequest, decoder, check_length) -> Callable[[], list[int]]:
@@ -285,8 +315,9 @@ class _Completion(_Reply):
         return CompletionResponseChoice(text=text, finish_reason=finish_reason)
 
     @staticmethod
-    def stream_choice(text: str | None, finish_reason: str | None = None) -> CompletionResponseStreamChoice:
-        return CompletionResponseStreamChoice(text=text or "", finish_reason=finish_reason)
+    def stream_choice(text: str | None, finish_reason: str | None = None,
+                      logprobs=None) -> CompletionResponseStreamChoice:
+        return CompletionResponseStreamChoice(text=text or "", finish_reason=finish_reason, logprobs=logprobs)
 
 
 class _ChatCompletion(_Reply):
@@ -295,6 +326,7 @@ class _ChatCompletion(_Reply):
 
     request, response, stream_response = ChatCompletionRequest, ChatCompletionResponse, ChatCompletionStreamResponse
     id_prefix, default_max_tokens, prompt_param = "chatcmpl", CHAT_DEFAULT_MAX_TOKENS, "messages"
+    logprob_format = ChatFormat
 
     @staticmethod
     def encoder(body: ChatCompletionRequest, decoder, check_length) -> Callable[[], list[int]]:
@@ -312,25 +344,30 @@ class _ChatCompletion(_Reply):
         return ChatCompletionResponseChoice(message=ChatMessage(content=text), finish_reason=finish_reason)
 
     @staticmethod
-    def stream_choice(text: str | None, finish_reason: str | None = None,
+    def stream_choice(text: str | None, finish_reason: str | None = None, logprobs=None,
                       role: str | None = None) -> ChatCompletionResponseStreamChoice:
         return ChatCompletionResponseStreamChoice(delta=DeltaMessage(role=role, content=text),
-                                                  finish_reason=finish_reason)
+                                                  finish_reason=finish_reason, logprobs=logprobs)
 
-    def opening(self) -> list:
-        return [self.stream_choice("", role="assistant")]
+    def opening(self, index: int = 0) -> list:
+        choice = self.stream_choice("", role="assistant")
+        choice.index = index
+        return [choice]
 
 
 class _Server:
     """One app's state (the decoder, the name it is served as, the metrics) and its routes, which
     :meth:`register` adds to the app."""
 
-    def __init__(self, decoder, served: str, max_request_bytes: int = DEFAULT_MAX_REQUEST_BYTES) -> None:
+    def __init__(self, decoder, served: str, max_request_bytes: int = DEFAULT_MAX_REQUEST_BYTES,
+                 logprobs_mode: str = "processed") -> None:
         self.decoder, self.served, self.metrics = decoder, served, ServerMetrics(decoder, served)
         self.max_request_bytes = max_request_bytes
+        self.logprobs_mode = logprobs_mode  # what requests' log-probabilities are computed from
         # the most characters one token covers (None: no sound bound; see .limits), read once here
         tokenizer = getattr(decoder, "tokenizer", None)
         self.chars_per_token = None if tokenizer is None else chars_per_token(tokenizer)
+        self.token_texts = None if tokenizer is None else TokenTexts(tokenizer)  # tokens' texts, for logprobs
         self._limiter: anyio.CapacityLimiter | None = None  # made on first use, inside the event loop
 
     def register(self, app: FastAPI) -> None:
@@ -457,14 +494,19 @@ class _Server:
             body = await _parse(request, kind.request, self.max_request_bytes)
             started = time.monotonic()
             self.check_model(body)
-            stream = await self.submit(body, kind)
-            reply = kind(self.served)
+            streams = await self.submit(body, kind)
+            reply = kind(self.served, None if body.requested_logprobs() is None else self.token_texts)
             if body.stream:
-                return self.event_stream(stream, started, reply, body.include_usage)
-            result = await self.run_to_end(request, stream, started)
-            if result is None:
-                return Response(status_code=204)  # nobody is listening
-            return reply.whole(stream, result)
+                return self.event_stream(streams, started, reply, body.include_usage)
+            results = []
+            for i, stream in enumerate(streams):  # the choices run together; read in turn
+                result = await self.run_to_end(request, stream, started)
+                if result is None:
+                    for other in streams[i + 1 :]:
+                        self.abort(other, started)
+                    return Response(status_code=204)  # nobody is listening
+                results.append(result)
+            return reply.whole(streams, results)
         except Exception as exc:
             return self.error(exc).response()
 
@@ -482,11 +524,25 @@ class _Server:
         if bad is not None:
             raise APIError(400, f"{bad}: not supported by specdraft's server"
                                 + (" (only n=1)" if bad == "n" else ""), param=bad, code="unsupported_parameter")
-        settings = body.sampling()
+        try:
+            settings = body.sampling()
+        except ConfigError as exc:  # a structured output field (response_format, guided_json, ...)
+            raise APIError(400, str(exc), param=_config_param(exc, body, "prompt")) from None
         try:
             SamplingParams(**{k: v for k, v in settings.items() if k in SamplingParams.model_fields})
         except ValidationError as exc:
             raise _invalid(exc, "invalid sampling settings") from None
+        self.check_logprobs(body)
+
+    def check_logprobs(self, body: SamplingRequest) -> None:
+        """400 for chat's ``top_logprobs`` > 0 without ``logprobs: true`` (OpenAI's rule), and for
+        log-probabilities from a decoder without a tokenizer (no token texts to send)."""
+        if getattr(body, "top_logprobs", None) and not getattr(body, "logprobs", None):
+            raise APIError(400, "top_logprobs needs logprobs: true (top_logprobs is how many of the most likely "
+                                "tokens to return with each token's log-probability)", param="top_logprobs")
+        if body.requested_logprobs() is not None and self.token_texts is None:
+            raise APIError(400, "logprobs: this server's decoder has no tokenizer, so it has no token texts to "
+                                "return them with", param="logprobs", code="unsupported_parameter")
 
     def max_new_tokens(self, requested: int | None, default: int, prompt_len: int, param: str) -> int:
         max_context = self.decoder.target.max_context
@@ -501,19 +557,25 @@ class _Server:
                            param=param)
         return requested
 
-    async def submit(self, body: SamplingRequest, kind: type[_Reply]):
-        """Check the prompt, then encode it and hand the request to the engine (a worker thread: both block)."""
+    async def submit(self, body: SamplingRequest, kind: type[_Reply]) -> list:
+        """Check the prompt, then encode it and hand the request to the engine (a worker thread: both
+        block); a stream per choice (``n``)."""
         encode = kind.encoder(body, self.decoder, self.check_length)
         requested, param = kind.max_tokens(body)
         text = body.prediction.text if body.prediction is not None else ""
         if text:
             self.check_length(text, "prediction")
 
+        asked = body.requested_logprobs()  # passed only when asked for: any decoder takes the rest
+        logprobs = {} if asked is None else {"logprobs": asked, "logprobs_mode": self.logprobs_mode}
+        choices = {} if body.n in (None, 1) else {"n": body.n}  # passed only when asked for, as logprobs
+
         def _submit():
             ids = encode()
             limit = self.max_new_tokens(requested, kind.default_max_tokens, len(ids), param)
-            return self.decoder.stream_ids(ids, max_new_tokens=limit, prediction=self.prediction(text),
-                                           **body.sampling())
+            streams = self.decoder.stream_ids(ids, max_new_tokens=limit, prediction=self.prediction(text),
+                                              **body.sampling(), **logprobs, **choices)
+            return streams if choices else [streams]
 
         try:
             return await run_in_threadpool(_submit)
@@ -573,31 +635,39 @@ class _Server:
         self.finished(started, stream.result)
         return stream.result
 
-    def event_stream(self, stream, started: float, reply: _Reply, include_usage: bool) -> _EventStreamResponse:
-        """Server-sent events of ``stream`` as ``reply``'s chunks; they end with ``data: [DONE]``,
-        after an error event if the stream failed."""
-        settled = []  # non-empty once the request finished, failed or was abandoned
+    def event_stream(self, streams: list, started: float, reply: _Reply, include_usage: bool) -> _EventStreamResponse:
+        """Server-sent events of the choices' ``streams`` as ``reply``'s chunks (each chunk one
+        choice's, its ``index`` saying which); they end with ``data: [DONE]``, after an error event
+        if a stream failed."""
+        settled: set[int] = set()  # the choices that finished, failed or were abandoned
 
         def abandon() -> None:
-            """The client went away (or stopped reading) before the end: free the sequence now."""
-            if not settled:
-                settled.append(True)
-                self.abort(stream, started)
+            """The client went away (or stopped reading) before the end: free the sequences now."""
+            for index, stream in enumerate(streams):
+                if index not in settled:
+                    settled.add(index)
+                    self.abort(stream, started)
 
         async def events():
             try:
-                for choice in reply.opening():
-                    yield reply.event([choice])
-                async for chunk in self.bursts(stream, started):
-                    if chunk.text:
-                        yield reply.event([reply.stream_choice(chunk.text)])
-                result = stream.result
-                settled.append(True)
-                self.finished(started, result)
-                info = SpecDecodeInfo.from_stats(result.stats)
-                yield reply.event([reply.stream_choice(None, _finish_reason(result))], spec_decode=info)
+                for index in range(len(streams)):
+                    for choice in reply.opening(index):
+                        yield reply.event([choice])
+                async for index, chunk in self._merged(streams, started):
+                    if chunk is not None:
+                        logprobs = reply.chunk_logprobs(chunk, index)  # those of the tokens its text completes
+                        if chunk.text:
+                            yield reply.event([self._indexed(reply.stream_choice(chunk.text, logprobs=logprobs), index)])
+                        continue
+                    result = streams[index].result  # choice ``index`` ended
+                    settled.add(index)
+                    self.finished(started, result)
+                    last = reply.stream_choice(None, _finish_reason(result), logprobs=reply.chunk_logprobs(index=index))
+                    yield reply.event([self._indexed(last, index)], spec_decode=SpecDecodeInfo.from_stats(result.stats))
                 if include_usage:
-                    yield reply.event([], usage=_usage(stream, result), spec_decode=info)
+                    results = [stream.result for stream in streams]
+                    yield reply.event([], usage=_usage(streams, results),
+                                      spec_decode=SpecDecodeInfo.from_stats(*(r.stats for r in results)))
             except Exception as exc:  # after the response started: one error event, then [DONE]
                 abandon()
                 yield _sse(self.error(exc).body())
@@ -607,18 +677,40 @@ class _Server:
 
         return _EventStreamResponse(events(), on_exit=abandon)
 
+    async def _merged(self, streams: list, started: float) -> AsyncIterator:
+        """``(index, chunk)`` of every choice's bursts, a burst of each live choice in turn (they
+        decode in the same steps), and ``(index, None)`` when choice ``index`` ends."""
+        readers = [self.bursts(stream, started) for stream in streams]
+        live = list(range(len(streams)))
+        while live:
+            for index in list(live):
+                chunk = await anext(readers[index], None)
+                if chunk is None:
+                    live.remove(index)
+                yield index, chunk
+
+    @staticmethod
+    def _indexed(choice, index: int):
+        choice.index = index
+        return choice
+
 
 def create_app(decoder, *, model_name: str | None = None, api_key: str | None = None,
-               max_request_bytes: int = DEFAULT_MAX_REQUEST_BYTES) -> FastAPI:
+               max_request_bytes: int = DEFAULT_MAX_REQUEST_BYTES, logprobs_mode: str = "processed") -> FastAPI:
     """An OpenAI-compatible app serving ``decoder`` as ``model_name`` (default: the target's name).
 
     With ``api_key`` every request but ``/health`` and ``/metrics`` (``/v1/...``, ``/tokenize``,
     ``/detokenize``, ``/docs``, ``/redoc``, ``/openapi.json``) must send ``Authorization: Bearer
     <api_key>``. A request body over ``max_request_bytes`` is refused (413) before it is read whole.
+    ``logprobs_mode``: what requests' log-probabilities are computed from, ``"processed"`` (the
+    distribution each token was drawn from) or ``"raw"`` (the model's logits).
     """
     if isinstance(max_request_bytes, bool) or not isinstance(max_request_bytes, int) or max_request_bytes < 1:
         raise ConfigError(f"max_request_bytes must be an integer >= 1 (got {max_request_bytes!r})")
-    server = _Server(decoder, model_name or decoder.target.name or "specdraft", max_request_bytes)
+    if logprobs_mode not in LOGPROBS_MODES:
+        raise ConfigError(f"logprobs_mode must be one of {', '.join(map(repr, LOGPROBS_MODES))} "
+                          f"(got {logprobs_mode!r})")
+    server = _Server(decoder, model_name or decoder.target.name or "specdraft", max_request_bytes, logprobs_mode)
     app = FastAPI(title="specdraft", version=__version__,
                   description="OpenAI-compatible server of exact speculative decoding")
     app.state.decoder, app.state.metrics, app.state.model_name = decoder, server.metrics, server.served

@@ -16,6 +16,7 @@ import socket
 import sys
 
 from ..errors import ConfigError, SpecdraftError
+from ..types import LOGPROBS_MODES
 
 #: the extra's modules (pip names differ only for prometheus_client's dash)
 SERVE_MODULES = ("fastapi", "uvicorn", "prometheus_client")
@@ -58,6 +59,10 @@ def add_serve_parser(subparsers) -> argparse.ArgumentParser:
     p.add_argument("--max-waiting", type=int, default=64, metavar="N",
                    help="requests that may wait for a place in the batch (new ones wait until the engine's "
                         "next step); more get HTTP 429 (default: 64)")
+    p.add_argument("--chunked-prefill-size", type=int, default=256, metavar="N",
+                   help="prompt tokens per prefill pass: while others decode, a step prefills at most N, so a long "
+                        "prompt joining delays the running streams' next tokens by one such pass, not its whole "
+                        "prefill; 0 = each prompt in one pass (SGLang's name; default: %(default)s)")
     p.add_argument("--api-key", default=os.environ.get("SPECDRAFT_API_KEY") or None, metavar="KEY",
                    help="require `Authorization: Bearer KEY` on every path but /health and /metrics (/v1, /tokenize, "
                         "/detokenize, /docs, /openapi.json) (default: $SPECDRAFT_API_KEY, else no key)")
@@ -81,6 +86,11 @@ def add_serve_parser(subparsers) -> argparse.ArgumentParser:
                         "400 and the connection is closed (uvicorn's option; default: %(default)d)")
     p.add_argument("--max-request-bytes", type=int, default=MAX_REQUEST_BYTES, metavar="N",
                    help="a request's body may take at most N bytes, else 413 (default: %(default)d, 8 MiB)")
+    p.add_argument("--logprobs-mode", choices=LOGPROBS_MODES, default="processed",
+                   help="what the log-probabilities requests ask for (logprobs, top_logprobs) are computed from: "
+                        "processed = the distribution each token was drawn from (after penalties, temperature, "
+                        "top-k/top-p/min-p; greedy: the penalized logits), raw = the model's own logits "
+                        "(vLLM's names; default: %(default)s)")
     return p
 
 
@@ -159,6 +169,8 @@ def serve(args) -> int:
         raise ConfigError("--max-batch must be >= 1")
     if args.max_waiting < 1:  # a new request waits until the engine's next step takes it in
         raise ConfigError("--max-waiting must be >= 1: every request waits for the engine's next step")
+    if args.chunked_prefill_size < 0:
+        raise ConfigError("--chunked-prefill-size must be >= 0 (0: each prompt in one pass)")
     _check_process_args(args)
     get_registry().validate_options(args.drafter, dict(args.drafter_options))
     sock = _bind(args.host, args.port)
@@ -172,7 +184,7 @@ def serve(args) -> int:
             target=args.target, drafter=args.drafter, spec_length=args.spec_length,
             drafter_options=dict(args.drafter_options), dtype=args.dtype, device=args.device,
             adaptive=not args.fixed_spec_length, compile=args.compile, quantize=args.quantize,
-            max_batch=args.max_batch, max_waiting=args.max_waiting,
+            max_batch=args.max_batch, max_waiting=args.max_waiting, prefill_chunk=args.chunked_prefill_size,
         )
         import uvicorn
 
@@ -180,7 +192,7 @@ def serve(args) -> int:
         from .process import make_server
 
         app = create_app(decoder, model_name=args.served_model_name, api_key=args.api_key,
-                         max_request_bytes=args.max_request_bytes)
+                         max_request_bytes=args.max_request_bytes, logprobs_mode=args.logprobs_mode)
         host, port = sock.getsockname()[:2]
         url_host = f"[{host}]" if ":" in host else host
         ready = (f"specdraft: serving {app.state.model_name} with drafter {decoder.drafter.name or args.drafter} "

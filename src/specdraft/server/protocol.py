@@ -5,7 +5,7 @@ silently dropped: request bodies (:class:`RequestModel`) refuse unknown fields (
 answers 400 ``unknown parameter``) and check types strictly (``max_tokens: true`` or ``stream:
 "yes"`` is a 400, not 1 or true; a float field takes an integer). The OpenAI fields that cannot
 change the output (``user``, ``store``, ``metadata``, ...) are declared and accepted without
-effect; the OpenAI parameters specdraft cannot honour (``logprobs``, ``echo``, ``tools``, ...)
+effect; the OpenAI parameters specdraft cannot honour (``echo``, ``tools``, ...)
 are declared so that :meth:`unsupported` can name them in a 400 when a request sets them. Two
 additions to OpenAI's responses: ``spec_decode`` (what speculation did for the request) and
 ``max_model_len`` on the model card (as vLLM).
@@ -18,6 +18,8 @@ import uuid
 from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field
+
+from ..types import MAX_CHOICES, MAX_LOGPROBS
 
 #: chat requests without max_tokens / max_completion_tokens generate at most this many tokens
 #: (less when the context has less room left after the prompt)
@@ -132,10 +134,15 @@ class SpecDecodeInfo(OpenAIBaseModel):
     target_passes: int = 0  # verify passes of the target (the prompt's prefill not counted)
 
     @classmethod
-    def from_stats(cls, stats) -> "SpecDecodeInfo":
-        return cls(drafted_tokens=stats.drafted_tokens, accepted_tokens=stats.accepted_tokens,
-                   acceptance_rate=stats.acceptance_rate, tokens_per_target_pass=stats.tokens_per_pass,
-                   drafts=stats.drafts, target_passes=stats.target_passes)
+    def from_stats(cls, stats, *more) -> "SpecDecodeInfo":
+        """The figures of one request's stats, or of several (a request's ``n`` choices) summed."""
+        every = (stats, *more)
+        drafted, accepted = sum(s.drafted_tokens for s in every), sum(s.accepted_tokens for s in every)
+        passes, tokens = sum(s.target_passes for s in every), sum(s.new_tokens for s in every)
+        return cls(drafted_tokens=drafted, accepted_tokens=accepted,
+                   acceptance_rate=accepted / drafted if drafted else 0.0,
+                   tokens_per_target_pass=tokens / passes if passes else 0.0,
+                   drafts=sum(s.drafts for s in every), target_passes=passes)
 
 
 class SamplingRequest(RequestModel):
@@ -162,11 +169,19 @@ class SamplingRequest(RequestModel):
     stop_token_ids: list[int] | None = None
     stream: bool | None = False
     stream_options: StreamOptions | None = None
-    n: int | None = 1  # only 1
+    #: choices: the prompt prefilled once, each choice with its own random numbers
+    n: int | None = Field(1, ge=1, le=MAX_CHOICES)
     #: Predicted Outputs: text the answer is expected to repeat much of; drafted from, never changes the output
     prediction: PredictionParam | None = None
+    #: structured output (checked by :meth:`grammar`): OpenAI's response_format ({"type": "json_object"},
+    #: {"type": "json_schema", "json_schema": {...}}), vLLM's structured_outputs and its older guided_* fields
+    response_format: dict[str, Any] | None = None
+    structured_outputs: dict[str, Any] | None = None
+    guided_json: dict[str, Any] | str | None = None
+    guided_regex: str | None = None
+    guided_choice: list[str] | None = None
+    guided_grammar: str | None = None
     # OpenAI parameters that are declared only to be refused when set (see ``unsupported``)
-    logprobs: Any = None
     logit_bias: dict[str, float] | None = None
 
     def sampling(self) -> dict[str, Any]:
@@ -185,7 +200,19 @@ class SamplingRequest(RequestModel):
             "ignore_eos": bool(self.ignore_eos),
             "min_tokens": 0 if self.min_tokens is None else self.min_tokens,
             "stop_token_ids": self.stop_token_ids,
+            **({"response_format": grammar} if (grammar := self.grammar()) is not None else {}),
         }
+
+    def grammar(self):
+        """The grammar (a :class:`~specdraft.engine.grammar.GrammarSpec`) the request's structured
+        output fields ask for, None for none; ConfigError naming the field at fault, or the second
+        of two fields that both ask for one."""
+        from ..structured import guided, one_of, response_format, structured_outputs
+
+        return one_of({"response_format": response_format(self.response_format),
+                       "structured_outputs": structured_outputs(self.structured_outputs),
+                       **{f"guided_{kind}": guided(kind, getattr(self, f"guided_{kind}"), f"guided_{kind}")
+                          for kind in ("json", "regex", "choice", "grammar")}})
 
     @property
     def include_usage(self) -> bool:
@@ -193,12 +220,13 @@ class SamplingRequest(RequestModel):
 
     def unsupported(self) -> str | None:
         """The first parameter this request sets that specdraft does not support, else None."""
-        if self.n not in (None, 1):
-            return "n"
         if self.logit_bias:
             return "logit_bias"
-        if self.logprobs not in (None, False):
-            return "logprobs"
+        return None
+
+    def requested_logprobs(self) -> int | None:
+        """The top tokens asked for at each output position (0: the token's own log-probability
+        only), or None when the request asks for no log-probabilities."""
         return None
 
 
@@ -213,6 +241,8 @@ class CompletionRequest(SamplingRequest):
     echo: bool | None = False
     best_of: int | None = None
     suffix: str | None = None
+    #: the log-probability of each output token and of the N most likely there (OpenAI's legacy format)
+    logprobs: int | None = Field(None, ge=0, le=MAX_LOGPROBS)
 
     def unsupported(self) -> str | None:
         if self.echo:
@@ -223,11 +253,25 @@ class CompletionRequest(SamplingRequest):
             return "suffix"
         return super().unsupported()
 
+    def requested_logprobs(self) -> int | None:
+        return self.logprobs
+
+
+class CompletionLogprobs(OpenAIBaseModel):
+    """OpenAI's completions ``logprobs``: per output token its text, its log-probability, the
+    ``logprobs`` most likely tokens there (and the token itself) as ``{text: logprob}``, and where
+    its text starts in the answer's (the lengths of the tokens' texts before it, as vLLM counts)."""
+
+    text_offset: list[int] = Field(default_factory=list)
+    token_logprobs: list[float | None] = Field(default_factory=list)
+    tokens: list[str] = Field(default_factory=list)
+    top_logprobs: list[dict[str, float] | None] = Field(default_factory=list)
+
 
 class CompletionResponseChoice(OpenAIBaseModel):
     index: int = 0
     text: str
-    logprobs: None = None
+    logprobs: CompletionLogprobs | None = None
     finish_reason: str | None = None
 
 
@@ -245,7 +289,7 @@ class CompletionResponse(OpenAIBaseModel):
 class CompletionResponseStreamChoice(OpenAIBaseModel):
     index: int = 0
     text: str
-    logprobs: None = None
+    logprobs: CompletionLogprobs | None = None
     finish_reason: str | None = None
 
 
@@ -281,12 +325,13 @@ class ChatCompletionRequest(SamplingRequest):
     messages: list[ChatMessageParam] = Field(min_length=1)
     max_tokens: int | None = Field(None, ge=1)  # deprecated by OpenAI in favour of max_completion_tokens
     max_completion_tokens: int | None = Field(None, ge=1)
-    top_logprobs: int | None = None
+    #: the log-probability of each output token, and (``top_logprobs``) of the N most likely there
+    logprobs: bool | None = None
+    top_logprobs: int | None = Field(None, ge=0, le=MAX_LOGPROBS)
     tools: list[Any] | None = None
     tool_choice: Any = None
     functions: list[Any] | None = None
     function_call: Any = None
-    response_format: dict[str, Any] | None = None
     reasoning_effort: str | None = None  # refused when set: the output would not follow it
     verbosity: str | None = None  # refused when set, as reasoning_effort
     audio: Any = None  # refused when set: text only
@@ -315,14 +360,34 @@ class ChatCompletionRequest(SamplingRequest):
             return "functions"
         if self.function_call not in (None, "none"):
             return "function_call"
-        if self.response_format and self.response_format.get("type", "text") != "text":
-            return "response_format"
-        if self.top_logprobs:
-            return "top_logprobs"
         for name in ("reasoning_effort", "verbosity", "audio", "web_search_options"):
             if getattr(self, name) is not None:
                 return name
         return super().unsupported()
+
+    def requested_logprobs(self) -> int | None:
+        return (self.top_logprobs or 0) if self.logprobs else None
+
+
+class TopLogprob(OpenAIBaseModel):
+    """One of the most likely tokens at an output position: its text, log-probability and UTF-8 bytes."""
+
+    token: str
+    logprob: float
+    bytes: list[int] | None = None
+
+
+class ChatCompletionTokenLogprob(TopLogprob):
+    """An output token's log-probability, and the ``top_logprobs`` most likely tokens at its position."""
+
+    top_logprobs: list[TopLogprob] = Field(default_factory=list)
+
+
+class ChatChoiceLogprobs(OpenAIBaseModel):
+    """OpenAI's chat ``choices[].logprobs``: one entry per output token."""
+
+    content: list[ChatCompletionTokenLogprob] | None = None
+    refusal: list[ChatCompletionTokenLogprob] | None = None
 
 
 class ChatMessage(OpenAIBaseModel):
@@ -334,7 +399,7 @@ class ChatMessage(OpenAIBaseModel):
 class ChatCompletionResponseChoice(OpenAIBaseModel):
     index: int = 0
     message: ChatMessage
-    logprobs: None = None
+    logprobs: ChatChoiceLogprobs | None = None
     finish_reason: str | None = None
 
 
@@ -357,7 +422,7 @@ class DeltaMessage(OpenAIBaseModel):
 class ChatCompletionResponseStreamChoice(OpenAIBaseModel):
     index: int = 0
     delta: DeltaMessage
-    logprobs: None = None
+    logprobs: ChatChoiceLogprobs | None = None
     finish_reason: str | None = None
 
 

@@ -68,3 +68,54 @@ class TargetDrafter(Drafter):
             return Draft.empty(len(rows))
         token_ids = torch.stack(drafted, 1).to(ctx.device)
         return Draft(token_ids=token_ids, probs=torch.stack(dists, 1).to(ctx.device) if dists else None)
+
+
+class TopTwoTree(Drafter):
+    """Drafts a tree from the target's own unmasked logits: at each level the runner-up, then the
+    argmax (the spine the next level hangs under), so an accepted path runs through the second
+    child of each level (pass indices 2, 4, ...), and where a mask (``min_tokens``, a grammar)
+    holds back the argmax, the masked argmax is often the runner-up: the walk must leave the
+    spine for a sibling there. Runs ``model`` (transformers) without a cache: tiny models only."""
+
+    api_version = 2
+
+    def __init__(self, model):
+        super().__init__(None, None)
+        self.model = model
+
+    def propose(self, ctx, k):
+        import torch
+
+        rows = [list(t) for t in ctx.token_ids]
+        ids, parents, spine = [[] for _ in rows], [[] for _ in rows], [-1] * len(rows)
+        for _ in range(k):
+            top = last_logits(self.model, rows).topk(2, dim=-1).indices.tolist()
+            for b, (first, second) in enumerate(top):
+                ids[b] += [second, first]
+                parents[b] += [spine[b], spine[b]]
+                spine[b] = len(ids[b]) - 1
+                rows[b].append(first)
+        return Draft(token_ids=torch.tensor(ids), parents=torch.tensor(parents))
+
+
+class RightThenWrong(Drafter):
+    """Drafts the target's next ``right`` greedy tokens, then tokens its greedy choice is not (the
+    greedy token plus one): a greedy round of ``k > right`` tokens accepts exactly ``right``
+    (positions ``0 .. right - 1``), so acceptance counts are known in advance. Runs ``model``
+    (transformers) without a cache: tiny models only."""
+
+    api_version = 2
+
+    def __init__(self, model, right: int = 1):
+        super().__init__(None, None)
+        self.model, self.right = model, right
+
+    def propose(self, ctx, k):
+        rows = []
+        for tokens in ctx.token_ids:
+            ids = list(tokens)
+            for j in range(k):
+                greedy = int(last_logits(self.model, [ids])[0].argmax())
+                ids.append(greedy if j < self.right else (greedy + 1) % ctx.vocab_size)
+            rows.append(ids[len(tokens):])
+        return Draft.from_lists(rows)

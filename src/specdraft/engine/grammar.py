@@ -1,0 +1,358 @@
+"""Structured output: a grammar masks the target's distribution at every verified position.
+
+A request with a grammar (``response_format``, a regex, a choice; see :mod:`specdraft.structured`)
+holds a :class:`GrammarMatcher`: llguidance's matcher over the tokens committed so far. Each
+round, before acceptance, :class:`GrammarMasks` gives the logits at every pass index of the row
+-inf wherever the grammar forbids the token that index predicts:
+
+- index 0 (after the last committed token): the matcher's own state;
+- a chain's index ``j``: the state after ``d_1..d_j``, the matcher advanced along the draft and
+  rolled back afterwards;
+- a tree's node: the state after its ancestors' tokens and its own (the matcher moved from node
+  to node by rolling back to the common ancestor and advancing);
+- a node whose token the grammar forbids (or an end token: the request ends there) makes its
+  descendants unreachable; their indices keep their logits (acceptance never reads them past a
+  rejected node, and they must not be all -inf, or a softmax over them would be NaN).
+
+That is plain decoding's distribution under the grammar at every position a draft can reach,
+so acceptance stays as it is: a forbidden draft has target probability 0 and is rejected
+(greedy: it is never the argmax), and the output is exactly what plain decoding under the
+grammar gives, greedy and sampled. After the round, :meth:`GrammarMasks.advance` moves each
+matcher over the committed tokens.
+
+The end of the output: where the grammar may end, the row's end tokens (EOS and its
+``stop_token_ids``) are allowed; once it is complete, only they are. ``min_tokens`` holds the end
+tokens back only while the grammar allows some other token: where it allows nothing else, they
+come back (the request ends, as the engine's ``_finish_reason`` knows). Compiled grammars are
+cached per tokenizer (:class:`GrammarCompiler`, least recently used first out).
+
+llguidance was picked over xgrammar by measurement (docs/algorithm.md, "Structured output").
+"""
+
+from __future__ import annotations
+
+import copy
+import threading
+from collections import OrderedDict
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Any
+
+import numpy as np
+import torch
+
+from ..errors import ConfigError, SpecdraftError
+
+if TYPE_CHECKING:  # pragma: no cover
+    from ..verifier import Proposal
+    from .sequence import Sequence
+
+#: what to install for structured output (the ``structured`` extra: llguidance)
+INSTALL_HINT = "pip install 'specdraft[structured]'"
+#: the kinds of grammar a :class:`GrammarSpec` holds
+KINDS = ("json_schema", "regex", "choice", "grammar")
+#: compiled grammars kept per decoder
+CACHE_SIZE = 64
+
+
+@dataclass(frozen=True)
+class GrammarSpec:
+    """The output a request must match: ``kind`` (one of :data:`KINDS`) and ``source``, its text
+    (a JSON schema as JSON, a regular expression, a JSON list of the strings to choose from, a
+    Lark or GBNF grammar). ``field`` is the request field it came from, named in errors; it is
+    not part of the spec's identity (the compile cache's key)."""
+
+    kind: str
+    source: str
+    field: str = field(default="response_format", compare=False)
+
+    def __post_init__(self) -> None:
+        if self.kind not in KINDS:
+            raise ConfigError(f"{self.field}: unknown grammar kind {self.kind!r}; one of {', '.join(KINDS)}")
+        if not isinstance(self.source, str):
+            raise ConfigError(f"{self.field}: the grammar must be text, got {type(self.source).__name__}")
+
+
+def _llguidance(what: str):
+    try:
+        import llguidance
+    except ImportError:
+        raise ConfigError(f"{what}: structured output needs the llguidance package, which is not installed: "
+                          f"{INSTALL_HINT}") from None
+    return llguidance
+
+
+def available() -> bool:
+    """Whether structured output can run here (llguidance is installed)."""
+    try:
+        import llguidance  # noqa: F401
+    except ImportError:
+        return False
+    return True
+
+
+def _ll_tokenizer(llguidance, tokenizer, vocab_size: int, eos_token_ids, what: str):
+    """llguidance's view of a Hugging Face fast tokenizer, ``vocab_size`` ids wide (or the
+    tokenizer's size, when it has more)."""
+    backend = getattr(tokenizer, "backend_tokenizer", None)
+    if backend is None:
+        raise ConfigError(f"{what}: structured output needs a fast (Rust) Hugging Face tokenizer; this model's is "
+                          f"{type(tokenizer).__name__}")
+    backend = copy.copy(backend)
+    backend.no_padding()
+    backend.no_truncation()
+    eos = list(eos_token_ids) or ([tokenizer.eos_token_id] if tokenizer.eos_token_id is not None else [])
+    try:
+        return llguidance.LLTokenizer(backend.to_str(), n_vocab=max(vocab_size, len(tokenizer)),
+                                      eos_token=eos or None)
+    except Exception as exc:  # noqa: BLE001 - llguidance's own complaint, in one line
+        raise ConfigError(f"{what}: llguidance cannot read this model's tokenizer: {_first_line(exc)}") from None
+
+
+def _first_line(text) -> str:
+    """llguidance's message in one line: its first line, and the line saying what is wrong when
+    that comes later (a regex's error, below a picture of where it is)."""
+    lines = [line.strip() for line in str(text).strip().splitlines() if line.strip()]
+    if not lines:
+        return "unknown error"
+    why = next((line for line in lines[1:] if line.startswith("error:")), None)
+    return lines[0] + (f" {why}" if why else "")
+
+
+def _grammar_text(llguidance, spec: GrammarSpec) -> str:
+    """The llguidance grammar of ``spec`` (ConfigError naming its field when it cannot be read)."""
+    matcher = llguidance.LLMatcher
+    try:
+        if spec.kind == "json_schema":
+            return matcher.grammar_from_json_schema(spec.source)
+        if spec.kind == "regex":
+            return matcher.grammar_from_regex(spec.source)
+        if spec.kind == "choice":
+            return llguidance.grammar_from("choice", spec.source)
+        return llguidance.grammar_from("grammar", spec.source)  # Lark, or GBNF (llama.cpp's, vLLM's EBNF)
+    except Exception as exc:  # noqa: BLE001 - a malformed schema or grammar, in one line
+        raise ConfigError(f"{spec.field}: invalid {spec.kind.replace('_', ' ')}: {_first_line(exc)}") from None
+
+
+def check_spec(spec: GrammarSpec) -> None:
+    """ConfigError (naming ``spec.field``) unless llguidance is installed and ``spec`` is a valid
+    schema, regex or grammar; what does not depend on the tokenizer, before any model loads."""
+    llguidance = _llguidance(spec.field)
+    failed, messages = llguidance.LLMatcher.validate_grammar_with_warnings(_grammar_text(llguidance, spec))
+    if failed:
+        raise ConfigError(f"{spec.field}: invalid {spec.kind.replace('_', ' ')}: {_first_line(messages[0])}")
+
+
+class GrammarCompiler:
+    """Compiles :class:`GrammarSpec` s for one tokenizer and vocabulary (llguidance); the
+    :data:`CACHE_SIZE` most recently used stay compiled, so a spec asked for again (a server's
+    clients tend to send the same schema) is compiled once. Any thread may call :meth:`compile`.
+
+    Raises ConfigError (:data:`INSTALL_HINT`) when llguidance is not installed."""
+
+    def __init__(self, tokenizer, vocab_size: int, eos_token_ids=(), cache_size: int = CACHE_SIZE) -> None:
+        self._llg = _llguidance("response_format")
+        self.tokenizer = _ll_tokenizer(self._llg, tokenizer, vocab_size, eos_token_ids, "response_format")
+        self.vocab_size = self.tokenizer.vocab_size  # the masks' width (>= the logits')
+        self.cache_size = cache_size
+        self._compiled: OrderedDict[GrammarSpec, Any] = OrderedDict()
+        self._lock = threading.Lock()
+
+    def compile(self, spec: GrammarSpec) -> "Grammar":
+        """``spec`` compiled (from the cache when it is there); ConfigError naming ``spec.field``
+        when it is not a valid schema, regex or grammar."""
+        with self._lock:
+            template = self._compiled.get(spec)
+            if template is not None:
+                self._compiled.move_to_end(spec)
+                return Grammar(spec, template, self)
+        text = _grammar_text(self._llg, spec)
+        matcher_type = self._llg.LLMatcher
+        failed, messages = matcher_type.validate_grammar_with_warnings(text, self.tokenizer)
+        if failed:
+            raise ConfigError(f"{spec.field}: invalid {spec.kind.replace('_', ' ')}: {_first_line(messages[0])}")
+        template = matcher_type(self.tokenizer, text, log_level=0)
+        if template.is_error():
+            raise ConfigError(f"{spec.field}: invalid {spec.kind.replace('_', ' ')}: "
+                              f"{_first_line(template.get_error())}")
+        with self._lock:
+            self._compiled[spec] = template
+            self._compiled.move_to_end(spec)
+            while len(self._compiled) > self.cache_size:
+                self._compiled.popitem(last=False)
+        return Grammar(spec, template, self)
+
+    def copy_of(self, template):
+        with self._lock:
+            return template.deep_copy()
+
+
+@dataclass(frozen=True)
+class Grammar:
+    """A compiled :class:`GrammarSpec`: :meth:`matcher` gives each request a matcher of its own."""
+
+    spec: GrammarSpec
+    template: Any  # llguidance.LLMatcher in its start state, never advanced
+    compiler: GrammarCompiler
+
+    def matcher(self) -> "GrammarMatcher":
+        return GrammarMatcher(self.compiler.copy_of(self.template), self.compiler.tokenizer.eos_token,
+                              self.compiler.vocab_size)
+
+
+def _bit(words: np.ndarray, token: int) -> bool:
+    """Whether ``token``'s bit is set in a mask row ``words # [vocab / 32]`` uint32."""
+    return bool(int(words[token >> 5]) >> (token & 31) & 1)
+
+
+def _set_bit(words: np.ndarray, token: int) -> None:
+    if token >> 5 < words.shape[0]:
+        words[token >> 5] |= np.uint32(1 << (token & 31))
+
+
+class GrammarMatcher:
+    """One request's place in its grammar: llguidance's matcher over the tokens it has committed.
+    :meth:`fill` writes the masks of a round's pass indices (advancing along the draft and rolling
+    back); :meth:`advance` moves it over the committed tokens. ``error`` is llguidance's message
+    once it failed (a grammar too complex for its limits, say); its masks then allow only the end
+    tokens, so the request ends."""
+
+    def __init__(self, matcher, eos_token: int, width: int) -> None:
+        self._matcher = matcher
+        self._eos = eos_token  # llguidance's EOS: its bit says whether the grammar may end here
+        self.width = width  # token ids its masks cover: (width + 31) // 32 words
+        self.error: str | None = None
+
+    @property
+    def done(self) -> bool:
+        """Whether the grammar is complete: nothing but an end token may follow."""
+        return bool(self._matcher.is_stopped())
+
+    def fill(self, bits: np.ndarray, tokens: list[int], parents: list[int] | None, ends) -> bool:
+        """Write ``bits[0]`` (the mask after the committed tokens) and ``bits[i + 1]`` (after node
+        ``i`` and its ancestors) for a round's draft: ``tokens[i]`` is node ``i``'s token,
+        ``parents[i]`` its parent (-1: the last committed token; -2: none, an invalid node;
+        ``parents`` None: a chain, node ``i``'s parent is ``i - 1``). ``bits # [>= len(tokens) + 1,
+        words]`` uint32; ``ends`` the row's end tokens. Indices no draft can reach get every bit
+        set. The matcher ends where it started. Returns False when the matcher has failed (see
+        ``error``): then only the end tokens are allowed at index 0."""
+        if self.error is None and self._matcher.is_error():
+            self.error = _first_line(self._matcher.get_error())
+        if self.error is None:
+            try:
+                self._fill(bits, tokens, parents, ends)
+                return True
+            except RuntimeError as exc:  # the matcher refused a token its own mask allowed
+                self.error = _first_line(exc)
+        bits[0] = 0
+        for t in ends:
+            _set_bit(bits[0], t)
+        bits[1 : len(tokens) + 1] = np.uint32(0xFFFFFFFF)
+        return False
+
+    def _fill(self, bits: np.ndarray, tokens: list[int], parents: list[int] | None, ends) -> None:
+        m = self._matcher
+        self._mask(bits[0], ends)
+        reachable = [False] * len(tokens)
+        stack: list[int] = []  # the nodes the matcher has consumed beyond the committed tokens, root first
+        try:
+            for i, token in enumerate(tokens):
+                parent = i - 1 if parents is None else parents[i]
+                if not ((parent == -1 or (parent >= 0 and reachable[parent])) and _bit(bits[parent + 1], token)
+                        and token not in ends):
+                    bits[i + 1] = np.uint32(0xFFFFFFFF)  # unreachable: past a forbidden or a final token
+                    continue
+                if parents is None:
+                    path = list(range(i + 1))
+                else:
+                    path = [i]
+                    while parents[path[-1]] >= 0:
+                        path.append(parents[path[-1]])
+                    path.reverse()
+                common = 0  # how much of the path the matcher has consumed already
+                while common < min(len(stack), len(path)) and stack[common] == path[common]:
+                    common += 1
+                if len(stack) > common:
+                    m.rollback(len(stack) - common)
+                    del stack[common:]
+                for node in path[common:]:
+                    if not m.consume_token(tokens[node]):
+                        raise RuntimeError(m.get_error())
+                    stack.append(node)
+                reachable[i] = True
+                self._mask(bits[i + 1], ends)
+        finally:
+            if stack and not m.is_error():
+                m.rollback(len(stack))
+
+    def _mask(self, words: np.ndarray, ends) -> None:
+        """The mask of the matcher's state into ``words``, the end tokens allowed where the grammar may end."""
+        self._matcher.unsafe_compute_mask_ptr(words.ctypes.data, words.nbytes)
+        if _bit(words, self._eos) or not words.any():  # the grammar may end here (or allows nothing else)
+            for t in ends:
+                _set_bit(words, t)
+
+    def advance(self, tokens: list[int]) -> None:
+        """Consume ``tokens`` (a round's committed ones); a failure is kept in ``error``."""
+        if self.error is None and not self._matcher.consume_tokens(list(tokens)):
+            self.error = _first_line(self._matcher.get_error())
+
+
+class GrammarMasks:
+    """The engine's side of structured output: masks a round's logits for the rows with a grammar
+    (:meth:`apply`), and moves their matchers on (:meth:`advance`). One bitmask buffer, reused
+    round after round; rows without a grammar cost nothing."""
+
+    def __init__(self, eos_token_ids=()) -> None:
+        self.eos_token_ids = tuple(eos_token_ids)
+        self._bits: np.ndarray | None = None  # [rows, words] uint32, grown when a round needs more
+
+    def _buffer(self, rows: int, words: int) -> np.ndarray:
+        if self._bits is None or self._bits.shape[0] < rows or self._bits.shape[1] != words:
+            self._bits = np.zeros((max(rows, 8), words), dtype=np.uint32)
+        return self._bits[:rows]
+
+    def apply(self, batch: "list[Sequence]", proposal: "Proposal", logits: torch.Tensor,
+              unheld: torch.Tensor | None = None) -> torch.Tensor:
+        """``logits # [batch, width + 1, vocab]`` with every constrained row's disallowed tokens at
+        -inf (a new tensor; ``logits`` itself is left alone; the same one when no row has a
+        grammar). ``unheld``: the logits before ``min_tokens`` held the end tokens back, read at an
+        index where the grammar allows nothing but end tokens."""
+        rows = [b for b, s in enumerate(batch) if getattr(s, "grammar", None) is not None]
+        if not rows:
+            return logits
+        vocab, width, tree = logits.shape[-1], proposal.width, proposal.tree
+        words = (max(batch[b].grammar.width for b in rows) + 31) // 32
+        bits = self._buffer(len(rows) * (width + 1), words).reshape(len(rows), width + 1, words)
+        for k, b in enumerate(rows):
+            s = batch[b]
+            if tree is None:
+                tokens, parents = proposal.token_ids[b, : int(proposal.lengths[b])].tolist(), None
+            else:  # an invalid node (parent -2) is unreachable
+                tokens = proposal.token_ids[b].tolist()
+                parents = [p if ok else -2 for p, ok in zip(tree.parents[b].tolist(), tree.valid[b].tolist())]
+            bits[k, len(tokens) + 1 :] = np.uint32(0xFFFFFFFF)  # a chain's padding: never read
+            if not s.grammar.fill(bits[k], tokens, parents, frozenset(s.early_stops(self.eos_token_ids))):
+                if s.error is None:
+                    s.error = SpecdraftError(f"structured output failed (the grammar engine stopped): "
+                                             f"{s.grammar.error}")
+        allowed = np.unpackbits(bits.view(np.uint8), axis=-1, bitorder="little")[..., :vocab]  # [rows, width+1, vocab]
+        forbidden = torch.zeros(logits.shape, dtype=torch.bool, device=logits.device)
+        forbidden[rows] = torch.from_numpy(allowed).to(logits.device) == 0
+        masked = logits.masked_fill(forbidden, float("-inf"))
+        for b in rows:  # where min_tokens held back the only tokens the grammar allows: those come back
+            if unheld is not None and batch[b].min_tokens > len(batch[b].new_tokens):
+                dead = torch.isneginf(masked[b]).all(-1)  # [width + 1]
+                if bool(dead.any()):
+                    masked[b, dead] = unheld[b, dead].to(masked.dtype).masked_fill(forbidden[b, dead], float("-inf"))
+        return masked
+
+    @staticmethod
+    def advance(batch: "list[Sequence]", committed: list[int]) -> None:
+        """Each constrained row still running consumes the ``committed[b]`` tokens it just appended."""
+        for s, n in zip(batch, committed):
+            if getattr(s, "grammar", None) is not None and s.finish_reason is None and n > 0:
+                s.grammar.advance(s.tokens[len(s.tokens) - n :])
+
+
+__all__ = ["CACHE_SIZE", "INSTALL_HINT", "KINDS", "Grammar", "GrammarCompiler", "GrammarMasks", "GrammarMatcher",
+           "GrammarSpec", "available", "check_spec"]
