@@ -20,6 +20,17 @@ def test_inter_token_latency_divides_each_gap_by_the_chunks_tokens():
     row = summarize_level("none", 1, [req], 1.7, count)
     assert row["finished"] == 1 and row["output_tokens"] == 8 and row["tokens_per_pass"] == pytest.approx(8 / 3)
     assert row["ttft_ms"]["p50"] == pytest.approx(1000.0) and row["e2e_s"]["p50"] == pytest.approx(1.7)
+    # the chunk gaps are the raw waits (0.5 s, 0.1 s), whatever the chunks carried
+    assert row["gap_ms"] == pytest.approx({"p90": 460.0, "max": 500.0})
+    assert "| 460 / 500 |" in markdown({"environment": {}, "load": [dict(row, speedup=1.0, mismatches=0)]})
+
+
+def test_a_server_option_for_a_label_bench_serve_does_not_run_is_one_error(tmp_path, capsys):
+    questions = tmp_path / "q.jsonl"
+    questions.write_text(json.dumps({"question_id": 1, "category": "chat", "turns": ["Hi."]}) + "\n")
+    assert main(["bench-serve", "--questions", str(questions), "--drafters", "none,whole=none",
+                 "--server-option", "hole:chunked-prefill-size=0", "--output", str(tmp_path / "o")]) == 2
+    assert "--server-option names hole, which --drafters does not run" in capsys.readouterr().err
 
 
 def test_speedup_and_mismatches_are_against_none_at_the_same_concurrency():

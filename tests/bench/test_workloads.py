@@ -13,7 +13,7 @@ import pytest
 
 from specdraft.bench import load_questions
 from specdraft.bench.workloads import (EDIT_KINDS, REFINE_TURNS, REPEATED_KINDS, WORD_SWAPS, build_edits,
-                                       build_repeated, clean_gsm8k_answer, default_data_dir, main)
+                                       build_long_mix, build_repeated, clean_gsm8k_answer, default_data_dir, main)
 
 SHARED = default_data_dir()
 needs_shared = pytest.mark.skipif(not (SHARED / "gsm8k" / "train.jsonl").is_file()
@@ -123,9 +123,21 @@ def test_repeated_rows(data):
     assert not refine[REFINE_TURNS].startswith(refine[0])  # the next task
 
 
+def test_long_mix_rows(data):
+    rows = build_long_mix(data, 8)
+    assert [r["category"] for r in rows] == ["short-chat"] * 3 + ["long-document"] + ["short-chat"] * 3 + \
+        ["long-document"]
+    long = [r["turns"][0] for r in rows if r["category"] == "long-document"]
+    short = [r["turns"][0] for r in rows if r["category"] == "short-chat"]
+    assert len(set(long)) == 2 and len(set(short)) == 6 and len({r["question_id"] for r in rows}) == 8
+    # a long prompt is the small fixture's whole GSM8K file, worked, then one question about it
+    assert all(p.count("Problem ") >= 2 and p.endswith("what is its answer?") for p in long)
+    assert max(len(p) for p in short) < min(len(p) for p in long)
+
+
 def test_cli_writes_files_the_bench_reads(data, tmp_path, capsys):
     out = tmp_path / "wl"
-    assert main(["--out", str(out), "--data", str(data), "--edits", "9", "--repeated", "6"]) == 0
+    assert main(["--out", str(out), "--data", str(data), "--edits", "9", "--repeated", "6", "--long-mix", "0"]) == 0
     assert "edits.jsonl (9 rows)" in capsys.readouterr().out
     edits = load_questions(out / "edits.jsonl")
     assert len(edits) == 9 and all(q["prediction"] and q["prompt"].endswith(q["prediction"]) for q in edits)

@@ -14,6 +14,8 @@ level, so a busy machine weighs on all drafters alike. Definitions, per drafter 
   so each chunk after the first gives one sample, the time since the previous chunk divided by
   the chunk's tokens. Those are counted by the target's tokenizer on the chunk's text and
   scaled so that a request's chunks add up to its ``usage.completion_tokens``;
+* ``chunk gap``: the time between successive chunks of a request (what its reader waits, whatever
+  the chunk carries), p90 and longest over all requests: a long prompt joining shows here;
 * ``tokens_per_pass`` = output tokens / target passes (``spec_decode`` of the final chunk);
 * ``mismatches``: answers whose text differs from ``none``'s for the same prompt (greedy: 0);
 * ``prediction accepted / rejected``: the summed ``usage.completion_tokens_details`` of the
@@ -84,6 +86,10 @@ def add_bench_serve_parser(subparsers) -> argparse.ArgumentParser:
                         f"as for bench (default: {PLAIN},prompt-lookup)")
     p.add_argument("--drafter-option", dest="drafter_options", action="append", type=parse_drafter_option, default=[],
                    metavar="DRAFTER:KEY=VALUE", help="an option for one of the drafters (repeatable)")
+    p.add_argument("--server-option", dest="server_options", action="append", type=parse_drafter_option,
+                   default=[], metavar="LABEL:FLAG=VALUE",
+                   help="`specdraft serve --FLAG VALUE` for one label's server (repeatable), e.g. "
+                        "--drafters none,whole=none --server-option whole:chunked-prefill-size=0")
     p.add_argument("--spec-length", type=int, default=4, metavar="K", help="default: 4")
     p.add_argument("--concurrency", default="1,4,16", help="comma-separated client counts (default: 1,4,16)")
     p.add_argument("--num-prompts", type=int, default=None, metavar="N",
@@ -214,12 +220,27 @@ def _percentiles(values: list[float], scale: float = 1.0) -> dict:
     return {"p50": float(p50) * scale, "p90": float(p90) * scale}
 
 
+def _gaps(values: list[float]) -> dict:
+    """p90 and longest of the gaps between chunks, in ms."""
+    import numpy as np
+
+    if not values:
+        return {"p90": None, "max": None}
+    return {"p90": float(np.percentile(values, 90)) * 1e3, "max": max(values) * 1e3}
+
+
 def inter_token_latencies(req: Request, count_tokens: Callable[[str], int]) -> list[float]:
     """Seconds per token of each chunk after the first: the time since the previous chunk over the
     chunk's tokens (the tokenizer's count, scaled to add up to ``completion_tokens``)."""
     counts = [max(1, count_tokens(text)) for _, text in req.chunks]
     scale = req.completion_tokens / sum(counts) if req.completion_tokens and counts else 1.0
     return [(req.chunks[i][0] - req.chunks[i - 1][0]) / (counts[i] * scale) for i in range(1, len(req.chunks))]
+
+
+def chunk_gaps(req: Request) -> list[float]:
+    """Seconds between successive chunks of a request: how long its reader waited, whatever the
+    chunk carried (a newcomer's prefill shows here as one long gap)."""
+    return [req.chunks[i][0] - req.chunks[i - 1][0] for i in range(1, len(req.chunks))]
 
 
 def summarize_level(drafter: str, concurrency: int, requests: list[Request], wall_s: float,
@@ -239,6 +260,7 @@ def summarize_level(drafter: str, concurrency: int, requests: list[Request], wal
         "ttft_ms": _percentiles([r.chunks[0][0] - r.sent for r in ok if r.chunks], 1e3),
         "itl_ms": _percentiles([x for r in ok for x in inter_token_latencies(r, count_tokens)], 1e3),
         "e2e_s": _percentiles([r.done - r.sent for r in ok]),
+        "gap_ms": _gaps([x for r in ok for x in chunk_gaps(r)]),
         "tokens_per_pass": tokens / passes if passes else None,
         "accepted_prediction_tokens": sum(r.accepted_prediction_tokens for r in ok),
         "rejected_prediction_tokens": sum(r.rejected_prediction_tokens for r in ok),
@@ -294,6 +316,7 @@ def start_server(args, label: str, drafter: str, options: dict[str, str], log_pa
                "--drafter", drafter, "--spec-length", str(args.spec_length), "--max-batch", str(args.max_batch),
                "--max-waiting", str(max(64, *args.levels))]
     command += [a for key, value in options.items() for a in ("--drafter-option", f"{key}={value}")]
+    command += [a for lab, flag, value in args.server_options if lab == label for a in (f"--{flag}", value)]
     for flag in ("target", "dtype", "device", "quantize"):
         if getattr(args, flag) is not None:
             command += [f"--{flag}", str(getattr(args, flag))]
@@ -399,6 +422,12 @@ def _pair(d: dict, spec: str) -> str:
     return f"{_fmt(d['p50'], spec)} / {_fmt(d['p90'], spec)}"
 
 
+def _gap_pair(gaps: dict | None) -> str:
+    if not gaps:
+        return "-"
+    return f"{_fmt(gaps['p90'], '.0f')} / {_fmt(gaps['max'], '.0f')}"
+
+
 def _prediction(row: dict) -> str:
     accepted, rejected = row.get("accepted_prediction_tokens", 0), row.get("rejected_prediction_tokens", 0)
     return f"{accepted} / {rejected}" if accepted or rejected else "-"
@@ -409,13 +438,14 @@ def markdown(results: dict) -> str:
     lines += [f"- {k}: {v}" for k, v in results["environment"].items()]
     lines += ["", "## Streaming chat completions under load", "",
               "| drafter | concurrency | finished | tokens/s | speedup | TTFT p50 / p90 (ms) | ITL p50 / p90 (ms) "
-              "| e2e p50 / p90 (s) | tokens/pass | prediction accepted / rejected | mismatches |",
-              "|---|---|---|---|---|---|---|---|---|---|---|"]
+              "| chunk gap p90 / max (ms) | e2e p50 / p90 (s) | tokens/pass | prediction accepted / rejected "
+              "| mismatches |",
+              "|---|---|---|---|---|---|---|---|---|---|---|---|"]
     for r in results["load"]:
         speedup = "-" if r["speedup"] is None else f"{r['speedup']:.2f}x"
         lines.append(f"| {r['drafter']} | {r['concurrency']} | {r['finished']}/{r['requests']} "
                      f"| {r['tokens_per_second']:.1f} | {speedup} | {_pair(r['ttft_ms'], '.0f')} "
-                     f"| {_pair(r['itl_ms'], '.1f')} | {_pair(r['e2e_s'], '.2f')} | {_fmt(r['tokens_per_pass'], '.2f')} "
+                     f"| {_pair(r['itl_ms'], '.1f')} | {_gap_pair(r.get('gap_ms'))} | {_pair(r['e2e_s'], '.2f')} | {_fmt(r['tokens_per_pass'], '.2f')} "
                      f"| {_prediction(r)} | {_fmt(r['mismatches'], 'd')} |")
     fixed = results.get("fixed_batch")
     if fixed:
@@ -520,6 +550,11 @@ def _check(args) -> tuple[dict[str, str], dict[str, dict[str, str]], list[dict]]
     unknown = sorted(set(options) - set(methods))
     if unknown:
         raise ConfigError(f"--drafter-option names {', '.join(unknown)}, which --drafters does not run")
+    unknown = sorted({label for label, _, _ in args.server_options} - set(methods))
+    if unknown:
+        raise ConfigError(f"--server-option names {', '.join(unknown)}, which --drafters does not run")
+    if args.url and args.server_options:
+        raise ConfigError("--server-option sets a server bench-serve starts; with --url, start it with those flags")
     from ..plugins import get_registry
 
     for label, drafter in methods.items():

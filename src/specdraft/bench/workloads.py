@@ -18,8 +18,13 @@ the bench ignores: ``reference`` (the expected answer, where there is one) and `
   Self-Instruct tasks asked again with constraints added one at a time (multi-turn
   refinement, three requests a task). No prediction: what is known is the earlier answers.
 
-``python -m specdraft.bench.workloads --out DIR [--edits N] [--repeated N] [--data DIR] [--seed S]``
-writes ``DIR/edits.jsonl`` and ``DIR/repeated.jsonl`` for ``specdraft bench --questions``.
+* **long-prompt mix** (``long-document``, ``short-chat``): short Self-Instruct requests, and one
+  in :data:`LONG_EVERY` a document of about :data:`LONG_WORDS` words (worked GSM8K problems) with
+  a question about it: for ``specdraft bench-serve``, where long prompts join while short answers
+  stream (chunked prefill).
+
+``python -m specdraft.bench.workloads --out DIR [--edits N] [--repeated N] [--long-mix N] [--data DIR] [--seed S]``
+writes ``DIR/edits.jsonl``, ``DIR/repeated.jsonl`` and ``DIR/long_mix.jsonl`` for ``specdraft bench --questions``.
 """
 
 from __future__ import annotations
@@ -38,8 +43,10 @@ MIN_WORDS = 60
 MAX_OCCURRENCES = 3
 EDIT_KINDS = ("edit-number", "edit-word", "edit-typo")
 REPEATED_KINDS = ("repeated-gsm8k", "repeated-json", "repeated-refine")
-#: question ids of the two files do not overlap, so the files can be concatenated
-EDIT_ID_BASE, REPEATED_ID_BASE = 1000, 2000
+#: question ids of the files do not overlap, so the files can be concatenated
+EDIT_ID_BASE, REPEATED_ID_BASE, LONG_ID_BASE = 1000, 2000, 3000
+#: the long-prompt mix: one row in this many is a long prompt of about this many words
+LONG_EVERY, LONG_WORDS = 4, 1500
 SELF_INSTRUCT_FILES = ("seed_tasks.jsonl", "user_oriented_instructions.jsonl")
 
 _KEEP = "Do not change anything else, and reply with the rewritten text only."
@@ -275,6 +282,39 @@ def build_repeated(data: Path, n: int = 60, seed: int = 0) -> list[dict]:
     return rows
 
 
+def build_long_mix(data: Path, n: int = 24, seed: int = 0) -> list[dict]:
+    """``n`` rows, one in :data:`LONG_EVERY` a long prompt (``long-document``: about
+    :data:`LONG_WORDS` words of worked GSM8K problems, then a question about one of them) and
+    the rest short Self-Instruct requests (``short-chat``): what chunked prefill is for, long
+    prompts joining while short answers stream (bench-serve's gap columns)."""
+    rng = random.Random(seed + 2)
+    problems, tasks = gsm8k_problems(data), self_instruct_tasks(data)
+    short = list({_request(t): t for t in tasks if not t.get("is_classification") and _words(_request(t)) <= 60}
+                 .values())  # each request once
+    rng.shuffle(short)
+    rows: list[dict] = []
+    for i in range(n):
+        if i % LONG_EVERY == LONG_EVERY - 1:
+            picked, words = [], 0
+            for j in rng.sample(range(len(problems)), len(problems)):
+                if words >= LONG_WORDS:
+                    break
+                text = f"{problems[j]['question'].strip()}\n{clean_gsm8k_answer(problems[j]['answer'])}"
+                picked.append((j, text))
+                words += _words(text)
+            asked = rng.randrange(len(picked))
+            document = "\n\n".join(f"Problem {k + 1}. {text}" for k, (_, text) in enumerate(picked))
+            prompt = (f"{document}\n\nIn one sentence: what does problem {asked + 1} above ask, and what is its "
+                      "answer?")
+            rows.append({"question_id": LONG_ID_BASE + i, "category": "long-document", "turns": [prompt],
+                         "prediction": None, "source": "gsm8k/train.jsonl:" + ",".join(str(j) for j, _ in picked)})
+        else:
+            task = short.pop()
+            rows.append({"question_id": LONG_ID_BASE + i, "category": "short-chat", "turns": [_request(task)],
+                         "prediction": None, "source": task["source"]})
+    return rows
+
+
 # -- files -----------------------------------------------------------------------------------------
 
 def write_jsonl(path: Path, rows: Iterable[dict]) -> Path:
@@ -285,8 +325,8 @@ def write_jsonl(path: Path, rows: Iterable[dict]) -> Path:
 
 
 def write_workloads(out: Path, data: Path | None = None, edits: int = 60, repeated: int = 60,
-                    seed: int = 0) -> list[Path]:
-    """``out/edits.jsonl`` and ``out/repeated.jsonl`` (a count of 0 skips its file)."""
+                    seed: int = 0, long_mix: int = 0) -> list[Path]:
+    """``out/edits.jsonl``, ``out/repeated.jsonl`` and ``out/long_mix.jsonl`` (a count of 0 skips its file)."""
     data = Path(data) if data is not None else default_data_dir()
     out = Path(out)
     written = []
@@ -294,6 +334,8 @@ def write_workloads(out: Path, data: Path | None = None, edits: int = 60, repeat
         written.append(write_jsonl(out / "edits.jsonl", build_edits(data, edits, seed)))
     if repeated:
         written.append(write_jsonl(out / "repeated.jsonl", build_repeated(data, repeated, seed)))
+    if long_mix:
+        written.append(write_jsonl(out / "long_mix.jsonl", build_long_mix(data, long_mix, seed)))
     return written
 
 
@@ -305,14 +347,16 @@ def main(argv: Sequence[str] | None = None) -> int:
     p.add_argument("--edits", type=int, default=60, metavar="N", help="edit rows (default: 60; 0 skips the file)")
     p.add_argument("--repeated", type=int, default=60, metavar="N",
                    help="repeated-work rows (default: 60; 0 skips the file)")
+    p.add_argument("--long-mix", type=int, default=24, metavar="N",
+                   help="rows of the long-prompt mix, long_mix.jsonl, for bench-serve (default: 24; 0 skips it)")
     p.add_argument("--data", default=None, metavar="DIR",
                    help="the shared data folder, holding gsm8k/ and self_instruct/ (default: ../shared/data)")
     p.add_argument("--seed", type=int, default=0, help="default: 0")
     args = p.parse_args(argv)
-    if args.edits < 0 or args.repeated < 0:
-        p.error("--edits and --repeated must be >= 0")
+    if args.edits < 0 or args.repeated < 0 or args.long_mix < 0:
+        p.error("--edits, --repeated and --long-mix must be >= 0")
     try:
-        paths = write_workloads(Path(args.out), args.data, args.edits, args.repeated, args.seed)
+        paths = write_workloads(Path(args.out), args.data, args.edits, args.repeated, args.seed, args.long_mix)
     except (FileNotFoundError, ValueError) as exc:
         print(f"specdraft: error: {exc}", file=sys.stderr)
         return 2
