@@ -61,6 +61,30 @@ def check_generation_args(max_new_tokens, sampling: Mapping[str, Any], seed, sto
     return params, stops
 
 
+#: the most a logit_bias entry may add or take away (OpenAI's range)
+MAX_LOGIT_BIAS = 100.0
+
+
+def check_logit_bias(logit_bias, vocab_size: int) -> "dict[int, float] | None":
+    """``logit_bias`` (None, or a mapping of token ids to numbers from -100 to 100) as a dict of
+    ints to floats (None when empty); ConfigError naming what is wrong."""
+    import math
+
+    if logit_bias is None:
+        return None
+    if not isinstance(logit_bias, Mapping):
+        raise ConfigError(f"logit_bias must be a mapping of token ids to numbers, got {type(logit_bias).__name__}")
+    checked = {}
+    for token, bias in logit_bias.items():
+        if _token_id(token) is None or not 0 <= _token_id(token) < vocab_size:
+            raise ConfigError(f"logit_bias has the key {token!r}; keys must be token ids from 0 to {vocab_size - 1}")
+        if isinstance(bias, bool) or not isinstance(bias, (int, float)) or not math.isfinite(bias) \
+                or abs(bias) > MAX_LOGIT_BIAS:
+            raise ConfigError(f"logit_bias[{token!r}] is {bias!r}; a bias must be a number from -100 to 100")
+        checked[_token_id(token)] = float(bias)
+    return checked or None
+
+
 def check_stop_settings(max_new_tokens, ignore_eos=False, min_tokens=0, stop_token_ids=None,
                         vocab_size: int | None = None) -> tuple[bool, int, tuple[int, ...]]:
     """Validate ``ignore_eos``, ``min_tokens`` and ``stop_token_ids`` (against ``vocab_size`` when
@@ -353,6 +377,7 @@ class SpeculativeDecoder:
         logprobs: int | None = None,
         logprobs_mode: str = "processed",
         response_format: Any = None,
+        logit_bias: Mapping[int, float] | None = None,
     ) -> list[GenerationResult]:
         """Generate for one prompt or a list of prompts; one result per prompt (``n`` per prompt,
         prompt by prompt, with ``n > 1``: each prompt's choices, prefilled once, each drawing its
@@ -379,6 +404,10 @@ class SpeculativeDecoder:
         penalties, temperature and filters; greedy: the penalized logits), ``"raw"`` from the
         model's logits (see :mod:`specdraft.engine.logprobs`).
 
+        ``logit_bias`` (OpenAI's): ``{token_id: bias}``, each bias from -100 to 100, added to that
+        token's logit at every position before the penalties, temperature and filters (so it
+        changes the target's distribution itself, and the output stays exact): -100 bans a token.
+
         ``response_format`` (structured output; needs ``pip install 'specdraft[structured]'``):
         ``{"type": "json_object"}``, ``{"type": "json_schema", "json_schema": {"name": ...,
         "schema": {...}}}``, ``{"type": "regex", "regex": ...}``, ``{"type": "choice", "choice":
@@ -398,7 +427,7 @@ class SpeculativeDecoder:
                                  prediction=self._encode_predictions(prediction, len(texts)), ignore_eos=ignore_eos,
                                  min_tokens=min_tokens, stop_token_ids=stop_token_ids, logprobs=logprobs,
                                  logprobs_mode=logprobs_mode, n=n,
-                                 response_format=response_format)
+                                 response_format=response_format, logit_bias=logit_bias)
 
     def _encode_predictions(self, prediction, count: int) -> list[list[int] | None] | None:
         """Token ids of each prompt's predicted text (``prediction``: a string for one prompt, or a
@@ -441,6 +470,7 @@ class SpeculativeDecoder:
         logprobs: int | None = None,
         logprobs_mode: str = "processed",
         response_format: Any = None,
+        logit_bias: Mapping[int, float] | None = None,
     ) -> list[GenerationResult]:
         """Generate from token ids (one list per sequence); no chat template is applied.
         ``prediction``: each sequence's predicted output, token ids (None: none); the other
@@ -451,7 +481,7 @@ class SpeculativeDecoder:
             temperature=temperature, top_k=top_k, top_p=top_p, min_p=min_p, repetition_penalty=repetition_penalty,
             presence_penalty=presence_penalty, frequency_penalty=frequency_penalty), prediction,
             ignore_eos=ignore_eos, min_tokens=min_tokens, stop_token_ids=stop_token_ids, logprobs=logprobs,
-            logprobs_mode=logprobs_mode, n=n, response_format=response_format)
+            logprobs_mode=logprobs_mode, n=n, response_format=response_format, logit_bias=logit_bias)
         streams = [Stream(self._loop, s, self.tokenizer) for s in seqs]
         self._loop.submit(seqs, limit=False)
         try:
@@ -504,6 +534,7 @@ class SpeculativeDecoder:
         logprobs: int | None = None,
         logprobs_mode: str = "processed",
         response_format: Any = None,
+        logit_bias: Mapping[int, float] | None = None,
     ):
         """Generate for one prompt, yielding text as tokens are accepted (several per step).
 
@@ -525,7 +556,7 @@ class SpeculativeDecoder:
                                frequency_penalty=frequency_penalty, prediction=predicted and predicted[0],
                                ignore_eos=ignore_eos, min_tokens=min_tokens, stop_token_ids=stop_token_ids,
                                logprobs=logprobs, logprobs_mode=logprobs_mode,
-                               response_format=response_format)
+                               response_format=response_format, logit_bias=logit_bias)
 
     def stream_ids(
         self,
@@ -549,6 +580,7 @@ class SpeculativeDecoder:
         logprobs: int | None = None,
         logprobs_mode: str = "processed",
         response_format: Any = None,
+        logit_bias: Mapping[int, float] | None = None,
     ):
         """:meth:`stream` from token ids (one sequence; ``prediction``: its predicted output's
         token ids); raises QueueFull when ``max_waiting`` requests already wait. With ``n > 1``, a
@@ -560,7 +592,7 @@ class SpeculativeDecoder:
             presence_penalty=presence_penalty, frequency_penalty=frequency_penalty),
             None if prediction is None else [prediction], ignore_eos=ignore_eos, min_tokens=min_tokens,
             stop_token_ids=stop_token_ids, logprobs=logprobs, logprobs_mode=logprobs_mode, n=n,
-            response_format=response_format)
+            response_format=response_format, logit_bias=logit_bias)
         streams = [Stream(self._loop, seq, self.tokenizer) for seq in seqs]
         self._loop.submit(seqs)
         return streams[0] if n == 1 else streams
@@ -600,7 +632,7 @@ class SpeculativeDecoder:
 
     def _sequences(self, prompt_ids, max_new_tokens, seed, stop, sampling: dict, predictions=None, *,
                    ignore_eos=False, min_tokens=0, stop_token_ids=None, logprobs=None, logprobs_mode="processed", n=1,
-                   response_format=None):
+                   response_format=None, logit_bias=None):
         from .engine.sequence import sequences_for
 
         if not _is_int(n) or not 1 <= n <= MAX_CHOICES:
@@ -611,6 +643,7 @@ class SpeculativeDecoder:
         ignore_eos, min_tokens, stop_token_ids = check_stop_settings(max_new_tokens, ignore_eos, min_tokens,
                                                                      stop_token_ids, self.target.vocab_size)
         check_logprobs(logprobs, logprobs_mode)
+        logit_bias = check_logit_bias(logit_bias, self.target.vocab_size)
         grammar = self._grammars.compile(response_format, ignore_eos=ignore_eos, stop_token_ids=stop_token_ids)
         if stops and self.tokenizer is None:
             raise ConfigError("stop strings need a tokenizer to decode the output; this decoder has none")
@@ -618,7 +651,7 @@ class SpeculativeDecoder:
         return sequences_for(prompts, params, max_new_tokens, self.target.max_context, stops, seed,
                              self._check_predicted_ids(predictions, len(prompts)), ignore_eos=ignore_eos,
                              min_tokens=min_tokens, stop_token_ids=stop_token_ids, logprobs=logprobs,
-                             logprobs_mode=logprobs_mode, n=n, grammar=grammar)
+                             logprobs_mode=logprobs_mode, n=n, grammar=grammar, logit_bias=logit_bias)
 
     def _check_predicted_ids(self, predictions, count: int) -> list[list[int] | None] | None:
         """``predictions`` (None, or one token-id list or None per prompt), checked."""

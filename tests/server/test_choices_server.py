@@ -1,7 +1,8 @@
-"""``n`` > 1 over real HTTP with the openai client, on a tiny random model with the default model's
-tokenizer: the choices of one request share its prompt (prefilled once), each draws its own random
-numbers (a seed makes them reproducible and distinct), and whole, streamed and Python-API answers
-agree choice by choice; usage counts the prompt once and every choice's tokens."""
+"""``n`` > 1 and ``logit_bias`` over real HTTP with the openai client, on a tiny random model with
+the default model's tokenizer: the choices of one request share its prompt (prefilled once), each
+draws its own random numbers (a seed makes them reproducible and distinct), and whole, streamed and
+Python-API answers agree choice by choice; usage counts the prompt once and every choice's tokens.
+``logit_bias`` (token ids as JSON's string keys) gives the decoder's own biased answer."""
 
 from __future__ import annotations
 
@@ -77,3 +78,19 @@ def test_a_bad_n_is_a_400_naming_it(client, n, says):
     with pytest.raises(openai.BadRequestError) as caught:
         client.completions.create(model="tiny", prompt=PROMPT, max_tokens=2, n=n)
     assert caught.value.body["param"] == "n" and says in caught.value.body["message"]
+
+
+def test_logit_bias_gives_the_decoders_biased_answer(client, decoder):
+    token = decoder.tokenizer(" fox", add_special_tokens=False).input_ids[0]
+    r = client.completions.create(model="tiny", prompt=PROMPT, max_tokens=5, temperature=0,
+                                  logit_bias={str(token): 100})
+    local = decoder.generate(PROMPT, raw=True, max_new_tokens=5, logit_bias={token: 100.0})[0]
+    assert r.choices[0].text == local.text == " fox" * 5  # +100 all but forces it
+
+
+@pytest.mark.parametrize("bias, says", [({"fox": 1}, "logit_bias has the key 'fox'"),
+                                        ({"5": 101}, "a bias must be a number from -100 to 100")])
+def test_a_bad_logit_bias_is_a_400_naming_it(client, bias, says):
+    with pytest.raises(openai.BadRequestError) as caught:
+        client.completions.create(model="tiny", prompt=PROMPT, max_tokens=2, logit_bias=bias)
+    assert caught.value.body["param"] == "logit_bias" and says in caught.value.body["message"]

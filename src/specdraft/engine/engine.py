@@ -29,7 +29,7 @@ from dataclasses import dataclass, field
 import torch
 
 from ..errors import DrafterError, SpecdraftError
-from ..sampling import RowSampling, TokenCounts
+from ..sampling import RowSampling, TokenCounts, compute_dtype
 from ..types import DraftContext, TargetInfo
 from ..verifier import Outcome, Proposal, Verifier
 from .grammar import GrammarMasks
@@ -162,7 +162,8 @@ class Engine:
         logits, hidden = self.verifier.verify(proposal, [s.tokens[-1] for s in batch], [s.slot for s in batch],
                                               max(s.cached for s in batch), hidden=self.wants_hidden)
         raw_logits = logits  # the model's own (logprobs_mode "raw"); the masks below make copies
-        logits = self.grammars.apply(batch, proposal, self._hold_stops(batch, proposal, logits), raw_logits)
+        logits = self.grammars.apply(batch, proposal, self._hold_stops(batch, proposal, self._bias(batch, logits)),
+                                     raw_logits)
         outcome = self.verifier.accept(proposal, logits, plan.ctx.sampling, self._generators(batch), plan.ctx.counts,
                                        hidden)
         logprobs = round_logprobs(batch, outcome, raw_logits, logits, plan.ctx.counts)  # rows that asked
@@ -408,6 +409,21 @@ class Engine:
     def _generators(self, batch: list[Sequence]) -> list:
         """Each sampled row's verification generator (None for greedy rows)."""
         return [None if s.sampling.greedy else s.generator(1, self.target.device) for s in batch]
+
+    def _bias(self, batch: list[Sequence], logits: torch.Tensor) -> torch.Tensor:
+        """``logit_bias``: each biased row's numbers added to its logits at every pass index, before
+        the masks and the sampling pipeline (penalties, temperature, filters), as plain decoding adds
+        them at each step: the target's distribution itself changes, so acceptance stays exact. In
+        float32 or wider (a bias is not rounded to bfloat16; the pipeline upcasts anyway). Returns
+        ``logits`` (a copy when some row is biased)."""
+        rows = [(b, s.logit_bias) for b, s in enumerate(batch) if s.logit_bias]
+        if not rows:
+            return logits
+        logits = logits.to(compute_dtype(logits.dtype), copy=True)
+        for b, bias in rows:
+            ids = torch.tensor(list(bias), device=logits.device)
+            logits[b, :, ids] += torch.tensor(list(bias.values()), dtype=logits.dtype, device=logits.device)
+        return logits
 
     def _hold_stops(self, batch: list[Sequence], proposal: Proposal, logits: torch.Tensor) -> torch.Tensor:
         """``min_tokens``: EOS and the stop tokens (:meth:`Sequence.early_stops`) get logit -inf, so

@@ -82,6 +82,9 @@ class Sequence:
     prefilled: int = 0
     #: the target's hidden states of the prompt's prefilled chunks, for a drafter that asks for them
     prefill_states: list = field(default_factory=list, repr=False)
+    #: token id -> a number added to its logit at every position before the sampling pipeline
+    #: (OpenAI's ``logit_bias``; -100 bans a token, 100 all but forces it); None: none
+    logit_bias: "dict[int, float] | None" = field(default=None, repr=False)
     #: the sequences of the same prompt (a request's ``n`` choices), which prefill it once; None: alone
     group: "PromptGroup | None" = field(default=None, repr=False)
     stats: GenerationStats = field(default_factory=GenerationStats)
@@ -169,7 +172,8 @@ def sequences_for(prompts: Seq[Seq[int]], sampling: SamplingParams, max_new_toke
                   stop: Seq[str] = (), seed: int | None = None,
                   predictions: Seq[Seq[int] | None] | None = None, *, ignore_eos: bool = False,
                   min_tokens: int = 0, stop_token_ids: Seq[int] = (), logprobs: int | None = None,
-                  logprobs_mode: str = "processed", n: int = 1, grammar=None) -> list[Sequence]:
+                  logprobs_mode: str = "processed", n: int = 1, grammar=None,
+                  logit_bias: "dict[int, float] | None" = None) -> list[Sequence]:
     """One :class:`Sequence` per prompt of a call; a call's seed gives each prompt its own (its
     index mixed in), so the same call gives the same outputs however it is batched.
     ``predictions[i]``: prompt ``i``'s predicted output, token ids (None or empty: none);
@@ -184,7 +188,8 @@ def sequences_for(prompts: Seq[Seq[int]], sampling: SamplingParams, max_new_toke
                           seed=None if seed is None else mix_seed(seed, i, *([j] if j else [])),
                           prediction=Prediction(list(predicted)) if predicted else None, ignore_eos=ignore_eos,
                           min_tokens=min_tokens, stop_token_ids=tuple(stop_token_ids), logprobs=logprobs,
-                          logprobs_mode=logprobs_mode, grammar=None if grammar is None else grammar.matcher())
+                          logprobs_mode=logprobs_mode, grammar=None if grammar is None else grammar.matcher(),
+                          logit_bias=logit_bias)
                  for i, (p, predicted) in enumerate(zip(prompts, predictions)) for j in range(n)]
     if n > 1:
         for i in range(0, len(sequences), n):

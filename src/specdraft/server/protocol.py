@@ -201,6 +201,9 @@ class SamplingRequest(RequestModel):
             "min_tokens": 0 if self.min_tokens is None else self.min_tokens,
             "stop_token_ids": self.stop_token_ids,
             **({"response_format": grammar} if (grammar := self.grammar()) is not None else {}),
+            # JSON's keys are strings: token ids as ints, anything else left for the decoder to name
+            **({"logit_bias": {int(k) if k.strip().isdigit() else k: v for k, v in self.logit_bias.items()}}
+               if self.logit_bias else {}),
         }
 
     def grammar(self):
@@ -220,8 +223,6 @@ class SamplingRequest(RequestModel):
 
     def unsupported(self) -> str | None:
         """The first parameter this request sets that specdraft does not support, else None."""
-        if self.logit_bias:
-            return "logit_bias"
         return None
 
     def requested_logprobs(self) -> int | None:
