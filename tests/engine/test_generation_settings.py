@@ -22,7 +22,6 @@ from specdraft.errors import ConfigError
 from specdraft.testing import (SIGNIFICANCE, TargetDrafter, enumerate_plain_sampling, repetitive_prompts,
                                samples_needed, samples_pvalue, tiny_llama, tiny_tokenizer)
 from specdraft.testing.drafters import TopTwoTree
-from specdraft.testing.reference import Enumerated, reference_probs
 from specdraft.testing.stats import family_size
 
 N = 20
@@ -193,24 +192,17 @@ def test_text_without_the_stop_token_and_stop_strings_after_min_tokens(plain):
 SAMPLED_PROMPT = [3, 5, 3, 5, 3]
 
 
-def masked_enumeration(model, prompt, params, steps, held, min_tokens) -> Enumerated:
+def masked_enumeration(model, prompt, params, steps, held, min_tokens):
     """P(first ``steps`` tokens) under plain sampling with ``held`` given logit -inf at the first
-    ``min_tokens`` positions: every prefix enumerated, :func:`reference_probs` (transformers'
-    processors) on the masked raw logits, no specdraft code."""
-    base = torch.tensor(prompt)
-    prefixes = torch.zeros((1, 0), dtype=torch.long)
-    probs = torch.ones(1, dtype=torch.float64)
-    with torch.no_grad():
-        for level in range(steps):
-            context = torch.cat([base.expand(prefixes.shape[0], -1), prefixes], 1)
-            logits = model(context).logits[:, -1].double()
-            if level < min_tokens:
-                logits[:, list(held)] = float("-inf")
-            step = reference_probs(logits, context, prefixes, params) * probs[:, None]
-            parent, token = (step > 0).nonzero(as_tuple=True)
-            prefixes = torch.cat([prefixes[parent], token[:, None]], 1)
-            probs = step[parent, token]
-    return Enumerated(prefixes, probs / probs.sum(), model.config.vocab_size)
+    ``min_tokens`` positions: every prefix enumerated, transformers' processors on the masked raw
+    logits, no specdraft code."""
+    def mask(level, logits):
+        logits = logits.double()
+        if level < min_tokens:
+            logits[:, list(held)] = float("-inf")
+        return logits
+
+    return enumerate_plain_sampling(model, prompt, params, steps, adjust=mask)
 
 
 @pytest.mark.parametrize("drafter", ["target-chain-sampled", "target-tree"])

@@ -13,7 +13,6 @@ from specdraft.errors import ConfigError
 from specdraft.testing import (SIGNIFICANCE, TargetDrafter, enumerate_plain_sampling, repetitive_prompts,
                                samples_needed, samples_pvalue, tiny_llama)
 from specdraft.testing.drafters import TopTwoTree
-from specdraft.testing.reference import Enumerated, reference_probs
 from specdraft.testing.stats import family_size
 
 N = 16
@@ -56,23 +55,12 @@ def test_greedy_with_logit_bias_equals_plain_decoding_with_it(model, drafter):
         assert sum(r.stats.drafted_tokens - r.stats.accepted_tokens for r in biased) > 0
 
 
-def biased_enumeration(model, prompt, params, steps, bias: dict[int, float]) -> Enumerated:
+def biased_enumeration(model, prompt, params, steps, bias: dict[int, float]):
     """P(first ``steps`` tokens) under plain sampling with ``bias`` added to the raw logits, every
-    prefix enumerated through transformers' processors (:func:`reference_probs`), no specdraft code."""
-    base = torch.tensor(prompt)
-    prefixes = torch.zeros((1, 0), dtype=torch.long)
-    probs = torch.ones(1, dtype=torch.float64)
+    prefix enumerated through transformers' processors, no specdraft code."""
     added = torch.zeros(model.config.vocab_size, dtype=torch.float64)
     added[list(bias)] = torch.tensor(list(bias.values()), dtype=torch.float64)
-    with torch.no_grad():
-        for _ in range(steps):
-            context = torch.cat([base.expand(prefixes.shape[0], -1), prefixes], 1)
-            logits = model(context).logits[:, -1].double() + added
-            step = reference_probs(logits, context, prefixes, params) * probs[:, None]
-            parent, token = (step > 0).nonzero(as_tuple=True)
-            prefixes = torch.cat([prefixes[parent], token[:, None]], 1)
-            probs = step[parent, token]
-    return Enumerated(prefixes, probs / probs.sum(), model.config.vocab_size)
+    return enumerate_plain_sampling(model, prompt, params, steps, adjust=lambda level, logits: logits.double() + added)
 
 
 @pytest.mark.parametrize("drafter", ["target-chain-sampled", "target-tree"])

@@ -117,12 +117,13 @@ class Enumerated:
 
 
 def enumerate_plain_sampling(model, prompt: Sequence[int], params, steps: int, max_sequences: int = 1_000_000,
-                             chunk: int = 4096) -> Enumerated:
+                             chunk: int = 4096, adjust=None) -> Enumerated:
     """P(first ``steps`` tokens) under plain sampling from ``model``, by enumeration of every
     prefix the filters keep (:func:`reference_probs` on the model's raw logits, level by level,
-    one batched forward per ``chunk`` prefixes). Raises ``ValueError`` when more than
-    ``max_sequences`` sequences have non-zero probability: use top-k, fewer steps or a smaller
-    vocabulary."""
+    one batched forward per ``chunk`` prefixes). ``adjust(level, logits)``, if given, returns the
+    logits the processors see at output position ``level`` (a mask, a bias: what a request adds
+    to plain decoding). Raises ``ValueError`` when more than ``max_sequences`` sequences have
+    non-zero probability: use top-k, fewer steps or a smaller vocabulary."""
     import torch
 
     vocab = model.get_output_embeddings().weight.shape[0]
@@ -137,6 +138,8 @@ def enumerate_plain_sampling(model, prompt: Sequence[int], params, steps: int, m
                 part = prefixes[start : start + chunk]
                 context = torch.cat([base.expand(part.shape[0], -1), part], 1)
                 logits = model(context.to(device)).logits[:, -1].cpu()
+                if adjust is not None:
+                    logits = adjust(level, logits)
                 rows.append(reference_probs(logits, context, part, params))
             step = torch.cat(rows) * probs[:, None]  # [m, vocab]: P(prefix, next token)
             keep = step > 0
