@@ -34,7 +34,7 @@ def _record_chunks(engine) -> dict:
     original = engine._prefill_chunk
 
     def recording(s, end):
-        chunks.setdefault(s.id, []).append((engine.steps, s.prefilled, end))
+        chunks.setdefault(s.id, []).append((engine.steps, s.cached, end))
         original(s, end)
 
     engine._prefill_chunk = recording

@@ -284,7 +284,7 @@ class Engine:
         self.runner.cache.set_lengths([0] * len(joined), slots=[s.slot for s in joined])
         for s in joined:
             self._call("on_join", s.id, list(s.tokens))
-            s.prefilled = s.cached = 0
+            s.cached = 0
             self._filling.append(s)
 
     def _prefill(self) -> None:
@@ -303,11 +303,11 @@ class Engine:
         done: list[Sequence] = []
         while self._filling:
             s = self._filling[0]
-            if s.prefilling and s.prefilled == 0:
+            if s.prefilling and s.cached == 0:
                 self._guarded([s], self._from_sibling)
             if s.prefilling:
-                end = min(s.prompt_len - 1, (s.prefilled // chunk + 1) * chunk) if self.prefill_chunk else s.prompt_len - 1
-                size = end - s.prefilled
+                end = min(s.prompt_len - 1, (s.cached // chunk + 1) * chunk) if self.prefill_chunk else s.prompt_len - 1
+                size = end - s.cached
                 if budget is not None and (budget <= 0 or (size > budget and budget < chunk)):
                     break  # the rest of this step's budget is less than the next chunk
                 self._guarded([s], lambda _: self._prefill_chunk(s, end))
@@ -337,21 +337,21 @@ class Engine:
         for t in s.group.members:
             if t is not s and t.status is Status.RUNNING and t.slot is not None and not t.prefilling:
                 copy(t.slot, s.slot, s.prompt_len - 1)
-                s.prefilled = s.cached = s.prompt_len - 1
+                s.cached = s.prompt_len - 1
                 if s.group.states is not None:
                     s.prefill_states = [s.group.states]
                 return
 
     def _prefill_chunk(self, s: Sequence, end: int) -> None:
-        """One pass of ``s``'s prompt tokens ``prefilled:end`` into its cache row."""
+        """One pass of ``s``'s prompt tokens ``cached:end`` into its cache row."""
         start, device = time.perf_counter(), self.target.device
-        _, hidden = self.runner.forward(torch.tensor([s.tokens[s.prefilled : end]], device=device),
+        _, hidden = self.runner.forward(torch.tensor([s.tokens[s.cached : end]], device=device),
                                         logits_at=torch.zeros((1, 1), dtype=torch.long, device=device),
-                                        hidden=self.wants_hidden, advance=[end - s.prefilled], slots=[s.slot])
+                                        hidden=self.wants_hidden, advance=[end - s.cached], slots=[s.slot])
         if hidden is not None:
             s.prefill_states.append(hidden[0])  # [end - prefilled, hidden_size]
-        self._observe(prefill_report(s, end - s.prefilled, time.perf_counter() - start))
-        s.prefilled = s.cached = end
+        self._observe(prefill_report(s, end - s.cached, time.perf_counter() - start))
+        s.cached = end
         s.stats.prefill_time_s += time.perf_counter() - start
 
     def _observe(self, report: StepReport) -> None:

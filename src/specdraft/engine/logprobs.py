@@ -36,12 +36,6 @@ from ..types import LOGPROBS_MODES, MAX_LOGPROBS, TokenLogprob
 from ..verifier import Outcome
 
 
-def pass_indices(outcome: Outcome, b: int) -> list[int]:
-    """The pass indices whose logits gave row ``b``'s committed tokens, in order: 0, then ``p + 1``
-    for each accepted node ``p`` (a chain's nodes are ``0..n-1``, so its indices are ``0..n``)."""
-    return [0] + [p + 1 for p in outcome.paths[b]]
-
-
 def processed_logprobs(logits: torch.Tensor, params: SamplingParams,
                        counts: TokenCounts | None = None) -> torch.Tensor:
     """``logits # [m, vocab]`` (the engine's masks applied) -> the log of the distribution the
@@ -83,7 +77,7 @@ def round_logprobs(batch: Seq, outcome: Outcome, raw_logits: torch.Tensor, logit
     pieces = []
     for b in rows:
         s = batch[b]
-        at = torch.tensor(pass_indices(outcome, b), device=device)  # [m]
+        at = torch.tensor(outcome.pass_indices(b), device=device)  # [m]
         tokens = torch.tensor(outcome.committed(b), device=device)  # [m]
         if s.logprobs_mode == "raw":
             lp = raw_logprobs(raw_logits[b, at])
@@ -109,4 +103,4 @@ def round_logprobs(batch: Seq, outcome: Outcome, raw_logits: torch.Tensor, logit
     return out
 
 
-__all__ = ["LOGPROBS_MODES", "MAX_LOGPROBS", "pass_indices", "processed_logprobs", "raw_logprobs", "round_logprobs"]
+__all__ = ["LOGPROBS_MODES", "MAX_LOGPROBS", "processed_logprobs", "raw_logprobs", "round_logprobs"]

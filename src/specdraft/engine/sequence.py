@@ -77,9 +77,9 @@ class Sequence:
     finish_reason: str | None = None
     error: BaseException | None = None
     slot: int | None = None  # the target cache row it holds while running
-    cached: int = 0  # tokens whose keys and values the target cache holds (all but the last)
-    #: prompt tokens prefilled so far (chunk by chunk); it decodes once all but the prompt's last are
-    prefilled: int = 0
+    #: tokens whose keys and values the target cache holds: all but the last once it decodes; while
+    #: its prompt is prefilled (chunk by chunk), the prompt tokens prefilled so far
+    cached: int = 0
     #: the target's hidden states of the prompt's prefilled chunks, for a drafter that asks for them
     prefill_states: list = field(default_factory=list, repr=False)
     #: token id -> a number added to its logit at every position before the sampling pipeline
@@ -135,7 +135,7 @@ class Sequence:
     @property
     def prefilling(self) -> bool:
         """Whether some of the prompt (all but its last token) is still to be prefilled."""
-        return self.prefilled < self.prompt_len - 1
+        return self.cached < self.prompt_len - 1
 
     @property
     def fixed_draft_length(self) -> bool:

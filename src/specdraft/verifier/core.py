@@ -43,11 +43,15 @@ class Outcome:
         """Whether row ``b`` took a tree branch off its first-drafted line (its cache entries then move)."""
         return self.paths[b] != list(range(self.num_accepted[b]))
 
+    def pass_indices(self, b: int) -> list[int]:
+        """The pass indices whose outputs gave row ``b``'s committed tokens, in order: 0 (the last
+        committed token's), then ``p + 1`` for each accepted node ``p`` (a chain's: ``0..n``)."""
+        return [0] + [p + 1 for p in self.paths[b]]
+
     def hidden_at(self, b: int, n: int) -> torch.Tensor:
         """Row ``b``'s hidden states at the first ``n`` positions it committed (the last committed
         token, then its accepted nodes): those whose next token is now known.  # [n, dim]"""
-        at = [0] + [j + 1 for j in self.paths[b]][: n - 1]
-        return self.hidden[b, torch.tensor(at, device=self.hidden.device)]
+        return self.hidden[b, torch.tensor(self.pass_indices(b)[:n], device=self.hidden.device)]
 
 
 class Verifier:
