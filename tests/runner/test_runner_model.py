@@ -75,6 +75,30 @@ def test_logits_at_and_hidden_states(pair):
 
 
 @torch.no_grad()
+def test_hidden_states_of_chosen_layers_equal_transformers(pair):
+    """``return_hidden=(i, ...)``: the residual stream entering each named block, side by side in
+    the order named, from the same pass that gives the logits (prefill, then a decode step)."""
+    hf, model = pair
+    n = model.args.n_layers
+    layers = (n - 1, 0, n // 2)  # any order; block 0's input is the embeddings
+    gen = torch.Generator().manual_seed(5)
+    tokens = random_tokens(gen, 2, 6)
+    cache = model.new_cache(slots=2, max_len=16)
+    first = model(tokens, cache, return_hidden=layers)
+    step = random_tokens(gen, 2, 2)
+    second = model(step, cache, return_hidden=layers)
+    dim = model.args.dim
+    for b in range(2):
+        seq = torch.cat([tokens[b], step[b]])[None]
+        expected = torch.cat([hf(seq, output_hidden_states=True).hidden_states[i][0] for i in layers], -1)
+        close(torch.cat([first.hidden[b], second.hidden[b]]), expected)  # [8, 3 * dim]
+        close(second.logits[b], reference(hf, seq[0].tolist())[-2:])
+    assert first.hidden.shape == (2, 6, 3 * dim)
+    with pytest.raises(ValueError, match=f"layers 0..{n - 1}"):
+        model(step, cache, return_hidden=(n,))
+
+
+@torch.no_grad()
 def test_rows_select_cache_slots(pair):
     hf, model = pair
     gen = torch.Generator().manual_seed(3)

@@ -481,12 +481,20 @@ class Engine:
     # -- the drafter ----------------------------------------------------------------------
 
     @property
-    def wants_hidden(self) -> bool:
-        return bool(getattr(self.drafter, "needs_hidden_states", False))
+    def wants_hidden(self) -> bool | tuple[int, ...]:
+        """What the target's passes return for the drafter: nothing (False), the final-norm
+        states (True) or the states of the layers it names (``hidden_layers``)."""
+        if not getattr(self.drafter, "needs_hidden_states", False):
+            return False
+        layers = getattr(self.drafter, "hidden_layers", None)
+        return tuple(int(i) for i in layers) if layers else True
 
     def _hand_hidden(self, ctx: DraftContext, states: list) -> None:
         """Give the drafter ``states[b] # [n_b, dim]`` for each row (empty where None)."""
-        width = int(self.target.hidden_size or next((h.shape[-1] for h in states if h is not None), 0))
+        width = next((h.shape[-1] for h in states if h is not None), None)
+        if width is None:
+            layers = self.wants_hidden
+            width = int(self.target.hidden_size or 0) * (len(layers) if isinstance(layers, tuple) else 1)
         empty = torch.zeros((0, width), dtype=self.target.dtype, device=self.target.device)
         # a quantized runner computes in bfloat16; drafters get the target's dtype
         rows = [empty if h is None else h.to(self.target.dtype) for h in states]

@@ -11,6 +11,7 @@ import torch
 
 from ..cache.hf import HFCache
 from .base import RunnerBase, attention_backends
+from .model import hidden_layers
 
 
 class TransformersRunner(RunnerBase):
@@ -43,10 +44,13 @@ class TransformersRunner(RunnerBase):
         with attention_backends(tokens.device):
             out = self.model(input_ids=tokens, position_ids=position_ids, attention_mask=mask,
                              past_key_values=self.cache, use_cache=True, logits_to_keep=keep,
-                             output_hidden_states=hidden)
+                             output_hidden_states=bool(hidden))
         logits = out.logits  # [rows, keep or W, vocab]
         if logits_at is not None:
             index = logits_at - (width - logits.shape[1])  # [rows, N]
             logits = logits.gather(1, index[..., None].expand(-1, -1, logits.shape[-1]))
         self.cache.advance([width] * rows if advance is None else list(torch.as_tensor(advance).tolist()))
-        return logits, out.hidden_states[-1] if hidden else None
+        if not hidden:
+            return logits, None
+        layers = hidden_layers(hidden, len(out.hidden_states) - 1)
+        return logits, torch.cat([out.hidden_states[i] for i in layers], -1) if layers else out.hidden_states[-1]

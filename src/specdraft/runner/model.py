@@ -50,7 +50,25 @@ class ModelArgs:
 
 class ForwardOutput(NamedTuple):
     logits: torch.Tensor  # [B, W, vocab], or [B, N, vocab] at ``logits_at``; the model's dtype
-    hidden: torch.Tensor | None  # [B, W, dim] after the final norm, when asked
+    hidden: torch.Tensor | None  # [B, W, dim] after the final norm, or [B, W, n * dim] at n chosen layers
+
+
+def hidden_layers(hidden, n_layers: int) -> tuple[int, ...]:
+    """The layers a ``hidden`` request names: ``()`` for False / True (none, or the final-norm
+    states), else the tuple of layer ids, each in ``0..n_layers - 1`` (ValueError otherwise)."""
+    if isinstance(hidden, bool) or hidden is None:
+        return ()
+    layers = tuple(int(i) for i in hidden)
+    if not layers or any(not 0 <= i < n_layers for i in layers):
+        raise ValueError(f"hidden layers {list(layers)} are not all among the model's layers 0..{n_layers - 1}")
+    return layers
+
+
+def pick_layers(collected: list[torch.Tensor], layers: tuple[int, ...]) -> torch.Tensor:
+    """``collected`` (the inputs of ``sorted(set(layers))``' blocks, in block order) in the order
+    ``layers`` names them, concatenated on the last dimension.  # [B, W, len(layers) * dim]"""
+    order = sorted(set(layers))
+    return torch.cat([collected[order.index(i)] for i in layers], dim=-1)
 
 
 def rope_inv_freq(args: ModelArgs) -> torch.Tensor:
@@ -171,7 +189,8 @@ def run_block(block: nn.Module, *args) -> torch.Tensor:
 
 def run_blocks(blocks, x: torch.Tensor, cache: KVCache, rows: torch.Tensor | None, inv_freq: torch.Tensor,
                window: int | None = None, tree_mask: torch.Tensor | None = None, block_fn=run_block,
-               span: int | None = None, depths: torch.Tensor | None = None) -> torch.Tensor:
+               span: int | None = None, depths: torch.Tensor | None = None,
+               collect: tuple[int, ...] = (), collected: list | None = None) -> torch.Tensor:
     """``x # [B, W, dim]`` through ``blocks`` (layer ``i`` on the cache's buffers ``i``); the cache's
     lengths are left as they were (the caller advances them).  # [B, W, dim]
 
@@ -181,6 +200,8 @@ def run_blocks(blocks, x: torch.Tensor, cache: KVCache, rows: torch.Tensor | Non
     the caller guarantees hold every row's tokens and this pass's (default: all ``max_len``).
     ``tree_mask`` (see :func:`~specdraft.cache.static.attention_mask`) and ``depths # [B, W]``: a
     tree's tokens are stored at ``starts + 0..W-1`` but rotated as at position ``starts + depths``.
+    ``collect``: append the input of each of these blocks (the residual stream there, what
+    transformers' ``output_hidden_states[i]`` is) to ``collected``, in block order.
     """
     batch, width = x.shape[:2]
     span = cache.max_len if span is None else span
@@ -192,6 +213,8 @@ def run_blocks(blocks, x: torch.Tensor, cache: KVCache, rows: torch.Tensor | Non
     order = tree_order(mask) if tree_mask is not None and width <= DECODE_WIDTH else None  # [B, W, span]
     slot = torch.arange(cache.slots, device=x.device) if rows is None else rows  # [B]
     for i, block in enumerate(blocks):
+        if i in collect:
+            collected.append(x)
         keys, values = cache.keys[i][:, :, :span], cache.values[i][:, :, :span]  # views: writes land in the cache
         x = block_fn(block, x, cos, sin, mask, keys, values, slot, positions, rows is not None, order)
     return x
@@ -252,19 +275,24 @@ class SpecdraftModel(nn.Module):
 
         ``logits_at # [B, N]`` long: indices into ``0..W-1``; logits only there (``[B, N, vocab]``)
         instead of everywhere (``[B, W, vocab]``). ``return_hidden``: also return the hidden
-        states after the final norm, ``[B, W, dim]``, at every position. ``tree_mask # [B, W, P]``
+        states after the final norm, ``[B, W, dim]``, at every position; or, given layer ids
+        ``(i, j, ...)``, the residual stream entering each of those blocks (transformers'
+        ``output_hidden_states[i]``), concatenated: ``[B, W, n * dim]``, from this same pass. ``tree_mask # [B, W, P]``
         bool: which tokens of the pass (and of the ``P - W`` positions before it) each token sees
         (default causal); ``depths # [B, W]``: the tokens' positions are ``lengths + depths``
         (default ``lengths + 0..W-1``); they are stored at ``lengths + 0..W-1`` either way.
         ``span``, ``block_fn`` (what runs each block; default :func:`run_block`): see :func:`run_blocks`.
         """
+        layers = hidden_layers(return_hidden, self.args.n_layers)
+        collected: list[torch.Tensor] = []
         x = self.tok_embeddings(tokens)  # [B, W, dim]
         x = run_blocks(self.layers, x, cache, rows, self.rope_inv_freq, self.args.sliding_window, tree_mask,
-                       block_fn or run_block, span, depths)
+                       block_fn or run_block, span, depths, collect=layers, collected=collected)
         hidden = self.norm(x)  # [B, W, dim]
         cache.advance(rows, tokens.shape[1] if advance is None else advance)
         if logits_at is not None:
             hidden_at = hidden.gather(1, logits_at[..., None].expand(-1, -1, hidden.shape[-1]))  # [B, N, dim]
         else:
             hidden_at = hidden
-        return ForwardOutput(self.output(hidden_at), hidden if return_hidden else None)
+        states = pick_layers(collected, layers) if layers else hidden if return_hidden else None
+        return ForwardOutput(self.output(hidden_at), states)

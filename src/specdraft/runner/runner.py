@@ -140,7 +140,8 @@ class ModelRunner(RunnerBase):
 
         Returns ``(logits, hidden)``: logits ``[rows, W, vocab]``, or ``[rows, N, vocab]`` at the
         indices ``logits_at # [rows, N]`` into ``0..W-1``; with ``hidden``, the final-norm hidden
-        states ``[rows, W, dim]`` (else None). Each row's length grows by ``W``, or by
+        states ``[rows, W, dim]`` (else None), or with ``hidden=(i, j, ...)`` the states entering
+        those layers side by side, ``[rows, W, n * dim]``, from the same pass. Each row's length grows by ``W``, or by
         ``advance[b]`` (a list or long tensor ``[rows]``) when rows carry padding.
         ``slots`` (a list of distinct row indices, one per row of ``tokens``): the cache rows the
         pass runs on (default: every row, in order).

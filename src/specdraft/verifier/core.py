@@ -80,9 +80,10 @@ class Verifier:
                              trees=self.trees, predicted=predicted)
 
     def verify(self, proposal: Proposal, last: list[int], slots: list[int], longest: int,
-               hidden: bool = False) -> tuple[torch.Tensor, torch.Tensor | None]:
+               hidden: bool | tuple[int, ...] = False) -> tuple[torch.Tensor, torch.Tensor | None]:
         """One pass of ``[last[b], d_1..d_width]`` on cache rows ``slots`` (each holds at most
-        ``longest`` tokens): ``(logits # [batch, width + 1, vocab], hidden # [batch, width + 1, dim] | None)``."""
+        ``longest`` tokens): ``(logits # [batch, width + 1, vocab], hidden # [batch, width + 1, dim] | None)``
+        (``hidden=(i, j, ...)``: the states entering those layers side by side, ``n * dim`` wide)."""
         self.runner.cache.reserve(longest + proposal.width + 1)
         tokens, tree = proposal.pass_inputs(torch.tensor([[t] for t in last], device=self.device))
         return self.runner.forward(tokens, hidden=hidden, slots=slots, **tree)

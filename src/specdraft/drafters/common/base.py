@@ -37,8 +37,11 @@ class HeadOptions(LearntDrafterOptions):
     their torch-importing module, so the registry lists and checks them without importing torch."""
 
     heads: str | None = Field(None, description="folder with heads in specdraft's format (from `specdraft "
-                                                "train-heads`) or a published Medusa / EAGLE layout; default: "
-                                                "the heads shipped for the target, if any")
+                                                "train-heads`) or a published layout (Medusa; EAGLE-1/2 and "
+                                                "HASS; EAGLE-3 as the EAGLE repository, SGLang and ModelOpt save "
+                                                "it; the speculators format's EAGLE-3 and EAGLE), or a Hugging "
+                                                "Face hub id of one (the cache alone when offline); default: the "
+                                                "heads shipped for the target, if any. See docs/published-heads.md")
 
 
 class TreeHeadOptions(HeadOptions, TreeOptions):
@@ -86,6 +89,12 @@ class Drafter(ABC):
     #: ``on_hidden_states``); the verifier collects them only for such drafters.
     needs_hidden_states: ClassVar[bool] = False
 
+    #: With ``needs_hidden_states``: the target layers whose states the drafter gets instead of
+    #: the last layer's (the residual stream entering each block, transformers'
+    #: ``output_hidden_states[i]``), concatenated in this order, from the same passes (EAGLE-3
+    #: sets its three here). None: the final-norm states. May be set per instance in ``__init__``.
+    hidden_layers: tuple[int, ...] | None = None
+
     #: Set by the registry: the name the drafter was created under, and its plugin.
     name: str = ""
 
@@ -113,7 +122,8 @@ class Drafter(ABC):
 
         ``hidden_states[b]  # [n_b, hidden_size]`` are the target's last-layer hidden states
         (after its final norm: what its LM head reads) at the next ``n_b`` positions of row
-        ``b``. Called after the prompts' prefill of the sequences that joined this step (the
+        ``b`` (``[n_b, len(hidden_layers) * hidden_size]``, the chosen layers' states side by
+        side, for a drafter that sets :attr:`hidden_layers`). Called after the prompts' prefill of the sequences that joined this step (the
         prompt's positions but the last; other rows get ``n_b = 0``) and after every verify
         pass, before ``on_verified`` (the positions of the tokens that round committed). At every ``propose`` the drafter has therefore seen the states of
         positions ``0 .. len(ctx.token_ids[b]) - 2``: all but the last token, whose state
