@@ -150,6 +150,9 @@ def build_parser() -> argparse.ArgumentParser:
                        default=[], metavar="DRAFTER:KEY=VALUE",
                        help="an option for one of the drafters, e.g. draft-model:model=DIR (repeatable)")
     bench.add_argument("--spec-length", type=int, default=4, metavar="K", help="default: 4")
+    bench.add_argument("--fixed-spec-length", action="store_true",
+                       help="every drafter drafts K tokens every round instead of adapting to acceptance and "
+                            "verify cost (to compare drafters' acceptance at one draft length)")
     bench.add_argument("--max-new-tokens", type=int, default=128, metavar="N", help="default: 128")
     bench.add_argument("--temperature", type=float, default=0.0, help="default: 0 (greedy; outputs are compared)")
     bench.add_argument("--peers", default="",
@@ -175,11 +178,11 @@ def build_parser() -> argparse.ArgumentParser:
                            "the draft never copies from the context)")
     _training_args(dist, steps=300, steps_help="training steps", lr=5e-4, head_tokens_help="output-head vocabulary")
 
-    th = sub.add_parser("train-heads", help="train Medusa, EAGLE or MLP-speculator heads on a frozen target",
+    th = sub.add_parser("train-heads", help="train Medusa, EAGLE, EAGLE-3 or MLP-speculator heads on a frozen target",
                         description="Train draft heads on the target's hidden states: phase 1 on prompts with "
                                     "reference answers (causal LM), phase 2 on the target's own answers (match its "
                                     "distributions), 5:2 in steps. Resumable; writes a loss plot.")
-    th.add_argument("--kind", required=True, choices=["medusa", "eagle", "mlp-speculator"])
+    th.add_argument("--kind", required=True, choices=["medusa", "eagle", "eagle3", "mlp-speculator"])
     th.add_argument("--output", required=True, metavar="DIR", help="where the heads go")
     th.add_argument("--work", default=None, metavar="DIR",
                     help="cache of the target's answers and hidden states (default: DIR/work); share it between kinds")
@@ -192,7 +195,8 @@ def build_parser() -> argparse.ArgumentParser:
                     help="start from these heads (specdraft's format, same kind) instead of fresh ones; with "
                          "--steps 0 only their copy gate is fitted")
     _training_args(th, steps=700, steps_help="training steps, split 5:2 between phases", lr=1e-3,
-                   head_tokens_help="output vocabulary: the most frequent answer tokens; 0 = all")
+                   head_tokens_help="output vocabulary (eagle3: its draft vocabulary): the most frequent answer "
+                                    "tokens; 0 = all")
 
     from .server.cli import add_serve_parser  # argparse only: FastAPI loads when `serve` runs
 
@@ -407,6 +411,7 @@ def _bench(args) -> int:
         questions=args.questions, categories=_split(args.categories) or None,
         limit_per_category=args.limit_per_category, drafters=_split(args.drafters), spec_length=args.spec_length,
         max_new_tokens=args.max_new_tokens, temperature=args.temperature, peers=_split(args.peers),
+        adaptive=not args.fixed_spec_length,
         drafter_options=options, gguf=_gguf_of(args.target), compile=args.compile, quantize=args.quantize,
     )
     check_spec_length(settings.spec_length)

@@ -335,6 +335,30 @@ def _weights_files(folder: Path | None, exc: BaseException) -> str:
     return f"one of its weights files ({', '.join(names)})"
 
 
+def hub_folder(repo_id: str, allow_patterns: list[str] | None = None, what: str = "files",
+               option: str = "--drafter-option heads") -> Path:
+    """The local folder of hub repository ``repo_id`` (the files matching ``allow_patterns``), as a
+    target's hub id is had: from the Hugging Face cache alone when the hub cannot be asked
+    (HF_HUB_OFFLINE, or one short probe finds no network), else downloaded into the cache.
+    ``what`` names the files and ``option`` how the user passed the id, for the errors' advice.
+    Raises :class:`ModelLoadError` in one line: not cached while offline, or the hub's refusal."""
+    from huggingface_hub import snapshot_download
+
+    offline = _hub_offline()
+    try:
+        with _working_offline() if offline else nullcontext():
+            return Path(snapshot_download(repo_id, allow_patterns=allow_patterns, local_files_only=bool(offline)))
+    except (OSError, ValueError) as exc:
+        if offline:
+            raise ModelLoadError(
+                f"{what} {repo_id!r} are not (fully) in the Hugging Face cache and {offline}. Point {option} at a "
+                f"local folder, or download them where there is network (`hf download {repo_id}`) and set "
+                "HF_HUB_OFFLINE=1 to use the cached copy"
+            ) from None
+        raise ModelLoadError(f"could not get {what} {repo_id!r} from the Hugging Face hub ({_one_line(exc)}); check "
+                             f"the id, or point {option} at a local folder") from None
+
+
 def load_target(target=None, dtype=None, device=None, require_tokenizer: bool = True, option: str = "--target"):
     """Load ``(model, tokenizer, name)`` for ``target`` (None = the offline default model).
 

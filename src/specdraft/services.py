@@ -79,6 +79,16 @@ class DrafterServices:
 
         return load_target(source, dtype=dtype, device=device, require_tokenizer=False, option=option)
 
+    def hub_folder(self, repo_id: str, allow_patterns: list[str] | None = None, what: str = "files",
+                   option: str = "--drafter-option heads"):
+        """The local folder (a ``Path``) of Hugging Face hub repository ``repo_id``, restricted to
+        ``allow_patterns``, had as a target's hub id is: from the cache when offline, else
+        downloaded. Raises :class:`~specdraft.ModelLoadError` in one line naming ``what`` and
+        ``option``."""
+        from .models import hub_folder
+
+        return hub_folder(repo_id, allow_patterns, what=what, option=option)
+
     def resolve_device(self, device: Any):
         """A ``torch.device`` for ``device`` (a name, a device, or None: CUDA if there is one)."""
         from .models import resolve_device

@@ -35,6 +35,7 @@ OPTIONS = {
     "llama-1b": _draft_model,  # draft-model whose default model (Llama-3.2-1B) no test machine has
     "medusa": _heads("medusa"),
     "eagle": _heads("eagle"),
+    "eagle3": _heads("eagle3"),  # a draft vocabulary of half the tokens (d2t), with a copy gate
     "mlp-speculator": _heads("mlp-speculator"),
     # plugins/specdraft-adaptive-lookup (CI installs it): a short start and cap, so it grows and shrinks
     "adaptive-lookup": lambda model, path: {"start": 1, "max_length": 6},

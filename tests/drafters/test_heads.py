@@ -21,7 +21,7 @@ from specdraft.testing import (
     tiny_llama,
 )
 from specdraft.training.data import target_features
-from specdraft.training.heads import heads_loss
+from specdraft.training.heads import feature_layers, heads_loss
 from specdraft.training.loop import train
 
 
@@ -102,10 +102,11 @@ def _train_heads(model, kind, work, steps=80):
     from specdraft.training.batches import padded_batch
 
     seqs = _tiny_sequences(model)
-    states = target_features(model, seqs, progress=False)
     head = SharedHead(model.lm_head, model.config.vocab_size)
     torch.manual_seed(0)
     module = build_heads(kind, model.config, num_heads=3, num_stages=3).double()
+    states = target_features(model, seqs, progress=False,  # eagle3: its layers' states and the final-norm ones
+                             layers=feature_layers(kind, module, model.config.num_hidden_layers))
     rng = random.Random(1)
 
     def loss_fn(step):
@@ -232,9 +233,10 @@ def test_heads_copy_gate_learns_to_copy_where_answers_repeat_the_prompt(tiny_mod
         return {"ids": prompt + prompt[:10], "prompt_len": 12, "greedy": True}
 
     train_seqs, held = [sequence() for _ in range(40)], [sequence() for _ in range(8)]
-    states, held_states = (target_features(tiny_model, s, progress=False) for s in (train_seqs, held))
     random_heads(kind, tiny_model, tmp_path / "heads", num_heads=2, num_stages=2)
     module, head, _ = load_heads(tmp_path / "heads", _target_info(tiny_model), kind)
+    layers = feature_layers(kind, module, tiny_model.config.num_hidden_layers)
+    states, held_states = (target_features(tiny_model, s, progress=False, layers=layers) for s in (train_seqs, held))
     embeddings = tiny_model.get_input_embeddings()
 
     def acceptance():
@@ -269,6 +271,7 @@ def test_greedy_parity_with_gated_heads(sharp_model, gated, kind, k):
 HEAD_SAMPLING = {
     "medusa": SamplingParams(temperature=1.0, top_p=0.8),
     "eagle": SamplingParams(temperature=0.9, top_k=5),
+    "eagle3": SamplingParams(temperature=1.1, top_k=7),
     "mlp-speculator": SamplingParams(temperature=0.8, top_k=6, top_p=0.9),
 }
 
@@ -433,6 +436,79 @@ def test_eagle_training_steps_see_what_drafting_sees(tiny_model):
                 torch.testing.assert_close(guess[:, 0], unrolled[step - 1][:, t], rtol=1e-10, atol=1e-10)
                 if step < 3:  # then the guessed pair, as the drafter feeds it
                     guess = runner.forward(module.fc_in(guess, embed(ids[:, t + step + 1 : t + step + 2])))
+
+
+def test_eagle3_training_steps_see_what_drafting_sees(tiny_model):
+    """EAGLE-3's training-time test (train-heads unrolls the layer on its own outputs from the
+    fused features of three layers) equals the drafter's path: fc over the layers' states side by
+    side, then the layer on specdraft's block over a KV cache fed ``[embed(x) ; feature]``, chain
+    by chain and step by step; and so do the draft-vocabulary logits read from it."""
+    from specdraft.drafters.api import default_services
+    from specdraft.training.batches import eagle3_features, eagle_unroll
+
+    torch.manual_seed(8)
+    module = build_heads("eagle3", tiny_model.config, aux_layers=[1, 0, 1], draft_vocab_size=40).double()
+    with torch.no_grad():
+        for name, p in module.named_parameters():
+            p.uniform_(0.5, 1.5) if name.endswith("norm.weight") else torch.nn.init.normal_(p, std=0.2)
+    runner = default_services().layer_runner(module.midlayer, module.llama_config, compile=False)
+    states, ids = torch.randn(1, 9, 3 * 32, dtype=torch.float64), torch.randint(1, 64, (1, 9))
+    embed = tiny_model.get_input_embeddings()
+
+    def pairs(features, tokens):  # what Eagle3Drafter.step feeds its runner
+        return torch.cat([embed(tokens), features], dim=-1)
+
+    with torch.no_grad():
+        unrolled = eagle_unroll(module, embed, ids, eagle3_features(module, states), depth=3)
+        assert [g.shape[1] for g in unrolled] == [8, 7, 6]
+        for t in range(6):
+            runner.cache.reset(1, 16)
+            guess = runner.forward(pairs(module.fc(states[:, : t + 1]), ids[:, 1 : t + 2]))[:, -1:]  # true pairs 0..t
+            for step in (1, 2, 3):
+                torch.testing.assert_close(guess[:, 0], unrolled[step - 1][:, t], rtol=1e-10, atol=1e-10)
+                torch.testing.assert_close(module.logits(guess[:, 0]), module.logits(unrolled[step - 1][:, t]),
+                                           rtol=1e-10, atol=1e-10)
+                if step < 3:  # then the guessed pair, as the drafter feeds it
+                    guess = runner.forward(pairs(guess, ids[:, t + step + 1 : t + step + 2]))
+
+
+@pytest.mark.parametrize("soft", [False, True], ids=["hard", "soft"])
+def test_eagle3_loss_weighs_unrolled_steps_and_keeps_to_the_draft_vocabulary(tiny_model, soft):
+    """sum over unrolled steps s of 0.8^(s-1) x the mean token loss of step s's guesses, at the
+    answer positions whose token is in the draft vocabulary (every 2nd token here): hard, the
+    real token's draft index; soft, the target's distribution (from its final-norm state one
+    position earlier) over the draft tokens, renormalised. Checked position by position."""
+    from specdraft.drafters.heads.modules import SharedHead
+    from specdraft.training.batches import eagle3_features, eagle_unroll, padded_batch
+    from specdraft.training.heads import EAGLE3_DEPTH, eagle3_loss
+
+    draft = torch.arange(0, 64, 2)  # the draft vocabulary: target ids 0, 2, 4, ...
+    torch.manual_seed(9)
+    module = build_heads("eagle3", tiny_model.config, draft_vocab_size=len(draft)).double()
+    module.d2t.copy_(draft - torch.arange(len(draft)))
+    head = SharedHead(tiny_model.lm_head, 64, draft)
+    seqs = [{"ids": torch.randint(1, 64, (n,)).tolist(), "prompt_len": 3} for n in (11, 8)]
+    states = target_features(tiny_model, seqs, progress=False, dtype=torch.float64,
+                             layers=feature_layers("eagle3", module, tiny_model.config.num_hidden_layers))
+    ids, feats, valid, answer = padded_batch(seqs, states, torch.float64, "cpu")
+    embed = tiny_model.get_input_embeddings()
+    with torch.no_grad():
+        loss = eagle3_loss(module, head, embed, ids, feats, answer, soft)
+        final = feats[..., 3 * 32 :]
+        expected = 0
+        for s, guess in enumerate(eagle_unroll(module, embed, ids, eagle3_features(module, feats), EAGLE3_DEPTH), 1):
+            terms = []
+            for b, seq in enumerate(seqs):
+                for j in range(guess.shape[1]):
+                    p = j + s + 1  # the token chain j guesses at step s
+                    if p < len(seq["ids"]) and p >= seq["prompt_len"] and seq["ids"][p] % 2 == 0:
+                        logp = module.logits(guess[b, j]).log_softmax(-1)
+                        if soft:
+                            terms.append(-(tiny_model.lm_head(final[b, p - 1])[draft].softmax(-1) * logp).sum())
+                        else:
+                            terms.append(-logp[seq["ids"][p] // 2])
+            expected = expected + 0.8 ** (s - 1) * torch.stack(terms).mean()
+    torch.testing.assert_close(loss.double(), expected, rtol=1e-6, atol=0)  # the loss's logits are float32
 
 
 @pytest.mark.parametrize("batch", [1, 3])

@@ -3,6 +3,7 @@ the data caches are keyed by what built them: reused when it is the same, rebuil
 
 from __future__ import annotations
 
+import copy
 import json
 
 import pytest
@@ -133,6 +134,42 @@ def test_target_states_are_keyed_by_the_sequences_they_were_computed_from(tmp_pa
     cache.write_bytes(cache.read_bytes()[:50])
     assert all(torch.equal(a, b) for a, b in zip(target_features(tiny_target, other, cache), changed))
     assert f"{cache} is damaged" in capsys.readouterr().err
+
+
+def test_target_states_of_chosen_layers_equal_transformers_hidden_states(tmp_path, tiny_model, capsys):
+    """layers=: transformers' output_hidden_states[i] side by side, in the order asked (float64,
+    computed in padded batches as for training; n_layers is the final-norm state), cached in a
+    file and under a key of their own; float16 by default, clamped to its range, not inf."""
+    from specdraft.training.data import states_file, target_features
+
+    seqs = [{"ids": [5, 6, 7, 8, 9, 10, 11], "prompt_len": 2}, {"ids": [9, 10, 11], "prompt_len": 1},
+            {"ids": [3, 4, 5, 6], "prompt_len": 1}, {"ids": [7, 8, 9, 10, 1], "prompt_len": 3}]
+    layers = (1, 0, 2)
+    got = target_features(tiny_model, seqs, layers=layers, dtype=torch.float64, batch_tokens=12, progress=False)
+    with torch.no_grad():
+        for s, states in zip(seqs, got):
+            ref = tiny_model.model(input_ids=torch.tensor([s["ids"]]), output_hidden_states=True).hidden_states
+            assert states.dtype == torch.float64 and states.shape == (len(s["ids"]), 3 * 32)
+            torch.testing.assert_close(states, torch.cat([ref[i][0] for i in layers], -1), rtol=1e-12, atol=1e-12)
+    half = target_features(tiny_model, seqs, layers=layers, batch_tokens=12, progress=False)
+    assert all(torch.equal(h, g.to(torch.float16)) for h, g in zip(half, got))
+
+    cache = states_file(tmp_path, "answer_states", layers)
+    assert cache.name == "answer_states_layers_1_0_2.safetensors" and states_file(tmp_path, "answer_states").name \
+        == "answer_states.safetensors"
+    first = target_features(tiny_model, seqs, cache, layers=layers, progress=False)
+    assert all(torch.equal(a, b) for a, b in zip(target_features(tiny_model, seqs, cache, layers=layers), first))
+    assert "reusing cached target states" in capsys.readouterr().err
+    target_features(tiny_model, seqs, cache, layers=(0, 1, 2))
+    assert "inputs changed (layers): rebuilding target states" in capsys.readouterr().err
+    with pytest.raises(ConfigError, match=r"target layers \[3\] are not all among 0..2"):
+        target_features(tiny_model, seqs, layers=(3,))
+
+    loud = copy.deepcopy(tiny_model)
+    with torch.no_grad():
+        loud.model.embed_tokens.weight.mul_(1e7)  # layer 0's states (the embeddings) beyond float16's range
+    states = target_features(loud, seqs[:1], layers=(0,), progress=False)[0]
+    assert bool(torch.isfinite(states).all()) and float(states.abs().max()) == torch.finfo(torch.float16).max
 
 
 def test_rerunning_into_the_same_folders_with_other_prompts_retrains_on_them(tmp_path, qa_file, tiny_target_dir,

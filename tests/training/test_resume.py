@@ -149,39 +149,43 @@ def test_the_cli_reports_a_damaged_checkpoint_in_one_line(tmp_path, qa_file, tin
         "); delete it to train from step 0 (or restore it from a backup)")
 
 
+@pytest.mark.parametrize("kind", ["eagle", "eagle3"])
 def test_train_heads_is_reproducible_and_resumes_exactly_after_a_crash(tmp_path, qa_file, smol_tokenizer,
-                                                                      tiny_target, monkeypatch):
-    """EAGLE (its input noise), the copy gate (its sampled examples), fresh weights: two runs
-    with the same seed are bit-identical, and so is one that crashed mid-checkpoint and resumed."""
+                                                                      tiny_target, monkeypatch, kind):
+    """EAGLE (its input noise), EAGLE-3 (its draft vocabulary, warm start and unrolled steps), the
+    copy gate (its sampled examples), fresh weights: two runs with the same seed are bit-identical,
+    and so is one that crashed mid-checkpoint and resumed."""
     from specdraft.drafters.heads.formats import FORMAT_FILE
     from specdraft.training import heads
 
     monkeypatch.setattr(heads, "train", partial(loop.train, checkpoint_every=2))
 
     def run(name: str):
-        return heads.train_heads(tiny_target, smol_tokenizer, "tiny", "eagle", [qa_file], tmp_path / name,
+        return heads.train_heads(tiny_target, smol_tokenizer, "tiny", kind, [qa_file], tmp_path / name,
                                  num_texts=4, num_prompts=4, max_new_tokens=6, steps=6, batch_size=2, head_tokens=64,
                                  gate_steps=3, progress=False, work_dir=tmp_path / f"{name}-work")
 
     def state(name: str) -> dict[str, torch.Tensor]:
-        return {f"{part}/{k}": v for part in ("eagle", "eagle-copy-gate")
+        return {f"{part}/{k}": v for part in (kind, f"{kind}-copy-gate")
                 for k, v in load_file(tmp_path / f"{name}-work" / part / loop.CHECKPOINT).items()}
 
     run("a")
     run("b")
     a, b = state("a"), state("b")
-    assert a.keys() == b.keys() and any(k.startswith("eagle-copy-gate/optim.") for k in a)
+    assert a.keys() == b.keys() and any(k.startswith(f"{kind}-copy-gate/optim.") for k in a)
     assert [k for k in a if not torch.equal(a[k], b[k])] == []
     assert (tmp_path / "a" / "heads.safetensors").read_bytes() == (tmp_path / "b" / "heads.safetensors").read_bytes()
 
-    for name in ("sequences.json", "answer_states.safetensors", "text_states.safetensors"):  # reused as they are
+    cached = ["sequences.json", *(p.name for p in (tmp_path / "a-work").glob("*_states*.safetensors"))]
+    assert len(cached) == 3 and all(("_layers_" in n) == (kind == "eagle3") for n in cached[1:])  # eagle3's own
+    for name in cached:  # reused as they are
         (tmp_path / "c-work").mkdir(exist_ok=True)
         shutil.copy(tmp_path / "a-work" / name, tmp_path / "c-work" / name)
     real, eagle_writes = safetensors.torch.save_file, []
 
     def crash_on_second_eagle_checkpoint(tensors, path, metadata=None):
         real(tensors, path, metadata=metadata)
-        if Path(path).parent.name == "eagle" and Path(path).name.startswith(f".{loop.CHECKPOINT}"):
+        if Path(path).parent.name == kind and Path(path).name.startswith(f".{loop.CHECKPOINT}"):
             eagle_writes.append(path)
             if len(eagle_writes) == 2:
                 Path(path).write_bytes(Path(path).read_bytes()[:64])
@@ -191,7 +195,7 @@ def test_train_heads_is_reproducible_and_resumes_exactly_after_a_crash(tmp_path,
         m.setattr(safetensors.torch, "save_file", crash_on_second_eagle_checkpoint)
         with pytest.raises(RuntimeError, match="simulated crash"):
             run("c")
-    assert _step_of(tmp_path / "c-work" / "eagle") == 2
+    assert _step_of(tmp_path / "c-work" / kind) == 2
     run("c")
     c = state("c")
     assert [k for k in a if not torch.equal(a[k], c[k])] == []

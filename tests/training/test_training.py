@@ -71,7 +71,7 @@ def test_distill_builds_an_exact_compact_draft(tmp_path, smol_tokenizer, objecti
         SpeculativeDecoder(other, smol_tokenizer, drafter="draft-model", drafter_options={"model": str(out)})
 
 
-@pytest.mark.parametrize("kind", ["medusa", "eagle", "mlp-speculator"])
+@pytest.mark.parametrize("kind", ["medusa", "eagle", "eagle3", "mlp-speculator"])
 def test_train_heads_runs_both_phases_and_the_heads_are_exact(tmp_path, smol_tokenizer, kind):
     from safetensors.torch import load_file
 
@@ -83,7 +83,8 @@ def test_train_heads_runs_both_phases_and_the_heads_are_exact(tmp_path, smol_tok
                                  for i in range(6)) + "\n")
     target = tiny_llama(vocab_size=len(smol_tokenizer), seed=5, max_positions=512)
     out = train_heads(target, smol_tokenizer, "tiny", kind, [prompts], tmp_path / "heads", num_texts=6, num_prompts=4,
-                      max_new_tokens=8, steps=7, batch_size=2, head_tokens=64, progress=False)
+                      max_new_tokens=8, steps=7, batch_size=2, head_tokens=16 if kind == "eagle3" else 64,
+                      progress=False)
     meta = json.loads((out / FORMAT_FILE).read_text())
     assert meta["kind"] == kind and meta["steps"] == 7 and meta["phase1_steps"] == 5 and meta["head_tokens"] <= 64
     assert meta["text_sequences"] == 6 and meta["answer_sequences"] == 4
@@ -91,6 +92,18 @@ def test_train_heads_runs_both_phases_and_the_heads_are_exact(tmp_path, smol_tok
     saved = load_file(out / "heads.safetensors")
     assert not any(v.shape[0] == len(smol_tokenizer) for v in saved.values())  # no copy of embeddings or LM head
     dec = SpeculativeDecoder(target, smol_tokenizer, drafter=kind, spec_length=3, drafter_options={"heads": str(out)})
+    if kind == "eagle3":  # its draft vocabulary: the most frequent answer tokens and the specials, kept as d2t
+        from specdraft.drafters.heads.modules import eagle3_default_layers
+        from specdraft.training.data import chat_sequences, frequent_tokens, load_examples
+
+        module = dec.drafter.module
+        assert "head_ids" not in saved and meta["head_tokens"] == len(saved["d2t"]) == module.lm_head.weight.shape[0]
+        assert module.aux_layers == eagle3_default_layers(2) and meta["unrolled_steps"] == 4  # the tiny target's
+        answers = json.loads((out / "work" / "sequences.json").read_text())["data"]
+        texts = chat_sequences(smol_tokenizer, load_examples([prompts], limit=6))
+        specials = [smol_tokenizer.eos_token_id, smol_tokenizer.bos_token_id, smol_tokenizer.pad_token_id]
+        expected = frequent_tokens(answers + texts, 16, [t for t in specials if t is not None])
+        assert module.head_ids().tolist() == expected.tolist() and len(expected) == 16
     for p in repetitive_prompts(len(smol_tokenizer), seed=4)[:2]:
         assert dec.generate_ids([p], max_new_tokens=12)[0].token_ids == plain_greedy(target, p, 12)
 

@@ -26,6 +26,8 @@ class BenchSettings:
     limit_per_category: int | None = 5
     drafters: Sequence[str] = ("ngram", "prompt-lookup")
     spec_length: int = 4
+    #: False: every drafter drafts ``spec_length`` tokens every round (``--fixed-spec-length``)
+    adaptive: bool = True
     max_new_tokens: int = 128
     temperature: float = 0.0
     peers: Sequence[str] = ()
@@ -119,7 +121,7 @@ def environment(model, settings: BenchSettings, name: str) -> dict:
         "torch_threads": torch.get_num_threads(),
         **({"llama-cpp": f"llama-cpp-python {_version('llama-cpp-python')}, {Path(settings.gguf).name}, "
                          f"{torch.get_num_threads()} threads"} if "llama-cpp" in settings.peers else {}),
-        "spec_length": settings.spec_length,
+        "spec_length": settings.spec_length if settings.adaptive else f"{settings.spec_length} (fixed)",
         "max_new_tokens": settings.max_new_tokens,
         "temperature": settings.temperature,
         "versions": f"specdraft {__version__}, torch {torch.__version__}, transformers {transformers.__version__}, "
@@ -147,6 +149,7 @@ class _Methods:
                 raise ConfigError(f"--drafters runs {label!r} twice; give one of them a label (LABEL={drafter})")
             self.decoders[label] = SpeculativeDecoder(model, tokenizer, drafter=drafter,
                                                       spec_length=settings.spec_length,
+                                                      adaptive=settings.adaptive,
                                                       drafter_options=settings.drafter_options.get(label),
                                                       **runner)
         self.names = list(self.decoders)

@@ -30,4 +30,5 @@ def register_drafters(register):
     register("llama-1b", DraftModelDrafter, defaults={"model": LLAMA_1B})
     register("medusa", "specdraft.drafters.heads:MedusaDrafter", options=TreeHeadOptions)
     register("eagle", "specdraft.drafters.heads:EagleDrafter", options=TreeHeadOptions)
+    register("eagle3", "specdraft.drafters.heads:Eagle3Drafter", options=TreeHeadOptions)
     register("mlp-speculator", "specdraft.drafters.heads:MLPSpeculatorDrafter", options=HeadOptions)

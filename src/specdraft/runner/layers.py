@@ -21,21 +21,47 @@ from .base import attention_backends
 from ..cache import KVCache
 from .convert import ARCHITECTURES, block_weights, config_args, placement_reason
 from .kernels import pack_linears
-from .model import ModelArgs, TransformerBlock, rope_inv_freq, run_block, run_blocks
+from .model import ModelArgs, RMSNorm, TransformerBlock, rope_inv_freq, run_block, run_blocks
 from .runner import ModelRunner, _tree_kwargs
+
+
+class Eagle3Block(TransformerBlock):
+    """EAGLE-3's decoder layer on specdraft's block: its input is ``[embed(x) ; h]`` (``2 * dim``
+    wide), attention reads ``[attention_norm(embed(x)) ; hidden_norm(h)]`` and the residual is
+    ``h`` (``hidden_norm(h)`` with ``norm_before_residual``); the output is ``dim`` wide."""
+
+    def __init__(self, args: ModelArgs, layer: int, norm_before_residual: bool = False) -> None:
+        super().__init__(args, layer)
+        self.norm_before_residual = norm_before_residual
+        self.hidden_norm = RMSNorm(args.dim, args.norm_eps)
+        wqkv = self.attention.wqkv
+        self.attention.wqkv = nn.Linear(2 * args.dim, wqkv.out_features, bias=wqkv.bias is not None)
+
+    def forward(self, x, cos, sin, mask, k_buf, v_buf, slot, positions, gather: bool, order=None) -> torch.Tensor:
+        embeds, hidden = x.chunk(2, dim=-1)
+        normed = self.hidden_norm(hidden)
+        residual = normed if self.norm_before_residual else hidden
+        attended = torch.cat([self.attention_norm(embeds), normed], dim=-1)
+        h = residual + self.attention(attended, cos, sin, mask, k_buf, v_buf, slot, positions, gather, order)
+        return h + self.feed_forward(self.ffn_norm(h))
 
 
 class LayerStack(nn.Module):
     """``args.n_layers`` decoder blocks over a :class:`KVCache`, hidden states in and out.
 
     ``attention_norm=False``: the blocks' input norm is ``nn.Identity`` (EAGLE-1's layer reads
-    its input unnormalised).
+    its input unnormalised). ``eagle3``: one :class:`Eagle3Block` (its input ``2 * dim`` wide),
+    ``eagle3="norm_before_residual"`` with that variant's residual.
     """
 
-    def __init__(self, args: ModelArgs, attention_norm: bool = True) -> None:
+    def __init__(self, args: ModelArgs, attention_norm: bool = True, eagle3: bool | str = False) -> None:
         super().__init__()
         self.args = args
-        self.layers = nn.ModuleList(TransformerBlock(args, i) for i in range(args.n_layers))
+        self.input_dim = 2 * args.dim if eagle3 else args.dim
+        if eagle3:
+            self.layers = nn.ModuleList([Eagle3Block(args, 0, eagle3 == "norm_before_residual")])
+        else:
+            self.layers = nn.ModuleList(TransformerBlock(args, i) for i in range(args.n_layers))
         if not attention_norm:
             for block in self.layers:
                 block.attention_norm = nn.Identity()
@@ -97,7 +123,7 @@ class LayerRunner(ModelRunner):
         return (False,)
 
     def _blank(self, rows: int, width: int) -> torch.Tensor:
-        return torch.zeros((rows, width, self.model.args.dim), dtype=self.dtype, device=self.device)
+        return torch.zeros((rows, width, self.model.input_dim), dtype=self.dtype, device=self.device)
 
 
 def layers_from_transformers(hf_layers, config, attention_norm: bool = True,
@@ -114,7 +140,12 @@ def layers_from_transformers(hf_layers, config, attention_norm: bool = True,
         else list(hf_layers)
     if not layers:
         return None, "no decoder layers given"
-    kinds = sorted({type(layer).__name__ for layer in layers})
+    eagle3: bool | str = False
+    if any(hasattr(layer, "hidden_norm") for layer in layers):  # EAGLE-3's layer (see Eagle3Block)
+        if len(layers) > 1:
+            return None, "more than one EAGLE-3 layer: published EAGLE-3 heads have one"
+        eagle3 = "norm_before_residual" if getattr(layers[0], "norm_before_residual", False) else True
+    kinds = sorted({"LlamaDecoderLayer" if eagle3 else type(layer).__name__ for layer in layers})
     if len(kinds) > 1:
         return None, f"decoder layers of several types ({', '.join(kinds)}), not supported"
     name = kinds[0].replace("DecoderLayer", "ForCausalLM")
@@ -136,9 +167,11 @@ def layers_from_transformers(hf_layers, config, attention_norm: bool = True,
                           "pass attention_norm=False to run it without one")
         if not attention_norm:
             ours.pop("attention_norm.weight", None)
+        if eagle3:
+            ours["hidden_norm.weight"] = layer.hidden_norm.weight.detach()
         weights.update({f"layers.{i}.{k}": v for k, v in ours.items()})
     with torch.device("meta"):
-        stack = LayerStack(args, attention_norm)
+        stack = LayerStack(args, attention_norm, eagle3)
     missing, unexpected = stack.load_state_dict(weights, assign=True, strict=False)
     if missing or unexpected:  # a weight left on the meta device would fail far from here
         raise RuntimeError(f"converting {kinds[0]}: missing {missing}, unexpected {unexpected}")

@@ -60,14 +60,24 @@ def random_heads(kind: str, model, path, seed: int = 0, head_ids=None, scale: fl
     from ..drafters.heads.modules import SharedHead, build_heads
 
     torch.manual_seed(seed)
+    vocab = model.get_output_embeddings().weight.shape[0]
+    if kind == "eagle3" and head_ids is not None:  # EAGLE-3 owns its draft vocabulary: d2t, not head_ids
+        config = {"draft_vocab_size": len(head_ids), **config}
     module = build_heads(kind, model.config.get_text_config(), **config).to(model.dtype)
+    if kind == "eagle3":
+        if head_ids is not None:
+            module.d2t.copy_(torch.as_tensor(head_ids) - torch.arange(len(head_ids)))
+            head_ids = None
+        with torch.no_grad():
+            for name, p in module.named_parameters():
+                if name.endswith("norm.weight"):  # norms near 1, not 0
+                    p.uniform_(0.5, 1.5)
     with torch.no_grad():
         for name, p in module.named_parameters():
             if p.dim() == 2:
                 p.normal_(0.0, scale / p.shape[1] ** 0.5 * 3)
     if copy_gate:
         module.copy_gate = trusting_copy_gate(model.config.get_text_config().hidden_size, dtype=model.dtype)
-    vocab = model.get_output_embeddings().weight.shape[0]
     shared = SharedHead(model.get_output_embeddings(), vocab, head_ids)
     return save_heads(module, shared, path, "tiny", target_fingerprint(model.get_input_embeddings().weight),
                       dtype=model.dtype)

@@ -254,20 +254,46 @@ def self_prompted_generations(model, tokenizer, cache_file: Path, count: int, ma
     return sequences
 
 
+def states_file(work: Path, name: str, layers: Sequence[int] | None = None) -> Path:
+    """Where :func:`target_features` caches ``name``'s states: ``WORK/NAME.safetensors`` for the
+    last layer's, ``WORK/NAME_layers_2_15_27_30.safetensors`` for chosen layers' (so the caches
+    of kinds that read other layers never overwrite one another)."""
+    suffix = "" if layers is None else "_layers_" + "_".join(str(int(i)) for i in layers)
+    return work / f"{name}{suffix}.safetensors"
+
+
 def target_features(model, sequences: Sequence[dict], cache_file: Path | None = None, batch_tokens: int = 4096,
-                    progress: bool = True, desc: str = "target states") -> list:
+                    progress: bool = True, desc: str = "target states", layers: Sequence[int] | None = None,
+                    dtype=None) -> list:
     """The target's last-layer hidden states (after its final norm) at every position of each sequence.
 
     Returns one ``[len(ids), hidden]`` float16 tensor per sequence, computed once in
     length-sorted batches and cached in ``cache_file`` (safetensors) when given, keyed by the
     sequences' content, the batching and the target.
+
+    ``layers``: instead, the entries ``i`` of transformers' ``output_hidden_states`` side by side
+    (``[len(ids), len(layers) * hidden]``, in the order given): entry ``i < n_layers`` is the
+    residual stream entering block ``i``, entry ``n_layers`` the final-norm state (EAGLE-3
+    reads three layers and trains on the last one's distribution). ``dtype``: of the returned
+    states (default float16; layer states beyond its range, such as the massive activations of
+    some middle layers, are clamped to it rather than becoming inf).
     """
     import torch
     from safetensors import safe_open
     from safetensors.torch import save_file
     from tqdm.auto import tqdm
 
+    dtype = dtype or torch.float16
     inputs = {"sequences": sequences_key(sequences), "batch_tokens": batch_tokens, "target": target_identity(model)}
+    if layers is not None:  # only then: the last-layer caches of earlier runs keep their key
+        n_layers = model.config.get_text_config().num_hidden_layers
+        layers = [int(i) for i in layers]
+        if not layers or any(not 0 <= i <= n_layers for i in layers):
+            raise ConfigError(f"target layers {layers} are not all among 0..{n_layers} (the target has {n_layers} "
+                              f"layers; {n_layers} is its final-norm state)")
+        inputs["layers"] = layers
+    if dtype != torch.float16:
+        inputs["dtype"] = str(dtype)
 
     def load(path: Path):
         with safe_open(str(path), "pt") as f:
@@ -280,34 +306,45 @@ def target_features(model, sequences: Sequence[dict], cache_file: Path | None = 
         if cached is not None:
             return cached
     order = sorted(range(len(sequences)), key=lambda i: len(sequences[i]["ids"]))
-    states: list = [None] * len(sequences)
+    lengths = [len(s["ids"]) for s in sequences]
+    starts = [0]
+    for n in lengths:
+        starts.append(starts[-1] + n)
+    width = model.config.get_text_config().hidden_size * (len(layers) if layers is not None else 1)
+    flat = torch.empty((starts[-1], width), dtype=dtype)  # every sequence's states, written in place: no copies
+    limit = torch.finfo(dtype).max
     decoder = model.get_decoder()
     bar = tqdm(total=len(sequences), disable=not progress, desc=desc, unit="seq")
     i = 0
     with torch.inference_mode():
         while i < len(order):
-            width = len(sequences[order[i]]["ids"])
             j = i + 1
-            while j < len(order) and len(sequences[order[j]]["ids"]) * (j - i + 1) <= batch_tokens:
+            while j < len(order) and lengths[order[j]] * (j - i + 1) <= batch_tokens:
                 j += 1
             batch = [sequences[o]["ids"] for o in order[i:j]]
-            width = max(len(b) for b in batch)
-            ids = torch.zeros((len(batch), width), dtype=torch.long)
-            mask = torch.zeros((len(batch), width), dtype=torch.long)
+            longest = max(len(b) for b in batch)
+            ids = torch.zeros((len(batch), longest), dtype=torch.long)
+            mask = torch.zeros((len(batch), longest), dtype=torch.long)
             for b, row in enumerate(batch):
                 ids[b, : len(row)] = torch.tensor(row)
                 mask[b, : len(row)] = 1
-            hidden = decoder(input_ids=ids.to(model.device), attention_mask=mask.to(model.device)).last_hidden_state
+            out = decoder(input_ids=ids.to(model.device), attention_mask=mask.to(model.device),
+                          output_hidden_states=layers is not None)
+            if layers is None:
+                hidden = out.last_hidden_state
+            else:  # [rows, W, len(layers) * H]
+                hidden = torch.cat([out.hidden_states[k] for k in layers], -1).clamp(-limit, limit)
             for b, o in enumerate(order[i:j]):
-                states[o] = hidden[b, : len(batch[b])].to(torch.float16).cpu()
+                flat[starts[o] : starts[o + 1]] = hidden[b, : lengths[o]].to(dtype).cpu()
+            del out, hidden
             bar.update(j - i)
             i = j
     bar.close()
     if cache_file is not None:
-        flat = {"states": torch.cat(states), "lengths": torch.tensor([s.shape[0] for s in states])}
         meta = {"specdraft": json.dumps({"key": key_of(inputs), "inputs": inputs})}
-        write_atomic(cache_file, lambda tmp: save_file(flat, tmp, metadata=meta))
-    return states
+        tensors = {"states": flat, "lengths": torch.tensor(lengths, dtype=torch.long)}
+        write_atomic(cache_file, lambda tmp: save_file(tensors, tmp, metadata=meta))
+    return list(flat.split(lengths))
 
 
 #: instructions that make the target work over a document (summarize, extract, rewrite), so
@@ -345,11 +382,12 @@ def document_prompts(tokenizer, sequences: Sequence[dict], count: int, seed: int
 
 def target_answers(model, tokenizer, prompt_files: Sequence[str], work: Path, num_prompts: int, self_prompts: int = 0,
                    sampled_fraction: float = 0.25, max_new_tokens: int = 128, batch_size: int = 16, seed: int = 0,
-                   states: bool = True, progress: bool = True, document_prompts_count: int = 0):
+                   states: bool = True, progress: bool = True, document_prompts_count: int = 0,
+                   layers: Sequence[int] | None = None):
     """The target's answers to ``num_prompts`` prompts from the files, ``self_prompts`` prompts it
     wrote itself and ``document_prompts_count`` prompts over documents made of those answers
-    (:func:`document_prompts`), and (with ``states``) its hidden states over them; everything
-    cached in ``work``.
+    (:func:`document_prompts`), and (with ``states``) its hidden states over them (its last
+    layer's, or those of ``layers``: see :func:`target_features`); everything cached in ``work``.
 
     Returns ``(sequences, states or None)``. distill and train-heads both train on this.
     """
@@ -376,6 +414,7 @@ def target_answers(model, tokenizer, prompt_files: Sequence[str], work: Path, nu
         return sequences, None
     found = []
     for part, name in parts:
-        found += target_features(model, part, work / f"{name}.safetensors", progress=progress,
-                                 desc=f"target states ({name.removesuffix('_states').replace('_', ' ')})")
+        found += target_features(model, part, states_file(work, name, layers), progress=progress,
+                                 desc=f"target states ({name.removesuffix('_states').replace('_', ' ')})",
+                                 layers=layers)
     return sequences, found

@@ -85,9 +85,10 @@ class _Chooser:
 
 
 def heads_predictor(kind: str, module, head, embeddings, depth: int) -> Predictor:
-    """Greedy guesses of trained heads of ``kind`` (``head``: their :class:`SharedHead`), through
-    their copy gate when they have one."""
-    from .batches import eagle_unroll
+    """Greedy guesses of trained heads of ``kind`` (``head``: their :class:`SharedHead`; EAGLE-3's
+    own norm and LM head over its draft vocabulary, as :func:`~specdraft.drafters.heads.formats.load_heads`
+    gives it, its states the aux layers' side by side), through their copy gate when they have one."""
+    from .batches import eagle3_features, eagle_unroll
 
     def predict(ids: torch.Tensor, feats: torch.Tensor) -> list[torch.Tensor]:
         W = ids.shape[1]
@@ -95,8 +96,9 @@ def heads_predictor(kind: str, module, head, embeddings, depth: int) -> Predicto
         own = kind == "medusa" and module.own_heads is not None  # a published checkpoint's own LM heads
         choose = _Chooser(head.head_ids, None if own else gate, head.vocab_size, ids)
         out = []
-        if kind == "eagle":
-            for s, guess in enumerate(eagle_unroll(module, embeddings, ids, feats, depth), 1):
+        if kind in ("eagle", "eagle3"):
+            first = eagle3_features(module, feats) if kind == "eagle3" else feats
+            for s, guess in enumerate(eagle_unroll(module, embeddings, ids, first, depth), 1):
                 out.append(choose(head.small(guess[:, :-1]), guess[:, :-1], s + 1))
         elif kind == "medusa":
             for s in range(1, min(depth, module.num_heads) + 1):

@@ -28,4 +28,20 @@ def load_weights(path: str | Path) -> dict:
         raise ConfigError(f"{path} {problem}") from None
 
 
-__all__ = ["load_weights"]
+def load_strict(module, state: dict, where: Path) -> None:
+    """Load ``state`` into ``module`` (cast to its dtypes), or one ConfigError line naming the
+    missing, unexpected and misshapen tensors of ``where``."""
+    own = module.state_dict()
+    missing = sorted(set(own) - set(state))
+    unexpected = sorted(set(state) - set(own))
+    wrong = sorted(k for k in set(own) & set(state) if own[k].shape != state[k].shape)
+    if missing or unexpected or wrong:
+        details = [f"missing {missing[:4]}" if missing else "", f"unexpected {unexpected[:4]}" if unexpected else "",
+                   "shapes differ for " + ", ".join(f"{k} ({tuple(state[k].shape)} vs {tuple(own[k].shape)})"
+                                                    for k in wrong[:3]) if wrong else ""]
+        raise ConfigError(f"the weights in {where} do not fit the heads they describe (or this target): "
+                          + "; ".join(d for d in details if d))
+    module.load_state_dict({k: v.to(own[k].dtype) for k, v in state.items()})
+
+
+__all__ = ["load_strict", "load_weights"]

@@ -165,8 +165,12 @@ class EagleDrafter(HeadDrafter):
 
     def __init__(self, options: HeadOptions, target: TargetInfo) -> None:
         super().__init__(options, target)
-        self.runner = target.services.layer_runner(self.module.layer, self.module.llama_config, attention_norm=False)
+        self.runner = self._layer_runner()
         self.runner.cache.reset(1, 256)
+
+    def _layer_runner(self):
+        """The draft layer on specdraft's own block, over a KV cache of its own."""
+        return self.target.services.layer_runner(self.module.layer, self.module.llama_config, attention_norm=False)
 
     def reset(self) -> None:
         super().reset()
@@ -258,3 +262,34 @@ class EagleDrafter(HeadDrafter):
             if i + 1 < k:  # the guessed pair: one position per row
                 feature = self.step(feature[:, None], drawn[0][:, None], slots)[:, 0]
         return chain.draft(self._lengths(k))
+
+
+class Eagle3Drafter(EagleDrafter):
+    """EAGLE-3 (:class:`~.modules.Eagle3Draft`): EAGLE's drafting loop, chains and dynamic trees,
+    on the target's states at three layers (:attr:`hidden_layers`, from the heads' config).
+
+    The verifier hands over the chosen layers' states side by side (``3 * H`` wide); ``fc``
+    fuses each into one feature as it arrives, and from then on the pairs are EAGLE's: the
+    layer's input is ``[embed(x_{t+1}) ; g_t]`` and its output, the next feature, is both fed
+    back and turned into draft-vocabulary logits by the heads' own norm and LM head
+    (``self.head``, entry ``i`` being target token ``i + d2t[i]``; tokens outside the draft
+    vocabulary get probability 0 and are never drafted). Draft distributions are scattered to
+    the target's vocabulary before acceptance, so verification is unchanged and exact.
+    """
+
+    kind = "eagle3"
+
+    def __init__(self, options: HeadOptions, target: TargetInfo) -> None:
+        super().__init__(options, target)
+        self.hidden_layers = self.module.aux_layers
+
+    def _layer_runner(self):
+        return self.target.services.layer_runner(self.module.midlayer, self.module.llama_config)
+
+    def on_hidden_states(self, ctx: DraftContext, hidden_states: list[torch.Tensor]) -> None:
+        super().on_hidden_states(ctx, [self.module.fc(h) for h in hidden_states])  # [n_b, 3H] -> [n_b, H]
+
+    def step(self, features: torch.Tensor, tokens: torch.Tensor, slots: list[int], advance=None,
+             tree_mask=None, depths=None) -> torch.Tensor:
+        inputs = torch.cat([self.target.embeddings(tokens), features], dim=-1)  # [B, n, 2H]
+        return self.runner.forward(inputs, advance=advance, slots=slots, tree_mask=tree_mask, depths=depths)

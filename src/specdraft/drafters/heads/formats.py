@@ -17,6 +17,9 @@ Published layouts users already have:
 * EAGLE(-1): ``config.json`` (a one-layer Llama config) and ``model.safetensors`` (or
   ``pytorch_model.bin``) holding ``fc.{weight,bias}`` and ``layers.0.*``; an
   ``embed_tokens.weight`` copy of the base model's embeddings is ignored (the target's is used).
+  HASS saves the same (with an ``fc.bias``); heads of several layers, or with the extra norms of
+  speculators' "layernorms" variant, are refused.
+* EAGLE-3 folders, the ``speculators`` format and hub ids: :mod:`.published`.
 
 These carry no fingerprint of their base model, so they are checked by shape only.
 """
@@ -31,7 +34,7 @@ import torch
 
 from ..api import ConfigError, TargetInfo, write_atomic
 from ..common.copy_gate import STATE_PREFIX, CopyGate
-from ..common.weights import load_weights
+from ..common.weights import load_strict, load_weights
 from .modules import KINDS, EagleDraft, MedusaHeads, SharedHead, build_heads, eagle_layer_config
 
 FORMAT_FILE = "specdraft_heads.json"
@@ -48,7 +51,7 @@ def save_heads(module: torch.nn.Module, shared: SharedHead, path: str | Path, ta
     # a copy gate's few weights stay in float32 (its logit adds terms of very different sizes)
     state = {k: v.to(torch.float32 if k.startswith(STATE_PREFIX) else dtype) if v.is_floating_point() else v
              for k, v in module.state_dict().items()}
-    if shared.head_ids is not None:
+    if shared.head_ids is not None and module.kind != "eagle3":  # EAGLE-3's vocabulary is its d2t buffer
         state["head_ids"] = shared.head_ids
     tensors = {k: v.detach().contiguous().cpu() for k, v in state.items()}
     write_atomic(path / WEIGHTS_FILE, lambda tmp: save_file(tensors, tmp))
@@ -67,31 +70,26 @@ def detect_format(path: Path) -> str:
         return "specdraft"
     if any((path / f"medusa_lm_head.{ext}").is_file() for ext in ("safetensors", "pt")):
         return "medusa"
-    if (path / "config.json").is_file() and any((path / f).is_file() for f in ("model.safetensors", "pytorch_model.bin")):
-        return "eagle"
+    from .published import detect_published, read_json, weights_files
+
+    if (path / "config.json").is_file():
+        found = detect_published(path, read_json(path / "config.json"))  # EAGLE-3, speculators
+        if found is not None:
+            return found
+        if weights_files(path):
+            return "eagle"
+    elif weights_files(path):
+        raise ConfigError(f"{path} has weights but no config.json (an accelerate training state, such as EAGLE's "
+                          "or HASS's state_N folders?): put the config.json the head was trained with next to them")
     raise ConfigError(
         f"{path} holds no heads specdraft can read: expected {FORMAT_FILE} (specdraft's format, from "
         "`specdraft train-heads`), medusa_lm_head.safetensors + config.json (Medusa) or config.json + "
-        "model.safetensors / pytorch_model.bin (EAGLE)"
+        "model.safetensors / pytorch_model.bin (EAGLE, HASS, EAGLE-3, speculators)"
     )
 
 
 def _read_weights(path: Path) -> dict[str, torch.Tensor]:
     return load_weights(path)  # one line for a corrupt file or a pickle torch refuses
-
-
-def _load_strict(module: torch.nn.Module, state: dict[str, torch.Tensor], where: Path) -> None:
-    own = module.state_dict()
-    missing = sorted(set(own) - set(state))
-    unexpected = sorted(set(state) - set(own))
-    wrong = sorted(k for k in set(own) & set(state) if own[k].shape != state[k].shape)
-    if missing or unexpected or wrong:
-        details = [f"missing {missing[:4]}" if missing else "", f"unexpected {unexpected[:4]}" if unexpected else "",
-                   "shapes differ for " + ", ".join(f"{k} ({tuple(state[k].shape)} vs {tuple(own[k].shape)})"
-                                                    for k in wrong[:3]) if wrong else ""]
-        raise ConfigError(f"the weights in {where} do not fit the heads they describe (or this target): "
-                          + "; ".join(d for d in details if d))
-    module.load_state_dict({k: v.to(own[k].dtype) for k, v in state.items()})
 
 
 def _check_width(found: int, target: TargetInfo, where: Path, what: str) -> None:
@@ -123,7 +121,7 @@ def _load_specdraft(path: Path, target: TargetInfo):
     module = build_heads(meta["kind"], target.config, **meta["config"])
     if "copy_gate" in meta:
         module.copy_gate = CopyGate.from_spec(meta["copy_gate"], int(meta["config"]["hidden_size"]))
-    _load_strict(module, state, path / WEIGHTS_FILE)
+    load_strict(module, state, path / WEIGHTS_FILE)
     return meta["kind"], module, head_ids, meta
 
 
@@ -150,16 +148,21 @@ def _load_medusa(path: Path, target: TargetInfo):
             state[f"blocks.{head}.{index}.{rest}"] = value
         else:
             state[f"own_heads.{head}.{rest}"] = value
-    _load_strict(module, state, weights)
+    load_strict(module, state, weights)
     meta = {"kind": "medusa", "format": "medusa", "config": module.config,
             "target": config.get("base_model_name_or_path", "")}
     return "medusa", module, None, meta
 
 
 def _load_eagle(path: Path, target: TargetInfo):
-    config = json.loads((path / "config.json").read_text())
-    weights = next(path / f for f in ("model.safetensors", "pytorch_model.bin") if (path / f).is_file())
-    raw = _read_weights(weights)
+    from .published import check_eagle_weights, load_eagle3_folder, read_json, read_weights
+
+    config = read_json(path / "config.json")
+    weights = path  # the folder: its one weights file or its shards
+    raw = read_weights(path)
+    if any(k.startswith("midlayer.") for k in raw):  # EAGLE-3 whose config did not say so
+        return load_eagle3_folder(path, target, config, raw)
+    check_eagle_weights(raw, config, target, path)  # several layers, extra norms, another vocabulary
     if "fc.weight" not in raw:
         raise ConfigError(f"{weights} has no fc.weight: it is not an EAGLE draft head")
     hidden = raw["fc.weight"].shape[0]
@@ -176,8 +179,30 @@ def _load_eagle(path: Path, target: TargetInfo):
             state[key] = value
         elif not key.startswith("embed_tokens.") and not key.startswith("layers."):
             state[key] = value  # unknown: reported by the strict load
-    _load_strict(module, state, weights)
+    load_strict(module, state, weights)
     return "eagle", module, None, {"kind": "eagle", "format": "eagle", "config": module.config, "target": ""}
+
+
+def check_eagle3(module, target: TargetInfo, where: Path) -> None:
+    """One line for EAGLE-3 heads that cannot serve ``target``: layers it lacks, a draft vocabulary
+    mapping outside its vocabulary or onto one token twice, another hidden size."""
+    n_layers = getattr(target.config, "num_hidden_layers", None) if target.config is not None else None
+    if n_layers is not None and any(not 0 <= i < n_layers for i in module.aux_layers):
+        raise ConfigError(f"the EAGLE-3 heads in {where} read target layers {list(module.aux_layers)}, but target "
+                          f"{target.name or 'target'!r} has {n_layers} layers (0..{n_layers - 1}): they were trained "
+                          "for another model")
+    ids = module.head_ids()
+    if ids.numel() and not 0 <= int(ids.min()) <= int(ids.max()) < target.vocab_size:
+        raise ConfigError(f"the EAGLE-3 heads in {where} map their draft vocabulary to target ids up to "
+                          f"{int(ids.max())}, but target {target.name or 'target'!r} has {target.vocab_size} tokens: "
+                          "they were trained for another model")
+    if ids.unique().numel() != ids.numel():
+        raise ConfigError(f"the EAGLE-3 heads in {where} map two draft tokens to one target token (d2t is damaged)")
+    width = int(module.config["target_hidden_size"])
+    if target.hidden_size and (width != target.hidden_size or module.config["hidden_size"] != target.hidden_size):
+        raise ConfigError(f"the EAGLE-3 heads in {where} read target states of width {width} (and embeddings of "
+                          f"width {module.config['hidden_size']}), but target {target.name or 'target'!r} has "
+                          f"{target.hidden_size}: they were trained for another model")
 
 
 def load_heads(path: str | Path, target: TargetInfo, kind: str, dtype: Any = None, device: Any = None):
@@ -185,12 +210,12 @@ def load_heads(path: str | Path, target: TargetInfo, kind: str, dtype: Any = Non
 
     Returns ``(module, shared_head, meta)``, on the target's device and dtype unless given.
     """
-    given, path = str(path), Path(path)
-    if not path.is_dir():
-        raise ConfigError(f"heads folder {given!r} does not exist; pass --drafter-option heads=DIR "
-                          "(made by `specdraft train-heads`, or a Medusa / EAGLE checkpoint folder)")
+    from .published import load_eagle3_folder, load_speculators, resolve_heads
+
+    path = resolve_heads(str(path), target)  # a folder, or a hub id's folder in the Hugging Face cache
     fmt = detect_format(path)
-    loaders = {"specdraft": _load_specdraft, "medusa": _load_medusa, "eagle": _load_eagle}
+    loaders = {"specdraft": _load_specdraft, "medusa": _load_medusa, "eagle": _load_eagle,
+               "eagle3": load_eagle3_folder, "speculators": load_speculators}
     found, module, head_ids, meta = loaders[fmt](path, target)
     if found != kind:
         raise ConfigError(f"{path} holds {found} heads, not {kind}; use --drafter {found}")
@@ -202,7 +227,12 @@ def load_heads(path: str | Path, target: TargetInfo, kind: str, dtype: Any = Non
     dtype = dtype or target.dtype
     device = device or target.device
     module = module.to(dtype=dtype, device=device).eval()
-    shared = SharedHead(target.lm_head, target.vocab_size, head_ids).to(dtype=dtype, device=device)
+    if kind == "eagle3":
+        check_eagle3(module, target, path)
+    if kind == "eagle3":  # its own norm and LM head, over its draft vocabulary
+        shared = SharedHead(module.lm_head, target.vocab_size, module.head_ids(), norm=module.norm, own_rows=True)
+    else:
+        shared = SharedHead(target.lm_head, target.vocab_size, head_ids).to(dtype=dtype, device=device)
     return module, shared, meta
 
 

@@ -28,7 +28,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-KINDS = ("medusa", "eagle", "mlp-speculator")
+KINDS = ("medusa", "eagle", "eagle3", "mlp-speculator")
 
 
 class SharedHead(nn.Module):
@@ -40,18 +40,25 @@ class SharedHead(nn.Module):
     ``small`` gives the logits of ``head_ids`` only, for training.
     """
 
-    def __init__(self, lm_head: nn.Module, vocab_size: int, head_ids: torch.Tensor | None = None) -> None:
+    def __init__(self, lm_head: nn.Module, vocab_size: int, head_ids: torch.Tensor | None = None,
+                 norm: nn.Module | None = None, own_rows: bool = False) -> None:
         super().__init__()
         self.vocab_size = vocab_size
         weight = lm_head.weight.detach()
         self.register_buffer("head_ids", None if head_ids is None else head_ids.long().to(weight.device))
-        rows = weight if head_ids is None else weight[self.head_ids]
-        self.register_buffer("weight", rows, persistent=False)  # [N, hidden], the target's own rows
+        # own_rows (EAGLE-3): ``lm_head`` is the heads' own, one row per entry of head_ids already
+        rows = weight if head_ids is None or own_rows else weight[self.head_ids]
+        self.register_buffer("weight", rows, persistent=False)  # [N, hidden]
         self.bias = getattr(lm_head, "bias", None)
+        if self.bias is not None and head_ids is not None and not own_rows:
+            self.bias = self.bias[self.head_ids]
+        #: a norm applied before the rows (EAGLE-3's own final norm), or None
+        self.norm = norm
 
     def small(self, hidden: torch.Tensor) -> torch.Tensor:
-        bias = None if self.bias is None else (self.bias if self.head_ids is None else self.bias[self.head_ids])
-        return F.linear(hidden, self.weight, bias)  # [..., N]
+        if self.norm is not None:
+            hidden = self.norm(hidden)
+        return F.linear(hidden, self.weight, self.bias)  # [..., N]
 
     def forward(self, hidden: torch.Tensor) -> torch.Tensor:
         small = self.small(hidden)
@@ -154,20 +161,115 @@ class EagleDraft(nn.Module):
         return self.fc(torch.cat([embeds, features], dim=-1))
 
     def forward(self, features: torch.Tensor, embeds: torch.Tensor, position_ids: torch.Tensor,
-                attention_mask: torch.Tensor | None) -> torch.Tensor:
+                attention_mask: torch.Tensor | None, past_key_values=None) -> torch.Tensor:
         """``features`` (``f_t``) and ``embeds`` (``embed(x_{t+1})``) ``# [B, n, H]`` -> ``f_{t+1}`` guesses ``# [B, n, H]``.
 
         One pass over whole sequences, no cache (training, and the reference that drafting, which
         runs :attr:`layer` on specdraft's own block over a KV cache, equals): ``attention_mask``
-        is additive ``[B, 1, n, n]``.
+        is additive ``[B, 1, n, n]``. ``past_key_values`` (training's unrolled passes): the keys
+        and values of earlier pairs, which these ``n`` also attend to (the mask is then
+        ``[B, 1, n, earlier + n]``), extended with theirs.
         """
         from ..api import default_services  # training: no target, so specdraft's own attention rules
 
         x = self.fc_in(features, embeds)
         with default_services().attention_backends(x.device):
             out = self.layer(x, attention_mask=attention_mask, position_ids=position_ids,
-                             position_embeddings=self.rotary(x, position_ids))
+                             position_embeddings=self.rotary(x, position_ids), past_key_values=past_key_values)
         return out[0] if isinstance(out, tuple) else out
+
+
+def eagle3_default_layers(n: int) -> tuple[int, int, int]:
+    """EAGLE-3's feature layers for a target of ``n`` layers when a checkpoint's config does not
+    name them (``eagle_aux_hidden_state_layer_ids``): ``(2, n // 2, n - 3)``, as vLLM, SGLang and
+    the EAGLE repository choose them, each clamped into ``0..n-1`` (targets of under 6 layers),
+    in layer order."""
+    return tuple(sorted(min(max(i, 0), n - 1) for i in (2, n // 2, n - 3)))
+
+
+class Eagle3Layer(nn.Module):
+    """EAGLE-3's decoder layer (the published ``midlayer``): attention reads
+    ``[input_layernorm(embed(x)) ; hidden_norm(h)]`` (width ``2H``), the residual is ``h``
+    (``hidden_norm(h)`` with ``norm_before_residual``, as the speculators format may say).
+    Names follow the published checkpoints, so their weights load as they are."""
+
+    def __init__(self, config, norm_before_residual: bool = False) -> None:
+        from transformers.models.llama.modeling_llama import LlamaAttention, LlamaMLP, LlamaRMSNorm
+
+        super().__init__()
+        hidden = config.hidden_size
+        self.norm_before_residual = norm_before_residual
+        self.input_layernorm = LlamaRMSNorm(hidden, eps=config.rms_norm_eps)
+        self.hidden_norm = LlamaRMSNorm(hidden, eps=config.rms_norm_eps)
+        self.post_attention_layernorm = LlamaRMSNorm(hidden, eps=config.rms_norm_eps)
+        self.self_attn = LlamaAttention(config, layer_idx=0)
+        bias = bool(getattr(config, "attention_bias", False))
+        for name in ("q_proj", "k_proj", "v_proj"):  # q, k and v read both halves
+            setattr(self.self_attn, name, nn.Linear(2 * hidden, getattr(self.self_attn, name).out_features, bias=bias))
+        self.mlp = LlamaMLP(config)
+
+    def forward(self, embeds: torch.Tensor, hidden: torch.Tensor, position_embeddings, attention_mask,
+                past_key_values=None) -> torch.Tensor:
+        normed = self.hidden_norm(hidden)
+        residual = normed if self.norm_before_residual else hidden
+        x = torch.cat([self.input_layernorm(embeds), normed], dim=-1)  # [B, n, 2H]
+        h = residual + self.self_attn(x, position_embeddings=position_embeddings, attention_mask=attention_mask,
+                                      past_key_values=past_key_values)[0]
+        return h + self.mlp(self.post_attention_layernorm(h))
+
+
+class Eagle3Draft(nn.Module):
+    """EAGLE-3: ``fc`` fuses the target's states at three layers (``aux_layers``) into one
+    feature ``g_t``; one :class:`Eagle3Layer` over ``(embed(x_{t+1}), g_t)`` gives the next
+    feature, which is fed back as the next step's ``g`` (so drafting runs on its own features, as
+    training-time test trains it to); the heads' own ``norm`` and ``lm_head`` over a draft
+    vocabulary of ``draft_vocab`` tokens give logits, entry ``i`` being target token
+    ``i + d2t[i]``. Everything but the target's embeddings is the heads' own.
+    """
+
+    kind = "eagle3"
+
+    def __init__(self, config, aux_layers, target_hidden: int | None = None, draft_vocab: int | None = None,
+                 norm_before_residual: bool = False) -> None:
+        from transformers.models.llama.modeling_llama import LlamaRMSNorm, LlamaRotaryEmbedding
+
+        super().__init__()
+        self.llama_config = config
+        hidden = config.hidden_size
+        target_hidden = target_hidden or hidden
+        draft_vocab = draft_vocab or config.vocab_size
+        self.aux_layers = tuple(int(i) for i in aux_layers)
+        self.config = {"hidden_size": hidden, "target_hidden_size": target_hidden, "aux_layers": list(self.aux_layers),
+                       "draft_vocab_size": draft_vocab, "norm_before_residual": norm_before_residual,
+                       "layer": layer_fields(config)}
+        self.fc = nn.Linear(len(self.aux_layers) * target_hidden, hidden, bias=False)
+        self.midlayer = Eagle3Layer(config, norm_before_residual)
+        self.norm = LlamaRMSNorm(hidden, eps=config.rms_norm_eps)
+        self.lm_head = nn.Linear(hidden, draft_vocab, bias=False)
+        self.register_buffer("d2t", torch.zeros(draft_vocab, dtype=torch.long))  # target id = i + d2t[i]
+        self.rotary = LlamaRotaryEmbedding(config)
+
+    def head_ids(self) -> torch.Tensor:
+        """The target id of each draft-vocabulary entry.  # [draft_vocab]"""
+        return torch.arange(self.d2t.numel(), device=self.d2t.device) + self.d2t
+
+    def logits(self, out: torch.Tensor) -> torch.Tensor:
+        """Draft-vocabulary logits of the layer's outputs.  # [..., draft_vocab]"""
+        return self.lm_head(self.norm(out))
+
+    def forward(self, features: torch.Tensor, embeds: torch.Tensor, position_ids: torch.Tensor,
+                attention_mask: torch.Tensor | None, past_key_values=None) -> torch.Tensor:
+        """``features`` (fused ``g_t``, or the layer's own previous outputs) and ``embeds``
+        (``embed(x_{t+1})``) ``# [B, n, H]`` -> the next features ``# [B, n, H]`` (before ``norm``).
+
+        One pass over whole sequences, no cache (training, and the reference drafting equals),
+        with an additive ``attention_mask # [B, 1, n, n]`` (and ``past_key_values``), as
+        :meth:`EagleDraft.forward`."""
+        from ..api import default_services
+
+        with default_services().attention_backends(features.device):
+            return self.midlayer(embeds, features, self.rotary(features, position_ids), attention_mask,
+                                 past_key_values=past_key_values)
 
 
 def causal_mask(n: int, dtype: torch.dtype, device) -> torch.Tensor:
@@ -210,4 +312,9 @@ def build_heads(kind: str, target_config: Any, **cfg) -> nn.Module:
         return EagleDraft(eagle_layer_config(target_config, **cfg.get("layer", {})), cfg.get("fc_bias", True))
     if kind == "mlp-speculator":
         return MLPSpeculator(hidden, cfg.get("num_stages", 4))
+    if kind == "eagle3":
+        aux = cfg.get("aux_layers") or eagle3_default_layers(target_config.num_hidden_layers)
+        vocab = cfg.get("draft_vocab_size") or target_config.vocab_size
+        return Eagle3Draft(eagle_layer_config(target_config, **cfg.get("layer", {})), aux,
+                           cfg.get("target_hidden_size") or hidden, vocab, cfg.get("norm_before_residual", False))
     raise ValueError(f"unknown head kind {kind!r}; expected one of {', '.join(KINDS)}")
