@@ -104,7 +104,7 @@ def test_gguf_is_converted_once_to_safetensors():
     assert "quantization_config" not in json.loads((folder / "config.json").read_text())
 
 
-@pytest.mark.parametrize("kind", ["draft-model", "medusa", "eagle", "mlp-speculator"])
+@pytest.mark.parametrize("kind", ["draft-model", "medusa", "eagle", "eagle3", "mlp-speculator"])
 def test_shipped_drafters_are_exact_out_of_the_box(default_f64, plain_outputs, prompts, kind):
     model, tok = default_f64
     dec = SpeculativeDecoder(model, tok, drafter=kind, spec_length=3, adaptive=False)
@@ -119,7 +119,7 @@ def test_shipped_drafters_are_exact_out_of_the_box(default_f64, plain_outputs, p
     assert 0.03 * sum(r.stats.drafted_tokens for r in results) < accepted  # trained heads (random ones: ~0 of 49k)
 
 
-@pytest.mark.parametrize("kind", ["eagle", "medusa", "draft-model"])
+@pytest.mark.parametrize("kind", ["eagle", "eagle3", "medusa", "draft-model"])
 def test_shipped_drafters_with_trees_are_exact(default_f64, plain_outputs, prompts, kind):
     """Trees of 8 nodes (fixed budget) on the real model: the same text as plain decoding."""
     model, tok = default_f64
@@ -153,7 +153,7 @@ def test_shipped_weights_are_found_in_every_precision(default_f32, prompts):
 
     model, tok = copy.deepcopy(default_f32[0]).to(torch.bfloat16), default_f32[1]
     assert model.dtype == torch.bfloat16
-    for kind in ("draft-model", "medusa", "eagle", "mlp-speculator"):
+    for kind in ("draft-model", "medusa", "eagle", "eagle3", "mlp-speculator"):
         dec = SpeculativeDecoder(model, tok, drafter=kind, spec_length=2)
         assert dec.generate(prompts["qa"], max_new_tokens=4)[0].stats.target_passes > 0, kind
 
@@ -168,8 +168,9 @@ def plain_bf16(default_bf16, eight_prompts):
 @pytest.mark.parametrize("drafter, options", [
     ("ngram", None), ("prompt-lookup", None), ("draft-model", None), ("medusa", None), ("eagle", None),
     ("mlp-speculator", None), ("eagle", {"tree_budget": 8, "tree_width": 2, "min_confidence": 0.0}),
-    ("suffix", None),
-], ids=["ngram", "prompt-lookup", "draft-model", "medusa", "eagle", "mlp-speculator", "eagle-tree", "suffix"])
+    ("suffix", None), ("eagle3", None), ("eagle3", {"tree_budget": 8, "tree_width": 2, "min_confidence": 0.0}),
+], ids=["ngram", "prompt-lookup", "draft-model", "medusa", "eagle", "mlp-speculator", "eagle-tree", "suffix", "eagle3",
+        "eagle3-tree"])
 def test_greedy_parity_in_bfloat16(default_bf16, plain_bf16, eight_prompts, drafter, options):
     """bfloat16, the CPU default where the processor has native bfloat16 products: every built-in
     drafter (the shipped draft model and heads included) gives plain decoding's tokens on eight real
