@@ -106,7 +106,7 @@ def _train_heads(model, kind, work, steps=80):
     torch.manual_seed(0)
     module = build_heads(kind, model.config, num_heads=3, num_stages=3).double()
     states = target_features(model, seqs, progress=False,  # eagle3: its layers' states and the final-norm ones
-                             layers=feature_layers(kind, module, model.config.num_hidden_layers))
+                             layers=feature_layers(kind, getattr(module, "aux_layers", ()), model.config.num_hidden_layers))
     rng = random.Random(1)
 
     def loss_fn(step):
@@ -235,7 +235,7 @@ def test_heads_copy_gate_learns_to_copy_where_answers_repeat_the_prompt(tiny_mod
     train_seqs, held = [sequence() for _ in range(40)], [sequence() for _ in range(8)]
     random_heads(kind, tiny_model, tmp_path / "heads", num_heads=2, num_stages=2)
     module, head, _ = load_heads(tmp_path / "heads", _target_info(tiny_model), kind)
-    layers = feature_layers(kind, module, tiny_model.config.num_hidden_layers)
+    layers = feature_layers(kind, getattr(module, "aux_layers", ()), tiny_model.config.num_hidden_layers)
     states, held_states = (target_features(tiny_model, s, progress=False, layers=layers) for s in (train_seqs, held))
     embeddings = tiny_model.get_input_embeddings()
 
@@ -489,7 +489,7 @@ def test_eagle3_loss_weighs_unrolled_steps_and_keeps_to_the_draft_vocabulary(tin
     head = SharedHead(tiny_model.lm_head, 64, draft)
     seqs = [{"ids": torch.randint(1, 64, (n,)).tolist(), "prompt_len": 3} for n in (11, 8)]
     states = target_features(tiny_model, seqs, progress=False, dtype=torch.float64,
-                             layers=feature_layers("eagle3", module, tiny_model.config.num_hidden_layers))
+                             layers=feature_layers("eagle3", module.aux_layers, tiny_model.config.num_hidden_layers))
     ids, feats, valid, answer = padded_batch(seqs, states, torch.float64, "cpu")
     embed = tiny_model.get_input_embeddings()
     with torch.no_grad():

@@ -167,10 +167,10 @@ def eagle3_loss(module, head: SharedHead, embeddings, ids, feats, answer, soft: 
     return loss
 
 
-def feature_layers(kind: str, module, n_layers: int) -> tuple[int, ...] | None:
+def feature_layers(kind: str, aux_layers, n_layers: int) -> tuple[int, ...] | None:
     """The target states a kind trains on, as :func:`~.data.target_features`' ``layers``: None
-    (the last layer's) for all but EAGLE-3, whose are its three layers and the final-norm state."""
-    return (*module.aux_layers, n_layers) if kind == "eagle3" else None
+    (the last layer's) for all but EAGLE-3, whose are its ``aux_layers`` and the final-norm state."""
+    return (*(int(i) for i in aux_layers), n_layers) if kind == "eagle3" else None
 
 
 def train_heads(target, tokenizer, target_name: str, kind: str, prompt_files: Sequence[str], out_dir: str | Path,
@@ -215,10 +215,9 @@ def train_heads(target, tokenizer, target_name: str, kind: str, prompt_files: Se
                                            dtype=torch.float32, device=device)
         if hasattr(module, "copy_gate"):
             del module.copy_gate  # refitted below, for the heads as they end up
-        layers = feature_layers(kind, module, n_layers)
+        layers = feature_layers(kind, getattr(module, "aux_layers", ()), n_layers)
     else:
-        aux = head_config.get("aux_layers") or eagle3_default_layers(n_layers)
-        layers = (*(int(i) for i in aux), n_layers) if kind == "eagle3" else None
+        layers = feature_layers(kind, head_config.get("aux_layers") or eagle3_default_layers(n_layers), n_layers)
 
     texts = chat_sequences(tokenizer, load_examples(prompt_files, limit=num_texts, seed=seed)) if steps else []
     answers, answer_states = target_answers(target, tokenizer, prompt_files, work, num_prompts, self_prompts,
@@ -277,7 +276,7 @@ def train_heads(target, tokenizer, target_name: str, kind: str, prompt_files: Se
     for p in module.parameters():
         p.requires_grad_(False)
     if kind == "eagle3":  # from here on (copy gate, held-out check): its own norm and LM head, as its drafter's
-        head = SharedHead(module.lm_head, vocab, module.head_ids(), norm=module.norm, own_rows=True)
+        head = module.draft_head(vocab)
     gate_info = {}
     if copy_gate and gate_steps:
         source = heads_gate_source(kind, module, head, lambda t: embeddings(t).float())

@@ -227,10 +227,9 @@ def load_heads(path: str | Path, target: TargetInfo, kind: str, dtype: Any = Non
     dtype = dtype or target.dtype
     device = device or target.device
     module = module.to(dtype=dtype, device=device).eval()
-    if kind == "eagle3":
-        check_eagle3(module, target, path)
     if kind == "eagle3":  # its own norm and LM head, over its draft vocabulary
-        shared = SharedHead(module.lm_head, target.vocab_size, module.head_ids(), norm=module.norm, own_rows=True)
+        check_eagle3(module, target, path)
+        shared = module.draft_head(target.vocab_size)
     else:
         shared = SharedHead(target.lm_head, target.vocab_size, head_ids).to(dtype=dtype, device=device)
     return module, shared, meta

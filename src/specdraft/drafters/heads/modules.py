@@ -257,6 +257,11 @@ class Eagle3Draft(nn.Module):
         """Draft-vocabulary logits of the layer's outputs.  # [..., draft_vocab]"""
         return self.lm_head(self.norm(out))
 
+    def draft_head(self, vocab_size: int) -> SharedHead:
+        """Its own norm and LM head as a :class:`SharedHead` over the target's ``vocab_size``
+        tokens (what drafting, the copy gate and the held-out check read)."""
+        return SharedHead(self.lm_head, vocab_size, self.head_ids(), norm=self.norm, own_rows=True)
+
     def forward(self, features: torch.Tensor, embeds: torch.Tensor, position_ids: torch.Tensor,
                 attention_mask: torch.Tensor | None, past_key_values=None) -> torch.Tensor:
         """``features`` (fused ``g_t``, or the layer's own previous outputs) and ``embeds``
