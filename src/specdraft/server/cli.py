@@ -12,6 +12,7 @@ import importlib.util
 import ipaddress
 import math
 import os
+import signal
 import socket
 import sys
 
@@ -158,7 +159,7 @@ def _open_without_key(sock: socket.socket, api_key: str | None) -> str | None:
 
 def serve(args) -> int:
     """Load the decoder ``args`` describe and serve it until SIGTERM or Ctrl-C, which drain it
-    (:mod:`.process`): 0 after SIGTERM; Ctrl-C raises KeyboardInterrupt once the server has stopped."""
+    (:mod:`.process`): 0 after SIGTERM, 130 after Ctrl-C once the server has stopped."""
     _check_extra()
     from ..decoder import check_spec_length
     from ..plugins import get_registry
@@ -208,5 +209,7 @@ def serve(args) -> int:
         server.run(sockets=[sock])
     finally:
         sock.close()
-    return 0
+    # uvicorn raises a caught Ctrl-C again once stopped, but a process started with SIGINT ignored
+    # (a background job of a shell without job control) would swallow it and exit 0: say 130 here.
+    return 130 if signal.SIGINT in server._captured_signals else 0
 
