@@ -589,7 +589,7 @@ class EngineLoop:
         torch.set_num_threads(self._threads)
         while True:
             with self.wake:
-                if not self.engine.has_work() or (self._stopping and not self.engine.running):
+                if not self.engine.has_work() or (self._stopping and not self.engine.num_running):
                     self._thread = None  # under the lock: a submit from now on starts a new thread
                     return
             with self.step_lock:
