@@ -215,7 +215,8 @@ def format_runner(info: dict) -> str:
     dtype = info.get("dtype")
     reason = f" ({info['dtype_reason']})" if info.get("dtype_reason") else ""
     return (f"{info['implementation']} model code, {'compiled' if info['compiled'] else 'eager'}, "
-            f"{info['quantization'] or 'unquantized'} weights" + (f", {dtype}{reason}" if dtype else ""))
+            f"{info['quantization'] or 'unquantized'} weights" + (f", {dtype}{reason}" if dtype else "")
+            + (f", sharded over {info['tensor_parallel']} ranks" if info.get("tensor_parallel") else ""))
 
 
 def format_stats(stats, drafter: str, spec_length: int, runner: dict | None = None) -> str:
@@ -297,6 +298,7 @@ def _generate(args) -> int:
         target=args.target, drafter=args.drafter, spec_length=args.spec_length,
         drafter_options=dict(args.drafter_options), dtype=args.dtype, device=args.device,
         adaptive=not args.fixed_spec_length, compile=args.compile, quantize=args.quantize,
+        tensor_parallel=args.tensor_parallel,
     )
     _check_fits(prompt, "the prompt", decoder)
     if prediction is not None:
@@ -413,6 +415,7 @@ def _bench(args) -> int:
         max_new_tokens=args.max_new_tokens, temperature=args.temperature, peers=_split(args.peers),
         adaptive=not args.fixed_spec_length,
         drafter_options=options, gguf=_gguf_of(args.target), compile=args.compile, quantize=args.quantize,
+        tensor_parallel=args.tensor_parallel,
     )
     check_spec_length(settings.spec_length)
     check_generation_args(settings.max_new_tokens, {"temperature": settings.temperature}, None, None)
@@ -501,6 +504,10 @@ def _train_heads(args) -> int:
 def main(argv: Sequence[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     try:
+        if getattr(args, "tensor_parallel", 1) != 1:  # torchrun's ranks other than 0 follow rank 0, then end here
+            from .decoder import follow_if_worker
+
+            follow_if_worker(args.tensor_parallel, args.device)
         if args.command == "generate":
             return _generate(args)
         if args.command == "bench":

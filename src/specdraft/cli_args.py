@@ -49,6 +49,9 @@ def runner_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--quantize", choices=["int8", "int4"], default=None,
                    help="weight-only int8 (per channel) or int4 (per group of 32; CPU only) target: the quantized "
                         "model is the one decoded, exactly")
+    p.add_argument("--tensor-parallel", type=int, default=1, metavar="N",
+                   help="shard the target over N ranks (processes started here; gloo on CPU, NCCL on N GPUs; "
+                        "or torchrun's ranks): see docs/tensor-parallel.md (default: 1)")
 
 
 def structured_args(p: argparse.ArgumentParser) -> None:

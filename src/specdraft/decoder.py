@@ -162,6 +162,17 @@ def encode_prompt(tokenizer, prompt: str, raw: bool = False) -> list[int]:
     return tokenizer(prompt).input_ids
 
 
+def follow_if_worker(tensor_parallel, device=None) -> None:
+    """Under torchrun, a rank other than 0 asked for a sharded target: follow rank 0 (no model
+    loaded here: rank 0 hands out the shards), then end the process (SystemExit(0))."""
+    from .runner.tp import check_size, launched_rank, start
+
+    if check_size(tensor_parallel) > 1 and launched_rank() not in (None, 0):
+        from .models import resolve_device
+
+        start(tensor_parallel, resolve_device(device))
+
+
 def describe_target(model, tokenizer=None, target_name: str = "") -> TargetInfo:
     """What drafters are told about a loaded target model."""
     config = model.config.get_text_config()
@@ -209,12 +220,13 @@ class SpeculativeDecoder:
         max_batch: int = 8,
         max_waiting: int | None = None,
         prefill_chunk: int | None = None,
+        tensor_parallel: int = 1,
     ) -> None:
         from .drafters.api import Drafter
         from .engine import Engine, EngineLoop
         from .engine.engine import DEFAULT_PREFILL_CHUNK, release_openmp_workers
         from .plugins import get_registry
-        from .runner import default_compile, load_runner
+        from .runner import default_compile
         from .structured import Grammars
 
         check_spec_length(spec_length)
@@ -234,7 +246,7 @@ class SpeculativeDecoder:
         self.target = describe_target(model, tokenizer, target_name)
         if compile is None:
             compile = default_compile(self.target.device)
-        self.runner = load_runner(self.model, compile=compile, quantize=quantize)
+        self.runner = self._target_runner(compile, quantize, tensor_parallel)
         if isinstance(drafter, Drafter):
             if drafter_options:
                 raise ConfigError("drafter_options only apply when the drafter is given by name")
@@ -249,6 +261,22 @@ class SpeculativeDecoder:
         self._grammars = Grammars(tokenizer, self.target)  # response_format: compiled at first use, cached
         # this thread built the model (OpenMP workers of its own); a server submits from other threads
         release_openmp_workers()
+
+    def _target_runner(self, compile: bool, quantize: str | None, tensor_parallel: int):
+        """The target's runner: ours (or transformers' as a fallback), or sharded over ``tensor_parallel`` ranks."""
+        from .runner import load_runner
+        from .runner.tp import check_size
+
+        if check_size(tensor_parallel) == 1:
+            return load_runner(self.model, compile=compile, quantize=quantize)
+        from .runner.runner import check_quantize
+        from .runner.tp import start
+
+        if compile:
+            raise ConfigError("compile=True with tensor_parallel > 1 is not supported yet: sharded passes run "
+                              "eagerly (docs/tensor-parallel.md); drop --compile")
+        check_quantize(quantize, self.target.device)
+        return start(tensor_parallel, self.target.device).runner(self.model, quantize)
 
     @classmethod
     def from_pretrained(
@@ -266,6 +294,7 @@ class SpeculativeDecoder:
         max_batch: int = 8,
         max_waiting: int | None = None,
         prefill_chunk: int | None = None,
+        tensor_parallel: int = 1,
     ) -> "SpeculativeDecoder":
         """Load ``target`` (None = SmolLM2-135M-Instruct, offline; else hub id, folder or .gguf).
 
@@ -284,15 +313,19 @@ class SpeculativeDecoder:
         wait (QueueFull beyond; None: no limit). ``prefill_chunk``: prompt tokens per prefill pass;
         while others decode, a step prefills at most this many, so a long prompt joining delays
         the running requests' next round by one such pass (None: 256; 0: each prompt in one pass).
-        """
-        from .models import load_target
 
-        from .models import default_dtype, resolve_device
+        ``tensor_parallel``: shard the target over this many ranks (processes started here, gloo
+        on CPU, NCCL on GPUs ``device``, ``device + 1``, ...; or torchrun's, where ranks other
+        than 0 follow rank 0 from this call and then exit): see docs/tensor-parallel.md.
+        """
+        from .models import default_dtype, load_target, resolve_device
+
+        follow_if_worker(tensor_parallel, device)
 
         model, tokenizer, name = load_target(target, dtype=dtype, device=device)
         decoder = cls(model, tokenizer, drafter, spec_length, drafter_options, adaptive=adaptive, target_name=name,
                       compile=compile, quantize=quantize, max_batch=max_batch, max_waiting=max_waiting,
-                      prefill_chunk=prefill_chunk)
+                      prefill_chunk=prefill_chunk, tensor_parallel=tensor_parallel)
         decoder.dtype_reason = "asked for" if dtype is not None else default_dtype(resolve_device(device))[1]
         return decoder
 
@@ -328,6 +361,9 @@ class SpeculativeDecoder:
     def close(self) -> None:
         """Stop every request and the engine's thread (a later call raises)."""
         self._loop.stop()
+        close = getattr(self.runner, "close", None)  # a sharded target's runner on the other ranks
+        if close is not None:
+            close()
 
     def __enter__(self) -> "SpeculativeDecoder":
         return self

@@ -37,6 +37,7 @@ class BenchSettings:
     #: how specdraft runs the target (every specdraft method alike): see SpeculativeDecoder
     compile: bool | None = None
     quantize: str | None = None
+    tensor_parallel: int = 1
 
 
 def split_method(entry: str) -> tuple[str, str]:
@@ -140,7 +141,7 @@ class _Methods:
         from ..decoder import SpeculativeDecoder
 
         self.model, self.tokenizer, self.settings = model, tokenizer, settings
-        runner = dict(compile=settings.compile, quantize=settings.quantize)
+        runner = dict(compile=settings.compile, quantize=settings.quantize, tensor_parallel=settings.tensor_parallel)
         self.decoders = {PLAIN: SpeculativeDecoder(model, tokenizer, drafter="none", spec_length=settings.spec_length,
                                                    **runner)}
         for entry in settings.drafters:

@@ -322,6 +322,8 @@ def start_server(args, label: str, drafter: str, options: dict[str, str], log_pa
             command += [f"--{flag}", str(getattr(args, flag))]
     if args.compile is not None:
         command.append("--compile" if args.compile else "--no-compile")
+    if args.tensor_parallel != 1:
+        command += ["--tensor-parallel", str(args.tensor_parallel)]
     log = open(log_path, "w")
     proc = subprocess.Popen(command, stdout=subprocess.PIPE, stderr=log, text=True,
                             env={**os.environ, "PYTHONUNBUFFERED": "1"})
@@ -385,7 +387,8 @@ def fixed_batch_comparison(args, questions: list[dict], methods: dict[str, str],
     for label, drafter in methods.items():
         decoder = SpeculativeDecoder(model, tokenizer, drafter=drafter, spec_length=args.spec_length,
                                      drafter_options=options.get(label), compile=args.compile,
-                                     quantize=args.quantize, max_batch=args.max_batch)
+                                     quantize=args.quantize, max_batch=args.max_batch,
+                                     tensor_parallel=args.tensor_parallel)
         jobs = [(decoder.encode(q["prompt"]), limit) for q, limit in zip(chosen, limits)]
         modes = {"waves": lambda: [r for i in range(0, len(jobs), args.max_batch)
                                    for r in _together(decoder, jobs[i:i + args.max_batch])],

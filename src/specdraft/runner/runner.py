@@ -314,11 +314,7 @@ def load_runner(hf_model, compile: bool = False, quantize: str | None = None):
     """
     from ..errors import ConfigError
 
-    if quantize not in QUANTIZATIONS:
-        raise ConfigError(f"quantize must be one of {', '.join(map(repr, QUANTIZATIONS))} (got {quantize!r})")
-    if quantize == "int4" and torch.device(hf_model.device).type != "cpu":
-        raise ConfigError("quantize='int4' runs on CPU only (torch's int4 kernel here is the CPU one); "
-                          "use quantize='int8' on a GPU")
+    check_quantize(quantize, hf_model.device)
     # reuse a conversion only while the source weights are the very same, unchanged tensors
     state = tuple((p.data_ptr(), _version(p)) for p in hf_model.parameters())
     converted = _CONVERTED.get(hf_model)
@@ -335,6 +331,24 @@ def load_runner(hf_model, compile: bool = False, quantize: str | None = None):
         from .hf import TransformersRunner
 
         return TransformersRunner(hf_model, reason)
+    converted[quantize] = finish_model(model, quantize)
+    return ModelRunner(model, compile=compile, quantization=quantize)
+
+
+def check_quantize(quantize: str | None, device) -> None:
+    """ConfigError unless ``quantize`` is one of :data:`QUANTIZATIONS` and runs on ``device``."""
+    from ..errors import ConfigError
+
+    if quantize not in QUANTIZATIONS:
+        raise ConfigError(f"quantize must be one of {', '.join(map(repr, QUANTIZATIONS))} (got {quantize!r})")
+    if quantize == "int4" and torch.device(device).type != "cpu":
+        raise ConfigError("quantize='int4' runs on CPU only (torch's int4 kernel here is the CPU one); "
+                          "use quantize='int8' on a GPU")
+
+
+def finish_model(model: SpecdraftModel, quantize: str | None) -> SpecdraftModel:
+    """``model`` (converted, or one rank's shard of it) quantized as :func:`load_runner` says and its
+    float linear layers packed (:mod:`.kernels`), in place."""
     if quantize is not None:
         from .quantize import quantize_int4, quantize_int8
 
@@ -347,5 +361,4 @@ def load_runner(hf_model, compile: bool = False, quantize: str | None = None):
         else:
             quantize_int4(model, group_size=32)  # float64 inputs take the dequantized weights in float64
     model.kernels = pack_linears(model)  # float linears that are left: oneDNN, row-invariant (see .kernels)
-    converted[quantize] = model
-    return ModelRunner(model, compile=compile, quantization=quantize)
+    return model

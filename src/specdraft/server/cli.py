@@ -186,6 +186,7 @@ def serve(args) -> int:
             drafter_options=dict(args.drafter_options), dtype=args.dtype, device=args.device,
             adaptive=not args.fixed_spec_length, compile=args.compile, quantize=args.quantize,
             max_batch=args.max_batch, max_waiting=args.max_waiting, prefill_chunk=args.chunked_prefill_size,
+            tensor_parallel=args.tensor_parallel,
         )
         import uvicorn
 
