@@ -1,0 +1,148 @@
+"""Checks of a target sharded over 2 ranks (gloo on 127.0.0.1), run in a process of their own.
+
+    python -m specdraft.testing.tensor_parallel results.json [--default-model]
+
+A tensor-parallel group is one per process and its ranks are processes, so the tests run these
+checks once in a fresh interpreter and read the JSON it writes (tests/runner/test_tensor_parallel.py):
+
+* ``logits``: per tiny architecture, the largest difference between the sharded and the
+  unsharded target's logits (float64) over a ragged prefill and a 3-token pass;
+* ``refused``: the one line for more ranks than KV heads (qwen3's tiny model has one);
+* ``greedy``: per drafter (prompt-lookup, draft-model, eagle chain and tree), whether greedy
+  speculative output equals plain decoding of the same sharded target, and transformers'
+  plain greedy of the unsharded one, on a ragged batch (float64);
+* ``sampled``: the chi-square p-value of a sampling draft-model's first K + 1 tokens against the
+  target's exact distribution (:func:`~specdraft.testing.stats.sampled_joint_pvalue`);
+* ``default_logits`` (with ``--default-model``): the same difference on SmolLM2-135M-Instruct.
+"""
+
+from __future__ import annotations
+
+import json
+import sys
+import tempfile
+from pathlib import Path
+
+TP = 2
+
+
+def logits_difference(hf, group) -> float:
+    """Largest |sharded - unsharded| logit over a ragged prefill of 2 rows then a 3-token pass."""
+    import torch
+
+    from ..runner import load_runner
+
+    vocab = hf.config.vocab_size
+    gen = torch.Generator().manual_seed(0)
+    prefill, step = torch.randint(0, vocab, (2, 7), generator=gen), torch.randint(0, vocab, (2, 3), generator=gen)
+    outs = []
+    for runner in (load_runner(hf), group.runner(hf)):
+        runner.cache.reset(2, 64)
+        with torch.inference_mode():
+            first = runner.forward(prefill, advance=torch.tensor([7, 5]))[0]
+            second = runner.forward(step)[0]
+        outs.append(torch.cat([first, second], dim=1))
+        if hasattr(runner, "close"):
+            runner.close()
+    return float((outs[0] - outs[1]).abs().max())
+
+
+def architectures(group) -> tuple[dict[str, float], str]:
+    from ..errors import ConfigError
+    from .architectures import KINDS, tiny_hf
+
+    diffs, refused = {}, ""
+    for kind in KINDS:
+        hf = tiny_hf(kind)
+        if hf.config.num_key_value_heads < TP:
+            try:
+                group.runner(hf)
+            except ConfigError as exc:
+                refused = str(exc)
+            continue
+        diffs[kind] = logits_difference(hf, group)
+    return diffs, refused
+
+
+def greedy(work: Path) -> dict[str, dict]:
+    from ..decoder import SpeculativeDecoder
+    from .models import random_heads, repetitive_prompts, tiny_llama
+    from .reference import plain_greedy
+
+    target = tiny_llama(vocab_size=64, seed=0)
+    tiny_llama(vocab_size=64, seed=7, layers=1).save_pretrained(work / "draft")
+    heads = random_heads("eagle", target, work / "eagle")
+    prompts = repetitive_prompts(64, seed=0)[:3]
+    new = 24
+    reference = [plain_greedy(target, p, new) for p in prompts]
+    plain = SpeculativeDecoder(target, None, drafter="none", max_batch=4, tensor_parallel=TP)
+    expected = [r.token_ids for r in plain.generate_ids(prompts, max_new_tokens=new)]
+    methods = {
+        "prompt-lookup": ("prompt-lookup", {}),
+        "draft-model": ("draft-model", {"model": str(work / "draft"), "dtype": "float64", "min_confidence": 0.0}),
+        "eagle": ("eagle", {"heads": str(heads), "min_confidence": 0.0}),
+        "eagle-tree": ("eagle", {"heads": str(heads), "min_confidence": 0.0, "tree_budget": 6}),
+    }
+    out = {"plain equals unsharded transformers": expected == reference}
+    for label, (drafter, options) in methods.items():
+        dec = SpeculativeDecoder(target, None, drafter=drafter, drafter_options=options, spec_length=3,
+                                 adaptive=False, max_batch=4, tensor_parallel=TP)
+        results = dec.generate_ids(prompts, max_new_tokens=new)
+        out[label] = {"equal": [r.token_ids for r in results] == expected,
+                      "accepted": sum(r.stats.accepted_tokens for r in results),
+                      "drafted": sum(r.stats.drafted_tokens for r in results)}
+        dec.close()
+    plain.close()
+    return out
+
+
+def sampled(work: Path) -> dict:
+    import torch
+
+    from ..decoder import SpeculativeDecoder
+    from .. import SamplingParams
+    from .models import tiny_llama
+    from .stats import sampled_joint_pvalue
+
+    target = tiny_llama(vocab_size=16, seed=1)
+    with torch.no_grad():  # sharper than random, as the other sampled tests' target
+        target.lm_head.weight.mul_(8.0)
+    tiny_llama(vocab_size=16, seed=5, layers=1).save_pretrained(work / "draft16")
+    dec = SpeculativeDecoder(target, None, drafter="draft-model", spec_length=3, adaptive=False, max_batch=512,
+                             drafter_options={"model": str(work / "draft16"), "dtype": "float64",
+                                              "min_confidence": 0.0}, tensor_parallel=TP)
+    pvalue, results = sampled_joint_pvalue(dec, [3, 5, 3, 5, 3], SamplingParams(temperature=1.0), seed=0)
+    dec.close()
+    return {"pvalue": pvalue, "samples": len(results), "accepted": sum(r.stats.accepted_tokens for r in results)}
+
+
+def default_model(group) -> float:
+    import torch
+
+    from ..models import load_target
+
+    model, _, _ = load_target(None, dtype=torch.float64, device="cpu")
+    return logits_difference(model, group)
+
+
+def main(argv: list[str]) -> int:
+    import torch
+
+    from ..runner.tp import start
+
+    torch.set_num_threads(1)
+    group = start(TP, "cpu")
+    results: dict = {}
+    results["logits"], results["refused"] = architectures(group)
+    with tempfile.TemporaryDirectory() as tmp:
+        results["greedy"] = greedy(Path(tmp))
+        results["sampled"] = sampled(Path(tmp))
+    if "--default-model" in argv:
+        results["default_logits"] = default_model(group)
+    Path(argv[0]).write_text(json.dumps(results, indent=1))
+    group.stop()
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main(sys.argv[1:]))

@@ -1,0 +1,104 @@
+"""The target sharded over 2 ranks (gloo, processes on 127.0.0.1), as users run it: the checks of
+:mod:`specdraft.testing.tensor_parallel` in a fresh process (tiny models of every architecture and
+the default model), ``specdraft generate --tensor-parallel 2``, and a rank killed mid-generation."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+from specdraft import SpeculativeDecoder
+from specdraft.testing import SIGNIFICANCE
+
+DAYS = "List the days of the week, then list them again."
+NEW = 32
+
+
+def command(*args):
+    script = Path(sys.executable).with_name("specdraft")
+    return [str(script)] if script.exists() else [sys.executable, "-m", "specdraft.cli"], list(args)
+
+
+@pytest.fixture(scope="module")
+def checks(tmp_path_factory):
+    out = tmp_path_factory.mktemp("tp") / "results.json"
+    run = subprocess.run([sys.executable, "-m", "specdraft.testing.tensor_parallel", str(out), "--default-model"],
+                         capture_output=True, text=True, timeout=600)
+    assert run.returncode == 0, run.stderr[-3000:]
+    return json.loads(out.read_text())
+
+
+def test_sharded_logits_equal_unsharded_ones_in_float64(checks):
+    """Every tiny architecture that has a KV head per rank, and the default model (3 KV heads: 2 + 1)."""
+    assert set(checks["logits"]) == {"llama", "llama3-tied", "mistral-window", "qwen2-tied"}
+    for kind, diff in checks["logits"].items():
+        assert diff < 1e-9, kind
+    assert checks["default_logits"] < 1e-9
+    assert "more ranks than this model's 1 KV heads" in checks["refused"]  # qwen3's tiny model
+
+
+def test_greedy_speculation_on_a_sharded_target_equals_its_plain_decoding(checks):
+    greedy = checks["greedy"]
+    assert greedy.pop("plain equals unsharded transformers")
+    assert set(greedy) == {"prompt-lookup", "draft-model", "eagle", "eagle-tree"}
+    for label, result in greedy.items():
+        assert result["equal"], label
+        assert result["drafted"] > 0, label
+    assert greedy["prompt-lookup"]["accepted"] > 0  # drafts were verified and kept, not just proposed
+
+
+def test_sampled_speculation_on_a_sharded_target_follows_its_distribution(checks):
+    sampled = checks["sampled"]
+    assert sampled["pvalue"] > SIGNIFICANCE
+    assert sampled["accepted"] > sampled["samples"] // 10
+
+
+def test_generate_tensor_parallel_2_prints_plain_decodings_text(default_f64):
+    model, tokenizer = default_f64
+    with SpeculativeDecoder(model, tokenizer, drafter="none") as dec:
+        plain = dec.generate(DAYS, max_new_tokens=NEW)[0].text
+    cmd, args = command("generate", "--tensor-parallel", "2", "--drafter", "prompt-lookup", "--dtype", "float64",
+                        "--max-new-tokens", str(NEW), DAYS)
+    out = subprocess.run([*cmd, *args], capture_output=True, text=True, timeout=300)
+    assert out.returncode == 0, out.stderr
+    assert out.stdout == plain + "\n" and "Monday" in out.stdout
+
+
+def _ranks(pid: int) -> list[int]:
+    """Processes started by ``pid`` (its tensor-parallel ranks)."""
+    children = Path(f"/proc/{pid}/task/{pid}/children")
+    return [int(c) for c in children.read_text().split()] if children.exists() else []
+
+
+def test_a_rank_killed_mid_generation_ends_the_command_with_one_line():
+    cmd, args = command("generate", "--tensor-parallel", "2", "--drafter", "prompt-lookup", "--ignore-eos", "--stream",
+                        "--max-new-tokens", "4000", "Write a long story about a lighthouse.")
+    proc = subprocess.Popen([*cmd, *args], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                            env={**os.environ, "PYTHONUNBUFFERED": "1"})
+    try:
+        first = proc.stdout.read(1)  # text is being generated: every rank is in the loop
+        assert first, proc.stderr.read()
+        ranks = _ranks(proc.pid)
+        assert len(ranks) == 1
+        os.kill(ranks[0], signal.SIGKILL)
+        code = proc.wait(timeout=60)
+        err = proc.stderr.read()
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+    assert code == 1
+    assert err.strip().splitlines() == [f"specdraft: error: tensor-parallel rank 1 exited (status -9); "
+                                        "ending the other ranks"]
+    deadline = time.monotonic() + 10
+    while any(Path(f"/proc/{r}").exists() and "Z" not in Path(f"/proc/{r}/stat").read_text().split()[2]
+              for r in ranks) and time.monotonic() < deadline:
+        time.sleep(0.2)
+    assert not [r for r in ranks if Path(f"/proc/{r}").exists()
+                and Path(f"/proc/{r}/stat").read_text().split()[2] != "Z"]
