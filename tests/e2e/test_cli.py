@@ -9,12 +9,11 @@ settings, which fail before any model loads, are in ``tests/test_cli_inputs.py``
 from __future__ import annotations
 
 import subprocess
-import sys
-from pathlib import Path
 
 import pytest
 
 from specdraft import SpeculativeDecoder
+from specdraft.testing import commands
 
 pytestmark = pytest.mark.e2e
 
@@ -24,9 +23,7 @@ NEW = 32
 
 def specdraft_command(*args):
     """``specdraft ARGS`` in a fresh process: the installed script, else ``python -m specdraft.cli``."""
-    script = Path(sys.executable).with_name("specdraft")
-    command = [str(script)] if script.exists() else [sys.executable, "-m", "specdraft.cli"]
-    return subprocess.run([*command, *args], capture_output=True, text=True, timeout=300)
+    return subprocess.run([*commands.specdraft_command(), *args], capture_output=True, text=True, timeout=300)
 
 
 @pytest.fixture(scope="module")

@@ -13,9 +13,7 @@ import os
 import queue
 import signal
 import subprocess
-import sys
 import threading
-from pathlib import Path
 
 import httpx
 import openai
@@ -24,6 +22,7 @@ import pytest
 import specdraft
 from specdraft import SpeculativeDecoder
 from specdraft.server import create_app
+from specdraft.testing.commands import specdraft_command
 from specdraft.types import Draft
 
 pytestmark = [pytest.mark.server, pytest.mark.e2e]
@@ -309,8 +308,7 @@ def test_a_failing_drafter_is_500_naming_it_and_the_server_goes_on(decoder, mode
 
 def test_specdraft_serve_out_of_the_box(tmp_path):
     """The real command: loads the default model, prints its ready line, answers, stops on Ctrl-C."""
-    script = Path(sys.executable).with_name("specdraft")
-    command = [str(script)] if script.exists() else [sys.executable, "-m", "specdraft.cli"]
+    command = specdraft_command()
     log = (tmp_path / "stderr.txt").open("w")
     proc = subprocess.Popen([*command, "serve", "--drafter", "prompt-lookup", "--port", "0", "--max-batch", "2"],
                             stdout=subprocess.PIPE, stderr=log, text=True, env={**os.environ, "PYTHONUNBUFFERED": "1"})
@@ -341,8 +339,7 @@ def test_specdraft_serve_out_of_the_box(tmp_path):
 def start_serve(tmp_path, *args):
     """``specdraft serve --port 0 ARGS`` in a fresh process, once its ready line is out:
     ``(process, base URL, stderr file)``."""
-    script = Path(sys.executable).with_name("specdraft")
-    command = [str(script)] if script.exists() else [sys.executable, "-m", "specdraft.cli"]
+    command = specdraft_command()
     err = tmp_path / "stderr.txt"
     proc = subprocess.Popen([*command, "serve", "--drafter", "prompt-lookup", "--port", "0", *args],
                             stdout=subprocess.PIPE, stderr=err.open("w"), text=True,

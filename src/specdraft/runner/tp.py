@@ -151,30 +151,20 @@ def build_shard(args: ModelArgs, rank: int, world: int, state: dict[str, torch.T
     return finish_model(model, quantize)
 
 
-def _host(obj):
-    """``obj`` with its tensors on the CPU (what crosses to the other ranks)."""
+def _tensors(obj, fn):
+    """``obj`` (a pass's arguments: tensors in tuples, lists and dicts) with ``fn`` applied to its tensors."""
     if isinstance(obj, torch.Tensor):
-        return obj.cpu()
+        return fn(obj)
     if isinstance(obj, (list, tuple)):
-        return type(obj)(_host(x) for x in obj)
+        return type(obj)(_tensors(x, fn) for x in obj)
     if isinstance(obj, dict):
-        return {k: _host(v) for k, v in obj.items()}
-    return obj
-
-
-def _on(obj, device):
-    if isinstance(obj, torch.Tensor):
-        return obj.to(device)
-    if isinstance(obj, (list, tuple)):
-        return type(obj)(_on(x, device) for x in obj)
-    if isinstance(obj, dict):
-        return {k: _on(v, device) for k, v in obj.items()}
+        return {k: _tensors(v, fn) for k, v in obj.items()}
     return obj
 
 
 def _broadcast(msg=None):
     """Rank 0 sends ``msg`` to every rank; the others return what it sent."""
-    box = [_host(msg)]
+    box = [_tensors(msg, torch.Tensor.cpu)]  # what crosses to the other ranks lives on the CPU
     dist.broadcast_object_list(box, src=0)
     return box[0]
 
@@ -436,7 +426,7 @@ def follow(device: torch.device) -> None:
             kind = msg[0]
             if kind == "call":
                 _, key, what, args, kwargs = msg
-                _call(runners[key], what, _on(args, device), _on(kwargs, device))
+                _call(runners[key], what, *_tensors((args, kwargs), lambda t: t.to(device)))
             elif kind == "model":
                 _, key, args, quantize = msg
                 box = [None]
