@@ -248,14 +248,19 @@ def test_a_greedy_request_does_not_depend_on_who_joins_with_it_in_bfloat16():
     assert together == alone
 
 
-def test_end_requests_ends_the_waiting_and_then_the_running(tiny_model):
+def test_end_requests_ends_the_waiting_and_then_the_running():
     """What a server's shutdown does: waiting requests end at once with the error, running ones
     only when asked, and an answer already complete stays complete."""
-    dec = SpeculativeDecoder(tiny_model, None, drafter="ngram", spec_length=3, max_batch=1)
+    # The engine steps on its own thread while this one goes on, so the running request must not
+    # be able to finish (and free its slot for the waiting one) before end_requests: 8,000 tokens
+    # take thousands of steps, where 200 once finished while a busy CI machine held this thread.
+    dec = SpeculativeDecoder(tiny_llama(vocab_size=64, seed=0, max_positions=8192), None, drafter="ngram",
+                             spec_length=3, max_batch=1)
     prompts = repetitive_prompts(64)
     done = dec.generate_ids([prompts[0]], max_new_tokens=4)[0]
-    running = dec.stream_ids(prompts[1], max_new_tokens=200)
+    running = dec.stream_ids(prompts[1], max_new_tokens=8000)
     next(running)  # it holds the one slot
+    assert (dec.num_running, dec.num_waiting) == (1, 0)
     waiting = dec.stream_ids(prompts[2], max_new_tokens=5)
     assert dec.end_requests(RuntimeError("shutting down"), running=False) == 1
     with pytest.raises(RuntimeError, match="shutting down"):
