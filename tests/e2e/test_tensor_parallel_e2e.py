@@ -1,6 +1,7 @@
 """The target sharded over 2 ranks (gloo, processes on 127.0.0.1), as users run it: the checks of
 :mod:`specdraft.testing.tensor_parallel` in a fresh process (tiny models of every architecture and
-the default model), ``specdraft generate --tensor-parallel 2``, and a rank killed mid-generation."""
+the default model), ``specdraft generate --tensor-parallel 2``, ``specdraft serve --tensor-parallel 2``
+over HTTP, and a rank killed mid-generation."""
 
 from __future__ import annotations
 
@@ -11,11 +12,13 @@ import subprocess
 import sys
 from pathlib import Path
 
+import httpx
+import openai
 import pytest
 
 from specdraft import SpeculativeDecoder
 from specdraft.testing import SIGNIFICANCE
-from specdraft.testing.commands import specdraft_command
+from specdraft.testing.commands import specdraft_command, start_serve, stop_with_ctrl_c
 
 DAYS = "List the days of the week, then list them again."
 NEW = 32
@@ -60,15 +63,39 @@ def test_sampled_speculation_on_a_sharded_target_follows_its_distribution(checks
     assert sampled["accepted"] > sampled["samples"] // 10
 
 
-def test_generate_tensor_parallel_2_prints_plain_decodings_text(default_f64):
+@pytest.fixture(scope="module")
+def plain(default_f64):
+    """Plain decoding of DAYS (as the user's message) on the unsharded default model, float64."""
     model, tokenizer = default_f64
     with SpeculativeDecoder(model, tokenizer, drafter="none") as dec:
-        plain = dec.generate(DAYS, max_new_tokens=NEW)[0].text
+        return dec.generate(DAYS, max_new_tokens=NEW)[0]
+
+
+def test_generate_tensor_parallel_2_prints_plain_decodings_text(plain):
     out = subprocess.run([*specdraft_command(), "generate", "--tensor-parallel", "2", "--drafter", "prompt-lookup",
                           "--dtype", "float64", "--max-new-tokens", str(NEW), DAYS],
                          capture_output=True, text=True, timeout=300)
     assert out.returncode == 0, out.stderr
-    assert out.stdout == plain + "\n" and "Monday" in out.stdout
+    assert out.stdout == plain.text + "\n" and "Monday" in out.stdout
+
+
+def test_serve_tensor_parallel_2_answers_as_plain_decoding_and_ctrl_c_ends_every_rank(tmp_path, plain):
+    """``specdraft serve --tensor-parallel 2`` through the openai client over HTTP: a greedy chat
+    completion equals plain decoding, and Ctrl-C ends the server and its rank."""
+    served = start_serve(tmp_path, "--drafter", "prompt-lookup", "--tensor-parallel", "2", "--dtype", "float64")
+    try:
+        ranks = _ranks(served.proc.pid)
+        assert len(ranks) == 1
+        name = httpx.get(f"{served.base}/v1/models", timeout=30).json()["data"][0]["id"]
+        client = openai.OpenAI(base_url=f"{served.base}/v1", api_key="x", max_retries=0, timeout=120)
+        r = client.chat.completions.create(model=name, messages=[{"role": "user", "content": DAYS}], max_tokens=NEW,
+                                           temperature=0)
+    finally:
+        code = stop_with_ctrl_c(served.proc)
+    assert r.choices[0].message.content == plain.text and r.usage.completion_tokens == len(plain.token_ids)
+    assert code == 130
+    assert "Traceback" not in served.stderr.read_text()
+    assert not [rank for rank in ranks if _running(rank)]
 
 
 def _ranks(pid: int) -> list[int]:

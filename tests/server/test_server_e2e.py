@@ -9,10 +9,7 @@ its status and a one-line message; and ``specdraft serve`` itself answers out of
 from __future__ import annotations
 
 import json
-import os
-import queue
 import signal
-import subprocess
 import threading
 
 import httpx
@@ -22,7 +19,7 @@ import pytest
 import specdraft
 from specdraft import SpeculativeDecoder
 from specdraft.server import create_app
-from specdraft.testing.commands import specdraft_command
+from specdraft.testing.commands import start_serve, stop_with_ctrl_c
 from specdraft.types import Draft
 
 pytestmark = [pytest.mark.server, pytest.mark.e2e]
@@ -308,50 +305,17 @@ def test_a_failing_drafter_is_500_naming_it_and_the_server_goes_on(decoder, mode
 
 def test_specdraft_serve_out_of_the_box(tmp_path):
     """The real command: loads the default model, prints its ready line, answers, stops on Ctrl-C."""
-    command = specdraft_command()
-    log = (tmp_path / "stderr.txt").open("w")
-    proc = subprocess.Popen([*command, "serve", "--drafter", "prompt-lookup", "--port", "0", "--max-batch", "2"],
-                            stdout=subprocess.PIPE, stderr=log, text=True, env={**os.environ, "PYTHONUNBUFFERED": "1"})
-    lines: queue.Queue = queue.Queue()
-    threading.Thread(target=lambda: [lines.put(line) for line in proc.stdout], daemon=True).start()
+    served = start_serve(tmp_path, "--drafter", "prompt-lookup", "--max-batch", "2")
     try:
-        try:
-            ready = lines.get(timeout=180)
-        except queue.Empty:
-            pytest.fail(f"no ready line; stderr: {(tmp_path / 'stderr.txt').read_text()[-2000:]}")
-        assert ready.startswith("specdraft: serving ") and " with drafter prompt-lookup on http://127.0.0.1:" in ready
-        base = ready.rsplit(" ", 1)[1].strip()
-        models = httpx.get(f"{base}/v1/models", timeout=30).json()["data"]
-        client = openai.OpenAI(base_url=f"{base}/v1", api_key="x", max_retries=0, timeout=120)
+        assert served.ready.startswith("specdraft: serving ") and " with drafter prompt-lookup on http://127.0.0.1:" in served.ready
+        models = httpx.get(f"{served.base}/v1/models", timeout=30).json()["data"]
+        client = openai.OpenAI(base_url=f"{served.base}/v1", api_key="x", max_retries=0, timeout=120)
         r = client.completions.create(model=models[0]["id"], prompt=PROMPTS[0], max_tokens=8, temperature=0)
         assert r.usage.completion_tokens == 8 and r.choices[0].text
     finally:
-        proc.send_signal(signal.SIGINT)  # Ctrl-C: uvicorn shuts down, then the CLI exits 130 as for generate
-        try:
-            assert proc.wait(timeout=30) == 130
-        finally:
-            if proc.poll() is None:
-                proc.kill()
-            log.close()
-    assert "Traceback" not in (tmp_path / "stderr.txt").read_text()
-
-
-def start_serve(tmp_path, *args):
-    """``specdraft serve --port 0 ARGS`` in a fresh process, once its ready line is out:
-    ``(process, base URL, stderr file)``."""
-    command = specdraft_command()
-    err = tmp_path / "stderr.txt"
-    proc = subprocess.Popen([*command, "serve", "--drafter", "prompt-lookup", "--port", "0", *args],
-                            stdout=subprocess.PIPE, stderr=err.open("w"), text=True,
-                            env={**os.environ, "PYTHONUNBUFFERED": "1"})
-    lines: queue.Queue = queue.Queue()
-    threading.Thread(target=lambda: [lines.put(line) for line in proc.stdout], daemon=True).start()
-    try:
-        ready = lines.get(timeout=180)
-    except queue.Empty:
-        proc.kill()
-        pytest.fail(f"no ready line; stderr: {err.read_text()[-2000:]}")
-    return proc, ready.rsplit(" ", 1)[1].strip(), err
+        code = stop_with_ctrl_c(served.proc)  # uvicorn shuts down, then the CLI exits 130 as for generate
+    assert code == 130
+    assert "Traceback" not in served.stderr.read_text()
 
 
 def gauge(base: str, name: str) -> float:
@@ -364,7 +328,8 @@ def test_sigterm_drains_every_request_cleanly(tmp_path, wait_for):
     error event with code server_shutting_down, then [DONE]; otherwise a 503 naming the code), a
     running one finishes within the drain time, new requests and /health get 503, a second
     SIGTERM ends the rest the same way, and the process exits 0 without a traceback."""
-    proc, base, err = start_serve(tmp_path, "--max-batch", "3", "--max-waiting", "8", "--drain-timeout", "120")
+    proc, _, base, err = start_serve(tmp_path, "--drafter", "prompt-lookup", "--max-batch", "3", "--max-waiting", "8",
+                                     "--drain-timeout", "120")
     results: dict[str, tuple[int, list]] = {}
     started = {name: threading.Event() for name in ("long1", "long2", "medium")}
 
