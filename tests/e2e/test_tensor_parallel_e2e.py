@@ -57,8 +57,11 @@ def test_greedy_speculation_on_the_sharded_default_model_in_bfloat16_equals_its_
     assert checks["default"]["bf16 accepted"] > 0
 
 
-def test_sampled_speculation_on_a_sharded_target_follows_its_distribution(checks):
-    sampled = checks["sampled"]
+@pytest.mark.parametrize("key", ["sampled", "sampled bf16"])
+def test_sampled_speculation_on_a_sharded_target_follows_its_distribution(checks, key):
+    """float64 and bfloat16, against the sharded target's distribution enumerated from its own
+    logits (in bfloat16 the all-reduce rounds differently from an unsharded target)."""
+    sampled = checks[key]
     assert sampled["pvalue"] > SIGNIFICANCE
     assert sampled["accepted"] > sampled["samples"] // 10
 

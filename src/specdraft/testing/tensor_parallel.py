@@ -11,8 +11,9 @@ checks once in a fresh interpreter and read the JSON it writes (tests/runner/tes
 * ``greedy``: per drafter (prompt-lookup, draft-model, eagle chain and tree), whether greedy
   speculative output equals plain decoding of the same sharded target, and transformers'
   plain greedy of the unsharded one, on a ragged batch (float64);
-* ``sampled``: the chi-square p-value of a sampling draft-model's first K + 1 tokens against the
-  target's exact distribution (:func:`~specdraft.testing.stats.sampled_joint_pvalue`);
+* ``sampled`` / ``sampled bf16``: the chi-square p-value of a sampling draft-model's first K + 1
+  tokens against the sharded target's exact distribution, enumerated from its own logits
+  (:func:`~specdraft.testing.stats.sampled_joint_pvalue`), float64 / bfloat16;
 * ``default`` (with ``--default-model``): the same difference on SmolLM2-135M-Instruct, and
   whether greedy prompt-lookup equals plain decoding of the sharded model in bfloat16.
 """
@@ -97,22 +98,50 @@ def greedy(work: Path) -> dict[str, dict]:
     return out
 
 
-def sampled(work: Path) -> dict:
+class _ShardedModel:
+    """A sharded runner called as a transformers model (``model(ids).logits``), so the exact
+    reference is enumerated from the sharded target's own rounding."""
+
+    def __init__(self, hf, group):
+        self.hf, self.runner, self.device = hf, group.runner(hf), hf.device
+
+    def get_output_embeddings(self):
+        return self.hf.get_output_embeddings()
+
+    def __call__(self, ids):
+        import types
+
+        import torch
+
+        self.runner.cache.reset(ids.shape[0], ids.shape[1] + 1)
+        with torch.inference_mode():
+            return types.SimpleNamespace(logits=self.runner.forward(ids)[0])
+
+
+def sampled(work: Path, group, dtype: str = "float64") -> dict:
+    """The sampled check with target and draft in ``dtype`` (acceptance arithmetic is float32
+    whatever the dtype), against plain sampling of the sharded target enumerated exactly."""
     import torch
 
     from ..decoder import SpeculativeDecoder
     from .. import SamplingParams
     from .models import tiny_llama
+    from .reference import enumerate_plain_sampling
     from .stats import sampled_joint_pvalue
 
-    target = tiny_llama(vocab_size=16, seed=1)
+    target = tiny_llama(vocab_size=16, seed=1, dtype=getattr(torch, dtype))
     with torch.no_grad():  # sharper than random, as the other sampled tests' target
         target.lm_head.weight.mul_(8.0)
-    tiny_llama(vocab_size=16, seed=5, layers=1).save_pretrained(work / "draft16")
-    dec = SpeculativeDecoder(target, None, drafter="draft-model", spec_length=3, adaptive=False, max_batch=512,
-                             drafter_options={"model": str(work / "draft16"), "dtype": "float64",
-                                              "min_confidence": 0.0}, tensor_parallel=TP)
-    pvalue, results = sampled_joint_pvalue(dec, [3, 5, 3, 5, 3], SamplingParams(temperature=1.0), seed=0)
+    draft = work / f"draft16-{dtype}"
+    tiny_llama(vocab_size=16, seed=5, layers=1).save_pretrained(draft)
+    prompt, params, steps = [3, 5, 3, 5, 3], SamplingParams(temperature=1.0), 4
+    sharded = _ShardedModel(target, group)
+    exact = enumerate_plain_sampling(sharded, prompt, params, steps)
+    sharded.runner.close()
+    dec = SpeculativeDecoder(target, None, drafter="draft-model", spec_length=steps - 1, adaptive=False, max_batch=512,
+                             drafter_options={"model": str(draft), "dtype": dtype, "min_confidence": 0.0},
+                             tensor_parallel=TP)
+    pvalue, results = sampled_joint_pvalue(dec, prompt, params, seed=0, exact=exact)
     dec.close()
     return {"pvalue": pvalue, "samples": len(results), "accepted": sum(r.stats.accepted_tokens for r in results)}
 
@@ -160,7 +189,8 @@ def main(argv: list[str]) -> int:
     results["logits"], results["refused"] = architectures(group)
     with tempfile.TemporaryDirectory() as tmp:
         results["greedy"] = greedy(Path(tmp))
-        results["sampled"] = sampled(Path(tmp))
+        results["sampled"] = sampled(Path(tmp), group)
+        results["sampled bf16"] = sampled(Path(tmp), group, "bfloat16")
     if "--default-model" in argv:
         results["default"] = default_model(group)
     Path(argv[0]).write_text(json.dumps(results, indent=1))
