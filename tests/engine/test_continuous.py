@@ -115,9 +115,18 @@ def test_a_seeded_request_does_not_depend_on_its_batchmates(tiny_model):
     assert together == alone
 
 
-def test_a_closed_stream_frees_its_slot_at_once(tiny_model):
-    dec = SpeculativeDecoder(tiny_model, None, drafter="ngram", spec_length=3, max_batch=2)
-    stream = dec.stream_ids(repetitive_prompts(64)[0], max_new_tokens=200)
+@pytest.fixture(scope="module")
+def roomy_model():
+    """tiny_model with 8,192 positions. The engine steps on its own thread while a test's thread
+    goes on, so a request that must still be running when the test acts on it asks 8,000 tokens:
+    thousands of steps stand between it and its end (200 tokens once ended while a busy CI
+    machine held the test's thread)."""
+    return tiny_llama(vocab_size=64, seed=0, max_positions=8192)
+
+
+def test_a_closed_stream_frees_its_slot_at_once(roomy_model):
+    dec = SpeculativeDecoder(roomy_model, None, drafter="ngram", spec_length=3, max_batch=2)
+    stream = dec.stream_ids(repetitive_prompts(64)[0], max_new_tokens=8000)
     next(stream)
     stream.close()
     later = dec.generate_ids([repetitive_prompts(64)[1]], max_new_tokens=4)[0]  # runs after the abort
@@ -248,14 +257,10 @@ def test_a_greedy_request_does_not_depend_on_who_joins_with_it_in_bfloat16():
     assert together == alone
 
 
-def test_end_requests_ends_the_waiting_and_then_the_running():
+def test_end_requests_ends_the_waiting_and_then_the_running(roomy_model):
     """What a server's shutdown does: waiting requests end at once with the error, running ones
     only when asked, and an answer already complete stays complete."""
-    # The engine steps on its own thread while this one goes on, so the running request must not
-    # be able to finish (and free its slot for the waiting one) before end_requests: 8,000 tokens
-    # take thousands of steps, where 200 once finished while a busy CI machine held this thread.
-    dec = SpeculativeDecoder(tiny_llama(vocab_size=64, seed=0, max_positions=8192), None, drafter="ngram",
-                             spec_length=3, max_batch=1)
+    dec = SpeculativeDecoder(roomy_model, None, drafter="ngram", spec_length=3, max_batch=1)
     prompts = repetitive_prompts(64)
     done = dec.generate_ids([prompts[0]], max_new_tokens=4)[0]
     running = dec.stream_ids(prompts[1], max_new_tokens=8000)
