@@ -27,8 +27,10 @@ NEW = 32
 @pytest.fixture(scope="module")
 def checks(tmp_path_factory):
     out = tmp_path_factory.mktemp("tp") / "results.json"
+    # passes' collectives time out after 10 s here, so the idle check idles past it in 12 s (the
+    # other ranks wait for rank 0's next message without a limit, as an idle server's must)
     run = subprocess.run([sys.executable, "-m", "specdraft.testing.tensor_parallel", str(out), "--default-model"],
-                         capture_output=True, text=True, timeout=600)
+                         capture_output=True, text=True, timeout=600, env={**os.environ, "SPECDRAFT_TP_TIMEOUT": "10"})
     assert run.returncode == 0, run.stderr[-3000:]
     return json.loads(out.read_text())
 
@@ -64,6 +66,14 @@ def test_sampled_speculation_on_a_sharded_target_follows_its_distribution(checks
     sampled = checks[key]
     assert sampled["pvalue"] > SIGNIFICANCE
     assert sampled["accepted"] > sampled["samples"] // 10
+
+
+def test_the_ranks_wait_for_rank_0_past_the_pass_timeout_and_a_closed_runner_refuses_passes(checks):
+    """An idle server sends the other ranks nothing for as long as it is idle: with the passes'
+    timeout at 10 s, 12 s of idling used to end rank 1 ("Timed out waiting ... for recv")."""
+    idle = checks["idle and close"]
+    assert idle["idled"] == 12 and idle["same after idling"]
+    assert "runner was closed" in idle["closed"] and "make a new decoder" in idle["closed"]
 
 
 @pytest.fixture(scope="module")
@@ -127,6 +137,35 @@ def test_a_rank_killed_mid_generation_ends_the_command_with_one_line():
     assert err.strip().splitlines() == ["specdraft: error: tensor-parallel rank 1 exited (status -9); "
                                         "ending the other ranks"]
     assert not [r for r in ranks if _running(r)]  # rank 0 saw the exit (and reaped it) before it ended
+
+
+#: a program whose rank 0 fails partway through a pass, after the other rank got the message
+FAILING_PASS = """
+import os
+
+from specdraft import SpeculativeDecoder
+from specdraft.testing import tiny_llama
+
+def broken(*args, **kwargs):
+    raise RuntimeError("boom")
+
+if __name__ == "__main__":
+    dec = SpeculativeDecoder(tiny_llama(), None, drafter="none", tensor_parallel=2)
+    print(open(f"/proc/{os.getpid()}/task/{os.getpid()}/children").read(), flush=True)  # the other rank
+    dec.runner.local.forward = broken
+    dec.generate_ids([[1, 2, 3]], max_new_tokens=4)
+"""
+
+
+def test_rank_0_failing_partway_through_a_pass_ends_the_ranks_with_one_line():
+    """The other rank is inside the pass by then, so rank 0 cannot go on (its next message would
+    meet that rank's all-reduce): one line, exit 1, no rank left."""
+    out = subprocess.run([sys.executable, "-c", FAILING_PASS], capture_output=True, text=True, timeout=300)
+    assert out.returncode == 1, out.stderr
+    assert out.stderr.strip().splitlines() == ["specdraft: error: tensor-parallel rank 0 failed partway through "
+                                               "forward (boom), so the ranks are out of step; ending the other ranks"]
+    ranks = [int(pid) for pid in out.stdout.split()]
+    assert len(ranks) == 1 and not _running(ranks[0])
 
 
 def _running(pid: int) -> bool:

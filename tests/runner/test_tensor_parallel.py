@@ -8,6 +8,7 @@ import torch
 
 from specdraft import ConfigError
 from specdraft.runner import from_transformers
+from specdraft.runner import tp
 from specdraft.runner.tp import check_shardable, shard_args, shard_state, shares
 from specdraft.testing.architectures import tiny_hf
 
@@ -59,3 +60,24 @@ def test_shards_put_back_together_are_the_model(kind):
             assert all(torch.equal(p, full[name]) for p in parts)
             continue
         assert torch.equal(rebuilt, full[name]), name
+
+
+@pytest.mark.parametrize("value", ["ten", "0", "-5"])
+def test_a_bad_pass_timeout_is_refused_with_one_line(monkeypatch, value):
+    monkeypatch.setenv("SPECDRAFT_TP_TIMEOUT", value)
+    with pytest.raises(ConfigError, match=rf"SPECDRAFT_TP_TIMEOUT must be a number of seconds > 0, got '{value}'"):
+        tp.pass_timeout()
+    monkeypatch.setenv("SPECDRAFT_TP_TIMEOUT", "2.5")
+    assert tp.pass_timeout().total_seconds() == 2.5
+
+
+def test_a_target_on_another_device_cannot_join_the_running_group(monkeypatch):
+    """One group per process, on one device: a second decoder's target elsewhere is refused
+    before any message goes out (the other ranks would run a pass rank 0 cannot)."""
+    monkeypatch.setattr(tp, "_GROUP", tp.Group(2, torch.device("cpu"), []))
+    assert tp.start(2, "cpu") is tp._GROUP
+    with pytest.raises(ConfigError, match=r"already runs a tensor-parallel group on cpu; a target on meta cannot "
+                                          r"join it.*load it on cpu"):
+        tp.start(2, "meta")
+    with pytest.raises(ConfigError, match=r"group of 2 ranks; tensor_parallel=3 cannot start another"):
+        tp.start(3, "cpu")

@@ -58,9 +58,30 @@ from ..errors import ConfigError
 from .base import RunnerBase
 from .model import ModelArgs, SpecdraftModel, rope_inv_freq
 
-#: how long a collective may wait for a rank before it fails (a rank that died is seen sooner:
-#: its connections close)
-TIMEOUT = datetime.timedelta(minutes=10)
+def pass_timeout() -> datetime.timedelta:
+    """How long a pass's collective may wait for a rank before it fails: 10 minutes, or
+    ``SPECDRAFT_TP_TIMEOUT`` seconds (a rank that died is seen sooner: its connections close)."""
+    value = os.environ.get("SPECDRAFT_TP_TIMEOUT", "600")
+    try:
+        seconds = float(value)
+    except ValueError:
+        seconds = 0.0
+    if not seconds > 0:
+        raise ConfigError(f"SPECDRAFT_TP_TIMEOUT must be a number of seconds > 0, got {value!r}")
+    return datetime.timedelta(seconds=seconds)
+
+
+#: the other ranks wait for rank 0's next message on a group of their own (gloo, on the CPU) with
+#: no practical time limit: a server with no requests sends nothing for as long as it is idle
+#: (a rank that dies is seen by the watchers, not by a timeout)
+IDLE = datetime.timedelta(days=365)
+_CONTROL = None  # that group
+
+
+def _open_control() -> None:
+    """After init_process_group, on every rank: the group rank 0's messages travel on."""
+    global _CONTROL
+    _CONTROL = dist.new_group(backend="gloo", timeout=IDLE)
 
 
 def shares(n: int, world: int) -> list[tuple[int, int]]:
@@ -165,7 +186,7 @@ def _tensors(obj, fn):
 def _broadcast(msg=None):
     """Rank 0 sends ``msg`` to every rank; the others return what it sent."""
     box = [_tensors(msg, torch.Tensor.cpu)]  # what crosses to the other ranks lives on the CPU
-    dist.broadcast_object_list(box, src=0)
+    dist.broadcast_object_list(box, src=0, group=_CONTROL)
     return box[0]
 
 
@@ -214,12 +235,18 @@ class TensorParallelRunner(RunnerBase):
 
     def _everywhere(self, what: tuple[str, str], args, kwargs):
         with self.group.lock:
+            if self._closed:
+                raise ConfigError("this decoder's tensor-parallel runner was closed (close()); make a new decoder")
             try:
                 self.group.send(("call", self.key, what, args, kwargs))
                 return _call(self.local, what, args, kwargs)
-            except RuntimeError:  # a collective failed: a rank that died ends the command with one line
+            except Exception as exc:  # (Ctrl-C on the main thread ends the command: rank 0's exit ends them)
+                # The other ranks got the message: a rank 0 that stops partway leaves them inside the
+                # pass, and the next message would meet their collectives. A rank that died says so;
+                # otherwise the ranks are out of step, which ends the command too (one line each).
                 self.group.end_if_a_rank_died(wait=2.0)
-                raise
+                self.group.fail(f"rank 0 failed partway through {what[1]} ({_first_line(exc)}), so the ranks "
+                                "are out of step")
 
     def forward(self, tokens: torch.Tensor, **kwargs):
         """:meth:`ModelRunner.forward <specdraft.runner.runner.ModelRunner.forward>` on every rank."""
@@ -273,13 +300,22 @@ class Group:
                 key = next(self._keys)
                 self.send(("model", key, model.args, quantize))
                 states = [shard_state(model, r, self.world) for r in range(self.world)]
-                dist.scatter_object_list([None], states, src=0)
+                dist.scatter_object_list([None], states, src=0, group=_CONTROL)
                 shards[quantize] = (key, build_shard(model.args, 0, self.world, states[0], self.device, quantize))
                 del model, states
             model_key, shard = shards[quantize]
             key = next(self._keys)
             self.send(("runner", key, model_key))
             return TensorParallelRunner(self, key, ModelRunner(shard, quantization=quantize))
+
+    def fail(self, why: str) -> None:
+        """One line, the other ranks killed, and this process ends (status 1)."""
+        print(f"specdraft: error: tensor-parallel {why}; ending the other ranks", file=sys.stderr, flush=True)
+        for other in self.procs:
+            if other.poll() is None:
+                other.kill()
+                other.wait()
+        os._exit(1)
 
     def end_if_a_rank_died(self, wait: float = 0.0) -> None:
         """If a rank this process started has exited (looking for up to ``wait`` seconds) while the
@@ -289,12 +325,7 @@ class Group:
             for rank, proc in enumerate(self.procs, start=1):
                 code = proc.poll()
                 if code is not None and self.alive:
-                    print(f"specdraft: error: tensor-parallel rank {rank} exited (status {code}); "
-                          "ending the other ranks", file=sys.stderr, flush=True)
-                    for other in self.procs:
-                        if other.poll() is None:
-                            other.kill()
-                    os._exit(1)
+                    self.fail(f"rank {rank} exited (status {code})")
             if time.monotonic() >= deadline:
                 return
             time.sleep(0.1)
@@ -313,6 +344,7 @@ class Group:
                 proc.wait(timeout=10)
             except subprocess.TimeoutExpired:
                 proc.kill()
+                proc.wait()
         dist.destroy_process_group()
 
 
@@ -344,8 +376,11 @@ def start(world: int, device) -> Group:
         if _GROUP.world != world:
             raise ConfigError(f"this process already runs a tensor-parallel group of {_GROUP.world} ranks; "
                               f"tensor_parallel={world} cannot start another (one group per process)")
+        if _GROUP.device.type != device.type or (device.index is not None and device != _GROUP.device):
+            raise ConfigError(f"this process already runs a tensor-parallel group on {_GROUP.device}; a target "
+                              f"on {device} cannot join it (one group per process): load it on {_GROUP.device}")
         return _GROUP
-    backend = "nccl" if device.type == "cuda" else "gloo"
+    backend, timeout = "nccl" if device.type == "cuda" else "gloo", pass_timeout()
     if launched_rank() is not None:
         size = int(os.environ["WORLD_SIZE"])
         if size != world:
@@ -355,12 +390,18 @@ def start(world: int, device) -> Group:
         if device.type == "cuda":
             device = torch.device("cuda", int(os.environ.get("LOCAL_RANK", rank)))
             torch.cuda.set_device(device)
-        dist.init_process_group(backend, rank=rank, world_size=world, timeout=TIMEOUT)
+        dist.init_process_group(backend, rank=rank, world_size=world, timeout=timeout)
+        _open_control()
         if rank != 0:
-            follow(device)
+            try:
+                follow(device)
+            except Exception as exc:  # noqa: BLE001 - one line, as from a rank this process started
+                print(f"specdraft: error: tensor-parallel rank {rank}: {_first_line(exc)}", file=sys.stderr,
+                      flush=True)
+                raise SystemExit(1) from None
             dist.destroy_process_group()
             raise SystemExit(0)
-        procs = []
+        _GROUP = Group(world, device, [])
     else:
         if device.type == "cuda":
             if device.index is None:
@@ -372,22 +413,33 @@ def start(world: int, device) -> Group:
             raise ConfigError(f"tensor_parallel runs on CPU (gloo) or CUDA (NCCL), not {device.type}")
         if device.type == "cpu":  # the ranks share the cores: each gets its part
             torch.set_num_threads(max(1, torch.get_num_threads() // world))
+        else:
+            torch.cuda.set_device(device)  # rank 0's collectives run on its own GPU
         port = _free_port()
         procs = [subprocess.Popen([sys.executable, "-m", "specdraft.runner.tp", str(rank), str(world), str(port),
                                    device.type, str((device.index or 0) + rank), str(torch.get_num_threads()),
                                    str(os.getpid())], stdin=subprocess.DEVNULL)
                  for rank in range(1, world)]
+        group = Group(world, device, procs)
+        # watched from the start: a rank that fails while the group forms ends the command at once
+        threading.Thread(target=_watch, args=(group,), name="specdraft-tp-watch", daemon=True).start()
         try:
             dist.init_process_group(backend, init_method=f"tcp://127.0.0.1:{port}", rank=0, world_size=world,
-                                    timeout=TIMEOUT)
+                                    timeout=timeout)
+            _open_control()
         except BaseException:
+            group.alive = False
             for proc in procs:
                 proc.kill()
+                proc.wait()
             raise
-    _GROUP = Group(world, device, procs)
-    if procs:
-        threading.Thread(target=_watch, args=(_GROUP,), name="specdraft-tp-watch", daemon=True).start()
+        _GROUP = group
     return _GROUP
+
+
+def _first_line(exc: BaseException) -> str:
+    text = str(exc)
+    return text.splitlines()[0] if text else repr(exc)
 
 
 def _free_port() -> int:
@@ -430,7 +482,7 @@ def follow(device: torch.device) -> None:
             elif kind == "model":
                 _, key, args, quantize = msg
                 box = [None]
-                dist.scatter_object_list(box, None, src=0)
+                dist.scatter_object_list(box, None, src=0, group=_CONTROL)
                 shards[key] = (build_shard(args, dist.get_rank(), dist.get_world_size(), box[0], device, quantize), quantize)
             elif kind == "runner":
                 _, key, model_key = msg
@@ -446,7 +498,10 @@ def _main(argv: list[str]) -> int:
     device = torch.device(argv[3], int(argv[4])) if argv[3] == "cuda" else torch.device(argv[3])
     torch.set_num_threads(int(argv[5]))
     parent = int(argv[6])
-    signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C is rank 0's to handle: its exit ends this rank
+    # Ctrl-C and SIGTERM are rank 0's to handle (a server drains on SIGTERM, and a service manager
+    # signals every process of the service): rank 0's exit ends this rank
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
+    signal.signal(signal.SIGTERM, signal.SIG_IGN)
 
     def orphaned() -> None:  # rank 0 gone without a word (killed): end too
         while os.getppid() == parent:
@@ -458,13 +513,13 @@ def _main(argv: list[str]) -> int:
         if device.type == "cuda":
             torch.cuda.set_device(device)
         dist.init_process_group("nccl" if device.type == "cuda" else "gloo", init_method=f"tcp://127.0.0.1:{port}",
-                                rank=rank, world_size=world, timeout=TIMEOUT)
+                                rank=rank, world_size=world, timeout=pass_timeout())
+        _open_control()
         follow(device)
         dist.destroy_process_group()
     except Exception as exc:  # noqa: BLE001 - one line; rank 0 reports this rank's exit too
         if os.getppid() == parent:
-            print(f"specdraft: error: tensor-parallel rank {rank}: {str(exc).splitlines()[0] if str(exc) else exc!r}",
-                  file=sys.stderr, flush=True)
+            print(f"specdraft: error: tensor-parallel rank {rank}: {_first_line(exc)}", file=sys.stderr, flush=True)
         return 1
     return 0
 

@@ -14,6 +14,8 @@ checks once in a fresh interpreter and read the JSON it writes (tests/runner/tes
 * ``sampled`` / ``sampled bf16``: the chi-square p-value of a sampling draft-model's first K + 1
   tokens against the sharded target's exact distribution, enumerated from its own logits
   (:func:`~specdraft.testing.stats.sampled_joint_pvalue`), float64 / bfloat16;
+* ``idle and close``: answers after idling past the pass timeout (with ``SPECDRAFT_TP_TIMEOUT``
+  under a minute), and a closed decoder's runner refusing a pass with one line;
 * ``default`` (with ``--default-model``): the same difference on SmolLM2-135M-Instruct, and
   whether greedy prompt-lookup equals plain decoding of the sharded model in bfloat16.
 """
@@ -95,6 +97,37 @@ def greedy(work: Path) -> dict[str, dict]:
                       "drafted": sum(r.stats.drafted_tokens for r in results)}
         dec.close()
     plain.close()
+    return out
+
+
+def idle_and_close() -> dict:
+    """A sharded decoder that answers, idles past the pass timeout (when ``SPECDRAFT_TP_TIMEOUT``
+    makes it short, as the tests do: a server with no requests idles for hours), and answers the
+    same again; then, closed, its runner refuses a pass with one line."""
+    import time
+
+    import torch
+
+    from ..decoder import SpeculativeDecoder
+    from ..errors import ConfigError
+    from ..runner.tp import pass_timeout
+    from .models import repetitive_prompts, tiny_llama
+
+    prompts = repetitive_prompts(64, seed=0)[:2]
+    dec = SpeculativeDecoder(tiny_llama(vocab_size=64, seed=0), None, drafter="prompt-lookup", max_batch=2,
+                             tensor_parallel=TP)
+    before = [r.token_ids for r in dec.generate_ids(prompts, max_new_tokens=8)]
+    out: dict = {"idled": None, "same after idling": None, "closed": None}
+    if pass_timeout().total_seconds() < 60:
+        out["idled"] = pass_timeout().total_seconds() + 2
+        time.sleep(out["idled"])
+        out["same after idling"] = [r.token_ids for r in dec.generate_ids(prompts, max_new_tokens=8)] == before
+    runner = dec.runner
+    dec.close()
+    try:
+        runner.forward(torch.tensor([prompts[0]]))
+    except ConfigError as exc:
+        out["closed"] = str(exc)
     return out
 
 
@@ -191,6 +224,7 @@ def main(argv: list[str]) -> int:
         results["greedy"] = greedy(Path(tmp))
         results["sampled"] = sampled(Path(tmp), group)
         results["sampled bf16"] = sampled(Path(tmp), group, "bfloat16")
+    results["idle and close"] = idle_and_close()
     if "--default-model" in argv:
         results["default"] = default_model(group)
     Path(argv[0]).write_text(json.dumps(results, indent=1))
