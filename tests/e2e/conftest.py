@@ -32,6 +32,22 @@ MORE_PROMPTS = {
 
 
 @pytest.fixture(scope="session")
+def days(default_f64):
+    """A prompt whose answer repeats itself (drafts get accepted): ``.prompt``, ``.new`` (tokens its
+    tests generate) and ``.plain``, plain greedy decoding of it as the user's message on the
+    default model in float64 (tests/e2e/test_default_model.py checks that is transformers'),
+    decoded once a session."""
+    import types
+
+    from specdraft import SpeculativeDecoder
+
+    prompt, new = "List the days of the week, then list them again.", 32
+    model, tokenizer = default_f64
+    with SpeculativeDecoder(model, tokenizer, drafter="none") as dec:
+        return types.SimpleNamespace(prompt=prompt, new=new, plain=dec.generate(prompt, max_new_tokens=new)[0])
+
+
+@pytest.fixture(scope="session")
 def prompts():
     return PROMPTS
 

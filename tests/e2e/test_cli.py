@@ -17,8 +17,6 @@ from specdraft.testing import commands
 
 pytestmark = pytest.mark.e2e
 
-DAYS = "List the days of the week, then list them again."
-NEW = 32
 
 
 def specdraft_command(*args):
@@ -26,19 +24,11 @@ def specdraft_command(*args):
     return subprocess.run([*commands.specdraft_command(), *args], capture_output=True, text=True, timeout=300)
 
 
-@pytest.fixture(scope="module")
-def plain_days(default_f64):
-    """Plain greedy decoding of DAYS (tests/e2e/test_default_model.py checks it is transformers')."""
-    model, tokenizer = default_f64
-    with SpeculativeDecoder(model, tokenizer, drafter="none") as dec:
-        return dec.generate(DAYS, max_new_tokens=NEW)[0]
-
-
-def test_specdraft_generate_in_a_fresh_process(plain_days):
+def test_specdraft_generate_in_a_fresh_process(days):
     """The installed command loads the default model itself and prints plain decoding's text."""
-    out = specdraft_command("generate", "--drafter", "ngram", "--dtype", "float64", "--max-new-tokens", str(NEW), DAYS)
+    out = specdraft_command("generate", "--drafter", "ngram", "--dtype", "float64", "--max-new-tokens", str(days.new), days.prompt)
     assert out.returncode == 0, out.stderr
-    assert out.stdout == plain_days.text + "\n" and "Monday" in out.stdout
+    assert out.stdout == days.plain.text + "\n" and "Monday" in out.stdout
 
 
 def test_bad_input_in_a_fresh_process_is_one_line_and_exit_2(tmp_path):
@@ -52,7 +42,7 @@ def test_bad_input_in_a_fresh_process_is_one_line_and_exit_2(tmp_path):
 
 
 @pytest.mark.parametrize("drafter", ["ngram", "draft-model", "medusa", "eagle", "mlp-speculator"])
-def test_generate_prints_plain_text_and_the_apis_stats(cli, monkeypatch, plain_days, drafter):
+def test_generate_prints_plain_text_and_the_apis_stats(cli, monkeypatch, days, drafter):
     """Built-in and shipped learnt drafters, offline: stdout is plain greedy decoding's text, stderr
     the stats of the result the Python API returned to the CLI, field for field."""
     runs = []  # (decoder, results) of each generate() call
@@ -60,12 +50,12 @@ def test_generate_prints_plain_text_and_the_apis_stats(cli, monkeypatch, plain_d
     monkeypatch.setattr(SpeculativeDecoder, "generate",
                         lambda self, *a, **k: runs.append((self, generate(self, *a, **k))) or runs[-1][1])
     code, out, err = cli("generate", "--drafter", drafter, "--fixed-spec-length", "--dtype", "float64", "--stats",
-                         "--max-new-tokens", str(NEW), DAYS)
+                         "--max-new-tokens", str(days.new), days.prompt)
     assert code == 0, err
-    assert out == plain_days.text + "\n"
+    assert out == days.plain.text + "\n"
     [(decoder, [result])] = runs
     stats = result.stats
-    assert stats.new_tokens == len(plain_days.token_ids) and 0 < stats.accepted_tokens <= stats.drafted_tokens
+    assert stats.new_tokens == len(days.plain.token_ids) and 0 < stats.accepted_tokens <= stats.drafted_tokens
     by_position = " ".join(f"{a:.2f}" for a in stats.acceptance_by_position)
     lines = err.splitlines()
     assert len(lines) == 7, err

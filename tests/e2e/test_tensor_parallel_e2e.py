@@ -16,12 +16,8 @@ import httpx
 import openai
 import pytest
 
-from specdraft import SpeculativeDecoder
 from specdraft.testing import SIGNIFICANCE
 from specdraft.testing.commands import specdraft_command, start_serve, stop_with_ctrl_c
-
-DAYS = "List the days of the week, then list them again."
-NEW = 32
 
 
 @pytest.fixture(scope="module")
@@ -76,23 +72,15 @@ def test_the_ranks_wait_for_rank_0_past_the_pass_timeout_and_a_closed_runner_ref
     assert "runner was closed" in idle["closed"] and "make a new decoder" in idle["closed"]
 
 
-@pytest.fixture(scope="module")
-def plain(default_f64):
-    """Plain decoding of DAYS (as the user's message) on the unsharded default model, float64."""
-    model, tokenizer = default_f64
-    with SpeculativeDecoder(model, tokenizer, drafter="none") as dec:
-        return dec.generate(DAYS, max_new_tokens=NEW)[0]
-
-
-def test_generate_tensor_parallel_2_prints_plain_decodings_text(plain):
+def test_generate_tensor_parallel_2_prints_plain_decodings_text(days):
     out = subprocess.run([*specdraft_command(), "generate", "--tensor-parallel", "2", "--drafter", "prompt-lookup",
-                          "--dtype", "float64", "--max-new-tokens", str(NEW), DAYS],
+                          "--dtype", "float64", "--max-new-tokens", str(days.new), days.prompt],
                          capture_output=True, text=True, timeout=300)
     assert out.returncode == 0, out.stderr
-    assert out.stdout == plain.text + "\n" and "Monday" in out.stdout
+    assert out.stdout == days.plain.text + "\n" and "Monday" in out.stdout
 
 
-def test_serve_tensor_parallel_2_answers_as_plain_decoding_and_ctrl_c_ends_every_rank(tmp_path, plain):
+def test_serve_tensor_parallel_2_answers_as_plain_decoding_and_ctrl_c_ends_every_rank(tmp_path, days):
     """``specdraft serve --tensor-parallel 2`` through the openai client over HTTP: a greedy chat
     completion equals plain decoding, and Ctrl-C ends the server and its rank."""
     served = start_serve(tmp_path, "--drafter", "prompt-lookup", "--tensor-parallel", "2", "--dtype", "float64")
@@ -101,11 +89,11 @@ def test_serve_tensor_parallel_2_answers_as_plain_decoding_and_ctrl_c_ends_every
         assert len(ranks) == 1
         name = httpx.get(f"{served.base}/v1/models", timeout=30).json()["data"][0]["id"]
         client = openai.OpenAI(base_url=f"{served.base}/v1", api_key="x", max_retries=0, timeout=120)
-        r = client.chat.completions.create(model=name, messages=[{"role": "user", "content": DAYS}], max_tokens=NEW,
-                                           temperature=0)
+        r = client.chat.completions.create(model=name, messages=[{"role": "user", "content": days.prompt}],
+                                           max_tokens=days.new, temperature=0)
     finally:
         code = stop_with_ctrl_c(served.proc)
-    assert r.choices[0].message.content == plain.text and r.usage.completion_tokens == len(plain.token_ids)
+    assert r.choices[0].message.content == days.plain.text and r.usage.completion_tokens == len(days.plain.token_ids)
     assert code == 130
     assert "Traceback" not in served.stderr.read_text()
     assert not [rank for rank in ranks if _running(rank)]
@@ -143,7 +131,6 @@ def test_a_rank_killed_mid_generation_ends_the_command_with_one_line():
 FAILING_PASS = """
 import os
 
-from specdraft import SpeculativeDecoder
 from specdraft.testing import tiny_llama
 
 def broken(*args, **kwargs):
