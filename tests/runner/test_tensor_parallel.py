@@ -3,6 +3,8 @@ put back together are the model (the processes are tested in tests/e2e/test_tens
 
 from __future__ import annotations
 
+import types
+
 import pytest
 import torch
 
@@ -81,3 +83,14 @@ def test_a_target_on_another_device_cannot_join_the_running_group(monkeypatch):
         tp.start(2, "meta")
     with pytest.raises(ConfigError, match=r"group of 2 ranks; tensor_parallel=3 cannot start another"):
         tp.start(3, "cpu")
+
+
+def test_a_pass_after_the_ranks_were_stopped_raises_one_line_and_ends_nothing():
+    """A stopped group (the program ending) sent nothing, so nothing is out of step: the pass
+    raises its ConfigError rather than ending the process as a pass that failed partway does."""
+    group = tp.Group(2, torch.device("cpu"), [])
+    group.alive = False
+    local = types.SimpleNamespace(model=None, compiled=False, quantization=None)
+    runner = tp.TensorParallelRunner(group, 0, local)
+    with pytest.raises(ConfigError, match="the tensor-parallel ranks have been stopped"):
+        runner.forward(torch.tensor([[1, 2]]))

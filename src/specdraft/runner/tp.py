@@ -31,8 +31,10 @@ sums are rounded to the model's dtype before they are added): equal to rounding,
 specdraft.runner.tp``, gloo on CPU, NCCL on GPUs, rendezvous on 127.0.0.1); under ``torchrun``
 the ranks exist already and the ranks other than 0 follow (a :class:`SystemExit` ends them once
 rank 0 is done). Rank 0 hands each rank its shard of the weights (the other ranks never load
-the checkpoint). A rank that exits ends the others with one line; Ctrl-C reaches rank 0, whose
-exit ends the others.
+the checkpoint). Its messages travel on a gloo group of their own with no practical time limit
+(an idle server sends none); a pass's collectives time out (:func:`pass_timeout`). A rank that
+exits, or rank 0 failing partway through a pass, ends the others with one line; Ctrl-C reaches
+rank 0, whose exit ends the others.
 """
 
 from __future__ import annotations
@@ -241,6 +243,8 @@ class TensorParallelRunner(RunnerBase):
                 self.group.send(("call", self.key, what, args, kwargs))
                 return _call(self.local, what, args, kwargs)
             except Exception as exc:  # (Ctrl-C on the main thread ends the command: rank 0's exit ends them)
+                if not self.group.alive:  # stopped on purpose (the program is ending): nothing went out
+                    raise
                 # The other ranks got the message: a rank 0 that stops partway leaves them inside the
                 # pass, and the next message would meet their collectives. A rank that died says so;
                 # otherwise the ranks are out of step, which ends the command too (one line each).
