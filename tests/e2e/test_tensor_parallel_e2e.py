@@ -131,6 +131,7 @@ def test_a_rank_killed_mid_generation_ends_the_command_with_one_line():
 FAILING_PASS = """
 import os
 
+from specdraft import SpeculativeDecoder
 from specdraft.testing import tiny_llama
 
 def broken(*args, **kwargs):
