@@ -6,6 +6,8 @@ set -euo pipefail
 cd "$(dirname "$0")/.."
 
 [ -x .venv/bin/python ] || python3 -m venv .venv
+# The shipped drafters' weights are in git's history, not its tracked tree: write them (quick when present).
+.venv/bin/python scripts/restore_weights.py
 pip=(.venv/bin/python -m pip install --quiet --disable-pip-version-check)
 
 # torch first and pinned: the CPU wheel is on this machine; an unpinned torch would pull CUDA.
