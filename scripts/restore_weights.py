@@ -87,7 +87,7 @@ def restore(path: Path, entry: dict) -> str | None:
         with os.fdopen(fd, "wb") as out:
             done = git("cat-file", "blob", entry["blob"], stdout=out, stderr=subprocess.PIPE, check=False)
         if done.returncode != 0:
-            return f"git has no blob {entry['blob']} (from commit {entry['commit'][:12]}): {missing_blob_advice()}"
+            return f"git has no blob {entry['blob']} (from commit {entry['commit'][:12]})"
         wrong = problem(Path(tmp), entry)
         if wrong:
             return f"git's blob {entry['blob']} gives a file that is wrong ({wrong})"
@@ -149,14 +149,17 @@ def main(argv: list[str] | None = None) -> int:
         names = ", ".join(e["path"] for e, _, _ in todo)
         print(f"restore_weights: cannot restore {names}: {why}", file=sys.stderr)
         return 1
-    failed = 0
+    failed, no_blob = 0, False
     for entry, path, why in todo:
         error = restore(path, entry)
         if error:
             print(f"restore_weights: {entry['path']} ({why}): {error}", file=sys.stderr)
             failed += 1
+            no_blob = no_blob or error.startswith("git has no blob")
         else:
             print(f"shipped weights: restored {entry['path']} ({entry['size']} bytes) from git")
+    if no_blob:
+        print(f"restore_weights: {missing_blob_advice()}", file=sys.stderr)
     return 1 if failed else 0
 
 
