@@ -9,6 +9,10 @@ import os
 # download (or hang retrying) and pass or fail with the network, not with the code.
 os.environ["HF_HUB_OFFLINE"] = "1"
 os.environ["TRANSFORMERS_OFFLINE"] = "1"
+# The CUDA kernels (Triton) run on CPU tensors under Triton's interpreter (tests/runner/test_cuda_kernels.py).
+# Set before anything imports triton: its own library functions are decorated at import. On a GPU
+# machine, TRITON_INTERPRET=0 runs them compiled.
+os.environ.setdefault("TRITON_INTERPRET", "1")
 
 import pytest  # noqa: E402
 import torch  # noqa: E402

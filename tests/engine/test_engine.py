@@ -153,7 +153,7 @@ def test_empty_draft_is_a_plain_one_token_step(tiny_model):
     widths = []
     dec = SpeculativeDecoder(tiny_model, None, drafter="none", spec_length=4)
     assert dec.runner_info == {"implementation": "specdraft", "compiled": False, "quantization": None,
-                               "dtype": "float64", "dtype_reason": "the loaded model's own"}
+                               "dtype": "float64", "kernels": {"packed": 0}, "dtype_reason": "the loaded model's own"}
     forward = dec.runner.forward
     dec.runner.forward = lambda tokens, **kw: widths.append(tokens.shape[1]) or forward(tokens, **kw)
     r = dec.generate_ids([[1, 2, 3]], max_new_tokens=5)[0]

@@ -26,7 +26,7 @@ def test_width_buckets():
 def test_compiled_equals_eager_and_padding_is_cut(model):
     eager, compiled = load_runner(model), load_runner(model, compile=True)
     assert compiled.info == {"implementation": "specdraft", "compiled": True, "quantization": None,
-                             "dtype": str(model.dtype).removeprefix("torch.")}
+                             "dtype": str(model.dtype).removeprefix("torch."), "kernels": {"packed": 0}}
     tokens = torch.randint(0, 64, (2, 30), generator=torch.Generator().manual_seed(1))
     for runner in (eager, compiled):
         runner.cache.reset(2, 64)

@@ -177,7 +177,7 @@ def layers_from_transformers(hf_layers, config, attention_norm: bool = True,
         raise RuntimeError(f"converting {kinds[0]}: missing {missing}, unexpected {unexpected}")
     stack.rope_inv_freq = rope_inv_freq(args).to(stack.device)  # the meta one holds no values
     stack.requires_grad_(False).eval()
-    pack_linears(stack)
+    stack.kernels = pack_linears(stack)
     return LayerRunner(stack, compile=compile), ""
 
 

@@ -104,14 +104,20 @@ def rotate_half(x: torch.Tensor) -> torch.Tensor:
 
 
 class RMSNorm(nn.Module):
-    """transformers' RMSNorm: normalised in float32, cast back, then scaled by the weight."""
+    """transformers' RMSNorm: normalised in float32, cast back, then scaled by the weight.
+
+    ``kernel``: ``kernel(x, weight, eps)`` computes it instead (on CUDA, a row-invariant Triton
+    kernel set when the model is loaded: :func:`~specdraft.runner.cuda_kernels.make_invariant`)."""
 
     def __init__(self, dim: int, eps: float) -> None:
         super().__init__()
         self.weight = nn.Parameter(torch.ones(dim))
         self.eps = eps
+        self.kernel = None
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.kernel is not None:
+            return self.kernel(x, self.weight, self.eps)
         h = x.to(torch.float32)
         h = h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + self.eps)
         return self.weight * h.to(x.dtype)
@@ -126,6 +132,9 @@ class Attention(nn.Module):
         self.wo = nn.Linear(args.n_heads * args.head_dim, args.dim, bias=False)
         self.q_norm = RMSNorm(args.head_dim, args.norm_eps) if args.qk_norm else None
         self.k_norm = RMSNorm(args.head_dim, args.norm_eps) if args.qk_norm else None
+        #: on CUDA, the row-invariant attention of decode-width passes, set when the model is loaded
+        #: (:func:`~specdraft.runner.cuda_kernels.make_invariant`): ``(q, keys, values, mask, scale, order)``
+        self.decode_kernel = None
 
     def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, mask: torch.Tensor,
                 k_buf: torch.Tensor, v_buf: torch.Tensor, slot: torch.Tensor, positions: torch.Tensor,
@@ -142,7 +151,9 @@ class Attention(nn.Module):
         q = q * cos + rotate_half(q) * sin
         k = k * cos + rotate_half(k) * sin
         keys, values = write_kv(k_buf, v_buf, slot, positions, k, v, gather)  # [B, kv_heads, max_len, head_dim]
-        if width <= DECODE_WIDTH and decode_attention_applies(q):  # a verify pass equals its one-token steps
+        if width <= DECODE_WIDTH and self.decode_kernel is not None:  # CUDA: tokens as in one-token steps
+            y = self.decode_kernel(q, keys, values, mask, self.head_dim**-0.5, order)
+        elif width <= DECODE_WIDTH and decode_attention_applies(q):  # a verify pass equals its one-token steps
             if order is None:
                 y = decode_attention(q, keys, values, mask, self.head_dim**-0.5)
             else:  # a tree: each token against its own ancestors, laid out as in one-token steps
@@ -153,8 +164,9 @@ class Attention(nn.Module):
         return self.wo(y.transpose(1, 2).reshape(batch, width, q_size))
 
 
-#: Passes up to this wide use :func:`~specdraft.runner.kernels.decode_attention` on CPU (prefill
-#: does not: plain and speculative decoding share it, so its rounding cannot make them differ).
+#: Passes up to this wide use :func:`~specdraft.runner.kernels.decode_attention` on CPU and the
+#: kernels of :mod:`~specdraft.runner.cuda_kernels` on CUDA (prefill does not: plain and
+#: speculative decoding share it, so its rounding cannot make them differ).
 DECODE_WIDTH = 32
 
 

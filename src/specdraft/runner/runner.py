@@ -101,6 +101,13 @@ class ModelRunner(RunnerBase):
         self._seen: set[tuple] = set()
 
     @property
+    def info(self) -> dict:
+        """:class:`RunnerBase`'s, with ``kernels``: which kernels the passes run and why (the
+        load-time checks' report: :func:`~.kernels.pack_linears` on CPU,
+        :func:`~.cuda_kernels.make_invariant` on CUDA)."""
+        return dict(super().info, kernels=self.model.kernels)
+
+    @property
     def cuda_graphs(self) -> bool:
         return self.compiled and self.device.type == "cuda"
 
@@ -361,4 +368,9 @@ def finish_model(model: SpecdraftModel, quantize: str | None) -> SpecdraftModel:
         else:
             quantize_int4(model, group_size=32)  # float64 inputs take the dequantized weights in float64
     model.kernels = pack_linears(model)  # float linears that are left: oneDNN, row-invariant (see .kernels)
+    if model.device.type == "cuda":  # Triton or checked cuBLAS, row-invariant (see .cuda_kernels)
+        from .cuda_kernels import make_invariant
+        from .model import DECODE_WIDTH
+
+        model.kernels = make_invariant(model, DECODE_WIDTH)
     return model

@@ -1,0 +1,491 @@
+"""Decode kernels on CUDA whose rows do not depend on how many rows a pass has (Triton).
+
+The CUDA half of :mod:`.kernels`: exact speculative decoding needs a verify pass of ``W`` tokens
+to give each token, bit for bit, the logits ``W`` one-token steps would give it. torch's CUDA
+kernels do not: cuBLAS picks its algorithm (split-K included) by the row count, SDPA picks its
+kernel by the query length, and a reduction's launch shape follows the tensor's. (On an H200 with
+those kernels, greedy speculation differed from plain decoding on 2-4 of 4 Spec-Bench prompts.)
+
+The rules, fixed (never chosen by timing; a load-time check of results decides between them):
+
+* **Linear layers and the output head** of decode-width passes (``W <= DECODE_WIDTH``):
+  :func:`linear` — one Triton tile configuration for every row count (``BLOCK_M x BLOCK_N``
+  output tiles, the inner dimension walked in ``BLOCK_K`` steps from 0, no split-K, float32
+  accumulation; IEEE float32 products, never TF32; the inner dimension a compile-time constant:
+  one compiled kernel per layer shape). A row's sums are the same instructions on
+  the same data whichever tile it shares. :func:`checked_linear_mode` checks every row count to
+  64 and a few to 256 against one-row products when a model is loaded: ``"cublas"`` when cuBLAS
+  itself is row-invariant for the shape (a shape and card where it never splits K), else
+  ``"triton"``, else ``"rows"`` (cuBLAS one row at a time: invariant by construction). Prefill
+  (wider passes) keeps cuBLAS: its tokens are shared by plain and speculative decoding, never
+  compared with a verify pass's.
+* **Attention** of decode-width passes: :func:`decode_attention` — one program per (row, query
+  head, token); the query's KV head read in place (GQA without copying keys); its keys walked in
+  fixed blocks of ``BLOCK_N`` counted from position 0 with an online softmax in float32, so a
+  fully masked block (the tail past the query, a wider span) leaves its sums exactly as they
+  were (the block count is a compile-time constant: one compiled kernel per span). A tree token reads its keys through an order index (:func:`~.kernels.tree_order`): its
+  committed positions, its ancestors by depth, then itself — the places its one-token step will
+  find them at. Prefill keeps SDPA.
+* **RMSNorm**: :func:`rms_norm`, one program per row.
+
+Under ``torch.compile`` each is one opaque operator (``specdraft::cuda_linear``,
+``specdraft::cuda_attention``, ``specdraft::cuda_rms_norm``), so inductor does not reorder their
+sums; CUDA graphs capture their launches like any other kernel.
+
+``SPECDRAFT_CUDA_KERNELS=stock`` (read when a model is loaded) turns all of this off: cuBLAS, SDPA
+and torch's RMSNorm, fastest and not row-invariant — for measuring what invariance costs.
+
+The kernels are plain Triton; they also run on CPU tensors under Triton's interpreter
+(``TRITON_INTERPRET=1``, float32 and float16: the interpreter has no bfloat16), which is how the
+tests check them on a machine without a GPU.
+"""
+
+from __future__ import annotations
+
+import os
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+import triton
+import triton.language as tl
+
+#: ``SPECDRAFT_CUDA_KERNELS``: ``"invariant"`` (default) or ``"stock"``
+KERNELS_ENV = "SPECDRAFT_CUDA_KERNELS"
+
+#: the one tile configuration of :func:`linear` (every row count, every shape)
+BLOCK_M, BLOCK_N, BLOCK_K = 16, 64, 64
+#: key positions per block of :func:`decode_attention` (blocks counted from position 0)
+ATTENTION_BLOCK = 64
+
+#: row counts a linear's kernel and RMSNorm are checked at when a model is loaded (as on CPU)
+CHECKED_ROWS = (1, *range(2, 65), 96, 128, 192, 256)
+#: pass widths the attention kernel is checked at when a model is loaded (and a tree of 6 tokens)
+CHECKED_WIDTHS = tuple(range(1, 17))
+
+
+def kernels_wanted() -> str:
+    """``"invariant"`` or ``"stock"``, from :data:`KERNELS_ENV` (ValueError for anything else)."""
+    value = os.environ.get(KERNELS_ENV, "invariant").strip().lower() or "invariant"
+    if value not in ("invariant", "stock"):
+        raise ValueError(f"{KERNELS_ENV} must be 'invariant' or 'stock' (got {value!r})")
+    return value
+
+
+# -- linear -------------------------------------------------------------------------------------
+
+
+@triton.jit
+def _linear_kernel(x_ptr, w_ptr, b_ptr, y_ptr, M, N,
+                   stride_xm, stride_xk, stride_wn, stride_wk, stride_ym, stride_yn,
+                   K: tl.constexpr, HAS_BIAS: tl.constexpr, IEEE: tl.constexpr,
+                   BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr):
+    pid_m = tl.program_id(0)
+    pid_n = tl.program_id(1)
+    rm = pid_m * BM + tl.arange(0, BM)
+    rn = pid_n * BN + tl.arange(0, BN)
+    rk = tl.arange(0, BK)
+    acc = tl.zeros((BM, BN), dtype=tl.float32)
+    for k0 in range(0, K, BK):
+        kk = k0 + rk
+        a = tl.load(x_ptr + rm[:, None] * stride_xm + kk[None, :] * stride_xk,
+                    mask=(rm[:, None] < M) & (kk[None, :] < K), other=0.0)
+        b = tl.load(w_ptr + rn[None, :] * stride_wn + kk[:, None] * stride_wk,
+                    mask=(rn[None, :] < N) & (kk[:, None] < K), other=0.0)
+        if IEEE:
+            acc += tl.dot(a, b, input_precision="ieee")
+        else:
+            acc += tl.dot(a, b)
+    if HAS_BIAS:
+        acc += tl.load(b_ptr + rn, mask=rn < N, other=0.0).to(tl.float32)[None, :]
+    tl.store(y_ptr + rm[:, None] * stride_ym + rn[None, :] * stride_yn, acc.to(y_ptr.dtype.element_ty),
+             mask=(rm[:, None] < M) & (rn[None, :] < N))
+
+
+def triton_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
+    """``x # [M, K] @ weight.T # [N, K]`` (+ ``bias # [N]``) with :data:`BLOCK_M` x :data:`BLOCK_N`
+    tiles and :data:`BLOCK_K` steps whatever ``M`` is; float32 accumulation.  # [M, N]"""
+    rows, inner = x.shape
+    out = weight.shape[0]
+    y = torch.empty((rows, out), dtype=x.dtype, device=x.device)
+    if rows == 0:
+        return y
+    grid = (triton.cdiv(rows, BLOCK_M), triton.cdiv(out, BLOCK_N))
+    _linear_kernel[grid](x, weight, bias if bias is not None else weight, y, rows, out,
+                         x.stride(0), x.stride(1), weight.stride(0), weight.stride(1), y.stride(0), y.stride(1),
+                         K=inner, HAS_BIAS=bias is not None, IEEE=x.dtype == torch.float32,
+                         BM=BLOCK_M, BN=BLOCK_N, BK=BLOCK_K, num_warps=4)
+    return y
+
+
+def rows_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
+    """cuBLAS one row at a time: every row is a one-row product, so no row depends on the others."""
+    return torch.cat([F.linear(x[i:i + 1], weight, bias) for i in range(x.shape[0])]) if x.shape[0] else \
+        F.linear(x, weight, bias)
+
+
+#: the kernels a :class:`CudaLinear` may run, by mode name
+LINEAR_MODES = {"cublas": F.linear, "triton": triton_linear, "rows": rows_linear}
+
+
+def _linear_invariant(product, weight: torch.Tensor, bias: torch.Tensor | None) -> bool:
+    """Whether ``product``'s rows are bit-identical to one-row products at every count of
+    :data:`CHECKED_ROWS`, for inputs at two alignments (random rows, a fixed seed)."""
+    generator = torch.Generator(device=weight.device).manual_seed(0)
+    x = torch.randn(CHECKED_ROWS[-1] + 1, weight.shape[1], generator=generator, device=weight.device)
+    x = x.to(weight.dtype)
+    alone = torch.cat([product(x[i:i + 1], weight, bias) for i in range(x.shape[0])])
+    for n in CHECKED_ROWS[1:]:
+        for offset in (0, 1):  # a pass's input does not always start where an allocation does
+            if not torch.equal(product(x[offset:offset + n], weight, bias), alone[offset:offset + n]):
+                return False
+    return True
+
+
+_CHECKED_MODES: dict[tuple, tuple[str, str]] = {}  # (out, in, dtype, bias, device) -> (mode, why)
+
+
+def checked_linear_mode(weight: torch.Tensor, bias: torch.Tensor | None) -> tuple[str, str]:
+    """``(mode, why)`` for a CUDA linear of this weight: the first of ``"cublas"``, ``"triton"``
+    whose rows are bit-identical to one-row products at every checked row count (a check of
+    results, never a timing), else ``"rows"``. Remembered per shape, dtype and device."""
+    key = (*weight.shape, weight.dtype, bias is not None, str(weight.device))
+    if key not in _CHECKED_MODES:
+        with torch.inference_mode():
+            if _linear_invariant(F.linear, weight, bias):
+                found = ("cublas", "cuBLAS rows bit-identical to one-row products at 1..64, 96..256 rows")
+            elif _linear_invariant(triton_linear, weight, bias):
+                found = ("triton", "cuBLAS rows differ by row count; Triton's fixed tiles do not")
+            else:
+                found = ("rows", "neither cuBLAS nor the Triton tiles were row-invariant: one row at a time")
+        _CHECKED_MODES[key] = found
+    return _CHECKED_MODES[key]
+
+
+class CudaLinear(nn.Module):
+    """``nn.Linear`` on CUDA whose decode-width passes (``W <= decode_width``) run a row-invariant
+    kernel (:attr:`mode`, from :func:`checked_linear_mode`) and wider ones (prefill) cuBLAS.
+
+    ``weight # [out, in]`` and ``bias # [out]`` (or None) stay parameters of the same tensors.
+    Under ``torch.compile`` the decode-width product is one opaque operator, ``specdraft::cuda_linear``.
+    """
+
+    def __init__(self, linear: nn.Linear, mode: str, decode_width: int) -> None:
+        super().__init__()
+        self.in_features, self.out_features = linear.in_features, linear.out_features
+        self.weight = linear.weight
+        self.bias = linear.bias
+        self.mode = mode
+        self.decode_width = decode_width
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if x.dim() >= 3 and x.shape[-2] > self.decode_width:  # prefill: cuBLAS
+            return F.linear(x, self.weight, self.bias)
+        flat = x.reshape(-1, self.in_features)  # [rows, in]
+        if torch.compiler.is_compiling():
+            out = torch.ops.specdraft.cuda_linear(flat, self.weight, self.bias, self.mode)
+        else:
+            out = LINEAR_MODES[self.mode](flat.contiguous(), self.weight, self.bias)
+        return out.reshape(*x.shape[:-1], self.out_features)
+
+    def extra_repr(self) -> str:
+        return f"in_features={self.in_features}, out_features={self.out_features}, bias={self.bias is not None}, " \
+               f"mode={self.mode}"
+
+
+@torch.library.custom_op("specdraft::cuda_linear", mutates_args=())
+def _cuda_linear(flat: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, mode: str) -> torch.Tensor:
+    return LINEAR_MODES[mode](flat.contiguous(), weight, bias)
+
+
+@_cuda_linear.register_fake
+def _(flat, weight, bias, mode):
+    return flat.new_empty(flat.shape[0], weight.shape[0])
+
+
+def cuda_linears(model: nn.Module, decode_width: int) -> dict:
+    """Replace every float ``nn.Linear`` (a model on CUDA; on CPU, the tests' interpreted kernels) of ``model`` by a :class:`CudaLinear` whose mode the
+    load-time check chose (in place, as :func:`~.kernels.replace_linears`). Returns a report:
+    ``{"linear": {mode: count}, "linear_why": {mode: why}}``."""
+    from .kernels import replace_linears
+
+    modes: dict[str, int] = {}
+    why: dict[str, str] = {}
+
+    def convert(linear):
+        mode, reason = checked_linear_mode(linear.weight.detach(), None if linear.bias is None else linear.bias.detach())
+        modes[mode] = modes.get(mode, 0) + 1
+        why[mode] = reason
+        return CudaLinear(linear, mode, decode_width)
+
+    def applies(linear):
+        return linear.weight.dtype in (torch.float32, torch.bfloat16, torch.float16)
+
+    replace_linears(model, convert, when=applies)
+    return {"linear": modes, "linear_why": why}
+
+
+# -- attention ----------------------------------------------------------------------------------
+
+
+@triton.jit
+def _attention_kernel(q_ptr, k_ptr, v_ptr, mask_ptr, order_ptr, out_ptr, scale, L,
+                      sq_b, sq_h, sq_w, sk_b, sk_h, sk_l, sv_b, sv_h, sv_l, sm_b, sm_w, so_b, so_w, su_b, su_h, su_w,
+                      H: tl.constexpr, G: tl.constexpr, D: tl.constexpr, BLOCK_D: tl.constexpr,
+                      BLOCK: tl.constexpr, BLOCKS: tl.constexpr, HAS_ORDER: tl.constexpr):
+    bh = tl.program_id(0)
+    w = tl.program_id(1)
+    b = bh // H
+    h = bh % H
+    kvh = h // G
+    d = tl.arange(0, BLOCK_D)
+    dmask = d < D
+    q = tl.load(q_ptr + b * sq_b + h * sq_h + w * sq_w + d, mask=dmask, other=0.0).to(tl.float32)
+    m = tl.max(tl.full((BLOCK,), float("-inf"), tl.float32), 0)  # a scalar -inf
+    total = tl.sum(tl.zeros((BLOCK,), tl.float32), 0)
+    acc = tl.zeros((BLOCK_D,), tl.float32)
+    j = tl.arange(0, BLOCK)
+    for block in range(0, BLOCKS):
+        pos = block * BLOCK + j
+        inside = pos < L
+        if HAS_ORDER:
+            idx = tl.load(order_ptr + b * so_b + w * so_w + pos, mask=inside, other=0)
+        else:
+            idx = pos
+        seen = tl.load(mask_ptr + b * sm_b + w * sm_w + idx, mask=inside, other=0) != 0
+        if tl.max(seen.to(tl.int32), 0) > 0:  # a block with nothing visible changes nothing: skip it
+            kv_mask = seen[:, None] & dmask[None, :]
+            k = tl.load(k_ptr + b * sk_b + kvh * sk_h + idx[:, None] * sk_l + d[None, :], mask=kv_mask,
+                        other=0.0).to(tl.float32)
+            s = tl.sum(k * q[None, :], 1) * scale
+            s = tl.where(seen, s, float("-inf"))
+            m_new = tl.maximum(m, tl.max(s, 0))
+            alpha = tl.exp(m - m_new)
+            p = tl.exp(s - m_new)
+            v = tl.load(v_ptr + b * sv_b + kvh * sv_h + idx[:, None] * sv_l + d[None, :], mask=kv_mask,
+                        other=0.0).to(tl.float32)
+            total = total * alpha + tl.sum(p, 0)
+            acc = acc * alpha + tl.sum(p[:, None] * v, 0)
+            m = m_new
+    out = acc / total
+    tl.store(out_ptr + b * su_b + h * su_h + w * su_w + d, out.to(out_ptr.dtype.element_ty), mask=dmask)
+
+
+def triton_attention(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, mask: torch.Tensor, scale: float,
+                     order: torch.Tensor | None = None) -> torch.Tensor:
+    """Attention of ``q # [B, heads, W, D]`` over ``keys``/``values # [B, kv_heads, L, D]`` (read in
+    place; the last dimension contiguous) where ``mask # [B, 1, W, L]`` bool says what each token
+    sees; ``order # [B, W, L]`` long (a tree): token ``w`` meets position ``order[b, w, j]`` ``j``-th,
+    and sees it if ``mask[b, 0, w, order[b, w, j]]``. Scores, softmax and sums in float32; each
+    token's sums over fixed blocks of :data:`ATTENTION_BLOCK` of its key sequence, from 0, with
+    nothing shared between tokens.  # [B, heads, W, D], q's dtype, contiguous"""
+    batch, heads, width, dim = q.shape
+    kv_heads, span = keys.shape[1], keys.shape[2]
+    if keys.stride(-1) != 1 or values.stride(-1) != 1:
+        keys, values = keys.contiguous(), values.contiguous()
+    q = q if q.stride(-1) == 1 else q.contiguous()
+    out = torch.empty((batch, heads, width, dim), dtype=q.dtype, device=q.device)
+    seen = mask.view(torch.uint8) if mask.dtype == torch.bool else mask.to(torch.uint8)
+    if seen.stride(-1) != 1:
+        seen = seen.contiguous()
+    has_order = order is not None
+    order_t = order if has_order else seen  # unused when there is no order
+    so = (order_t.stride(0), order_t.stride(1)) if has_order else (0, 0)
+    grid = (batch * heads, width)
+    _attention_kernel[grid](q, keys, values, seen, order_t, out, float(scale), span,
+                            q.stride(0), q.stride(1), q.stride(2), keys.stride(0), keys.stride(1), keys.stride(2),
+                            values.stride(0), values.stride(1), values.stride(2), seen.stride(0), seen.stride(2),
+                            so[0], so[1], out.stride(0), out.stride(1), out.stride(2),
+                            H=heads, G=heads // kv_heads, D=dim, BLOCK_D=triton.next_power_of_2(dim),
+                            BLOCK=ATTENTION_BLOCK, BLOCKS=triton.cdiv(span, ATTENTION_BLOCK), HAS_ORDER=has_order, num_warps=4)
+    return out
+
+
+def decode_attention(q, keys, values, mask, scale, order=None) -> torch.Tensor:
+    """:func:`triton_attention`; one opaque operator under ``torch.compile``."""
+    if torch.compiler.is_compiling():
+        return torch.ops.specdraft.cuda_attention(q, keys, values, mask, scale, order)
+    return triton_attention(q, keys, values, mask, scale, order)
+
+
+@torch.library.custom_op("specdraft::cuda_attention", mutates_args=())
+def _cuda_attention(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, mask: torch.Tensor, scale: float,
+                    order: torch.Tensor | None) -> torch.Tensor:
+    return triton_attention(q, keys, values, mask, scale, order)
+
+
+@_cuda_attention.register_fake
+def _(q, keys, values, mask, scale, order):
+    return q.new_empty(q.shape)
+
+
+# -- RMSNorm ------------------------------------------------------------------------------------
+
+
+@triton.jit
+def _rms_norm_kernel(x_ptr, w_ptr, y_ptr, N, eps, stride_x, stride_y, BLOCK: tl.constexpr):
+    row = tl.program_id(0)
+    cols = tl.arange(0, BLOCK)
+    inside = cols < N
+    x = tl.load(x_ptr + row * stride_x + cols, mask=inside, other=0.0)
+    h = x.to(tl.float32)
+    var = tl.sum(h * h, 0) / N
+    h = (h * (1.0 / tl.sqrt(var + eps))).to(x.dtype)
+    w = tl.load(w_ptr + cols, mask=inside, other=0.0)
+    y = w.to(tl.float32) * h.to(tl.float32)
+    tl.store(y_ptr + row * stride_y + cols, y.to(y_ptr.dtype.element_ty), mask=inside)
+
+
+def triton_rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    """transformers' RMSNorm (normalised in float32, cast to ``x``'s dtype, times the weight) with
+    one program per row.  # x's shape, the dtype ``weight * x`` has"""
+    dim = x.shape[-1]
+    flat = x.reshape(-1, dim)
+    flat = flat if flat.stride(-1) == 1 else flat.contiguous()
+    y = torch.empty(flat.shape, dtype=torch.promote_types(weight.dtype, x.dtype), device=x.device)
+    if flat.shape[0]:
+        _rms_norm_kernel[(flat.shape[0],)](flat, weight, y, dim, float(eps), flat.stride(0), y.stride(0),
+                                           BLOCK=triton.next_power_of_2(dim), num_warps=4)
+    return y.reshape(x.shape)
+
+
+def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    """:func:`triton_rms_norm`; one opaque operator under ``torch.compile``."""
+    if torch.compiler.is_compiling():
+        return torch.ops.specdraft.cuda_rms_norm(x, weight, eps)
+    return triton_rms_norm(x, weight, eps)
+
+
+@torch.library.custom_op("specdraft::cuda_rms_norm", mutates_args=())
+def _cuda_rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    return triton_rms_norm(x, weight, eps)
+
+
+@_cuda_rms_norm.register_fake
+def _(x, weight, eps):
+    return x.new_empty(x.shape, dtype=torch.promote_types(weight.dtype, x.dtype))
+
+
+# -- the load-time check and the fallbacks ---------------------------------------------------------
+
+
+def per_token_attention(q, keys, values, mask, scale, order=None) -> torch.Tensor:
+    """:func:`decode_attention` one token at a time: every token is a one-token call (the fallback
+    when the load-time check finds the batched kernel's tokens depend on the pass)."""
+    outs = [decode_attention(q[:, :, w:w + 1], keys, values, mask[:, :, w:w + 1], scale,
+                             None if order is None else order[:, w:w + 1]) for w in range(q.shape[2])]
+    return torch.cat(outs, dim=2)
+
+
+def per_row_rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    """transformers' RMSNorm in torch, one row at a time (the fallback for :func:`rms_norm`)."""
+    flat = x.reshape(-1, x.shape[-1])
+    rows = []
+    for i in range(flat.shape[0]):
+        h = flat[i:i + 1].to(torch.float32)
+        h = h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + eps)
+        rows.append(weight * h.to(x.dtype))
+    return torch.cat(rows).reshape(x.shape)
+
+
+def attention_invariant(kernel, heads: int, kv_heads: int, dim: int, dtype: torch.dtype, device,
+                        widths=None, starts=(37, 70), span: int = 256) -> bool:
+    """Whether ``kernel``'s tokens (``kernel(q, keys, values, mask, scale, order)``) are bit-identical
+    to one-token calls over the keys their one-token steps see: two rows of ragged lengths, passes of
+    ``widths`` tokens over a span wider than the one-token step's (a masked tail), and a tree (each
+    token through its order index). Random inputs, a fixed seed: a check of results."""
+    from .kernels import tree_order
+
+    widths = CHECKED_WIDTHS if widths is None else widths
+    generator = torch.Generator(device=device).manual_seed(0)
+    batch = len(starts)
+
+    def rand(*shape):
+        return torch.randn(*shape, generator=generator, device=device).to(dtype)
+
+    keys, values = rand(batch, kv_heads, span, dim), rand(batch, kv_heads, span, dim)
+    pos = torch.arange(span, device=device)
+    scale = dim ** -0.5
+    for width in widths:
+        q = rand(batch, heads, width, dim)
+        query = torch.tensor(starts, device=device)[:, None] + torch.arange(width, device=device)  # [B, W]
+        mask = (pos[None, None, :] <= query[:, :, None])[:, None]  # [B, 1, W, span]
+        out = kernel(q, keys, values, mask, scale, None)
+        for w in range(width):
+            step_span = 64 * (int(query.max()) // 64 + 1)  # the one-token step's span: shorter
+            ref = kernel(q[:, :, w:w + 1], keys[:, :, :step_span], values[:, :, :step_span],
+                         mask[:, :, w:w + 1, :step_span], scale, None)
+            if not torch.equal(out[:, :, w:w + 1], ref):
+                return False
+    # a tree of 6 nodes after each row's committed positions: parents 0, 0, 1, 1, 2 of nodes 1..5
+    parents, width = (-1, 0, 0, 1, 1, 2), 6
+    own = torch.zeros(width, width, dtype=torch.bool, device=device)
+    for node, parent in enumerate(parents):
+        own[node, node] = True
+        if parent >= 0:
+            own[node] |= own[parent]
+    mask = torch.zeros(batch, 1, width, span, dtype=torch.bool, device=device)
+    for b, start in enumerate(starts):
+        mask[b, 0, :, :start] = True
+        mask[b, 0, :, start:start + width] = own
+    order = tree_order(mask)  # [B, W, span]
+    q = rand(batch, heads, width, dim)
+    out = kernel(q, keys, values, mask, scale, order)
+    depth = own.sum(-1)  # each node's ancestors and itself
+    for w in range(width):
+        # the token's one-token step: its committed positions, then its ancestors by depth, contiguous
+        path = order[:, w, :max(starts) + width]  # [B, P]
+        ref_keys = keys.gather(2, path[:, None, :, None].expand(-1, kv_heads, -1, dim))
+        ref_values = values.gather(2, path[:, None, :, None].expand(-1, kv_heads, -1, dim))
+        seen = torch.arange(path.shape[1], device=device)[None, :] < (torch.tensor(starts, device=device) + depth[w])[:, None]
+        ref = kernel(q[:, :, w:w + 1], ref_keys, ref_values, seen[:, None, None], scale, None)
+        if not torch.equal(out[:, :, w:w + 1], ref):
+            return False
+    return True
+
+
+def rms_norm_invariant(kernel, dim: int, dtype: torch.dtype, device) -> bool:
+    """Whether ``kernel(x, weight, eps)``'s rows are bit-identical to one-row calls at every count of
+    :data:`CHECKED_ROWS`, at two alignments."""
+    generator = torch.Generator(device=device).manual_seed(0)
+    x = torch.randn(CHECKED_ROWS[-1] + 1, dim, generator=generator, device=device).to(dtype)
+    weight = torch.randn(dim, generator=generator, device=device).to(dtype)
+    alone = torch.cat([kernel(x[i:i + 1], weight, 1e-5) for i in range(x.shape[0])])
+    return all(torch.equal(kernel(x[o:o + n], weight, 1e-5), alone[o:o + n]) for n in CHECKED_ROWS[1:] for o in (0, 1))
+
+
+def make_invariant(model: nn.Module, decode_width: int) -> dict:
+    """Give ``model`` (a :class:`~.model.SpecdraftModel` on CUDA) row-invariant decode passes, in place:
+    its linears (:func:`cuda_linears`), its attention modules' ``decode_kernel`` and its RMSNorms'
+    ``kernel``, each chosen by a load-time check of results (the Triton kernel, else one token or
+    row at a time). Returns what runs and why (the runner's ``info["kernels"]``)."""
+    from .model import Attention, RMSNorm
+
+    if kernels_wanted() == "stock":
+        return {"cuda": "stock", "why": f"{KERNELS_ENV}=stock: cuBLAS, SDPA, torch's RMSNorm (not row-invariant)"}
+    report = {"cuda": "invariant", **cuda_linears(model, decode_width)}
+    attention = [m for m in model.modules() if isinstance(m, Attention)]
+    if attention:
+        a = attention[0]
+        dtype = a.wqkv.weight.dtype
+        ok = attention_invariant(decode_attention, a.n_heads, a.n_kv_heads, a.head_dim, dtype, a.wqkv.weight.device)
+        kernel = decode_attention if ok else per_token_attention
+        report["attention"] = "triton" if ok else "per-token"
+        for m in attention:
+            m.decode_kernel = kernel
+    norms = [m for m in model.modules() if isinstance(m, RMSNorm)]
+    checked: dict[tuple, bool] = {}
+    for m in norms:
+        key = (m.weight.shape[0], m.weight.dtype)
+        if key not in checked:
+            checked[key] = rms_norm_invariant(rms_norm, key[0], key[1], m.weight.device)
+        m.kernel = rms_norm if checked[key] else per_row_rms_norm
+    report["rms_norm"] = "triton" if all(checked.values()) else "per-row where the check failed"
+    return report
+
+
+__all__ = ["CHECKED_WIDTHS", "attention_invariant", "make_invariant", "per_row_rms_norm", "per_token_attention", "rms_norm_invariant",
+           "ATTENTION_BLOCK", "BLOCK_K", "BLOCK_M", "BLOCK_N", "CHECKED_ROWS", "CudaLinear", "KERNELS_ENV",
+           "LINEAR_MODES", "checked_linear_mode", "cuda_linears", "decode_attention", "kernels_wanted", "rms_norm",
+           "rows_linear", "triton_attention", "triton_linear", "triton_rms_norm"]

@@ -1,0 +1,167 @@
+"""The CUDA kernels (``specdraft.runner.cuda_kernels``) on this CPU, under Triton's interpreter.
+
+The interpreter runs each Triton program in numpy (float32 and float16; it has no bfloat16), so
+these check what the kernels compute — against float64 references — and that each row or token
+is bit-identical however many rows or tokens share the call: widths 1..16, ragged rows, a
+gathered subset, masked tails and trees. The same checks run on a GPU when a model loads there
+(``make_invariant``) and in ``benchmarks/gpu_checklist.sh``. Sizes are tiny: the interpreter
+executes every program in Python.
+"""
+
+from __future__ import annotations
+
+import os
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+pytest.importorskip("triton")
+
+from specdraft.runner import cuda_kernels as ck  # noqa: E402
+from specdraft.runner.kernels import tree_order  # noqa: E402
+
+DTYPES = (torch.float32, torch.float16)
+
+if os.environ.get("TRITON_INTERPRET") != "1":  # tests/conftest.py sets it before triton is imported
+    pytest.skip("the kernels run on CPU tensors under TRITON_INTERPRET=1 only", allow_module_level=True)
+
+
+def _randn(*shape, dtype=torch.float32, seed=0):
+    return torch.randn(*shape, generator=torch.Generator().manual_seed(seed)).to(dtype)
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("bias", [False, True])
+def test_linear_matches_float64(dtype, bias):
+    # inner 100 and out 70: neither a multiple of the tiles (masked K tail and N edge)
+    x, w = _randn(20, 100, dtype=dtype), _randn(70, 100, dtype=dtype, seed=1)
+    b = _randn(70, dtype=dtype, seed=2) if bias else None
+    y = ck.triton_linear(x, w, b)
+    ref = F.linear(x.double(), w.double(), None if b is None else b.double())
+    assert y.dtype == dtype and y.shape == (20, 70)
+    tol = 1e-4 if dtype == torch.float32 else 2e-2
+    assert torch.allclose(y.double(), ref, atol=tol, rtol=tol)
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_linear_rows_do_not_depend_on_the_row_count(dtype):
+    x, w = _randn(41, 72, dtype=dtype), _randn(70, 72, dtype=dtype, seed=1)
+    alone = torch.cat([ck.triton_linear(x[i:i + 1], w) for i in range(x.shape[0])])
+    for n in (*range(2, 17), 31, 33, 40):
+        for offset in (0, 1):  # a view that starts one row in
+            assert torch.equal(ck.triton_linear(x[offset:offset + n], w), alone[offset:offset + n]), (n, offset)
+
+
+def test_the_load_time_check_falls_back_from_a_row_count_dependent_product(monkeypatch):
+    """A product whose rows change with the row count is refused; Triton's tiles are taken, and
+    where they failed too, one row at a time."""
+    monkeypatch.setattr(ck, "CHECKED_ROWS", (1, 2, 3, 5, 8))
+    monkeypatch.setattr(ck, "_CHECKED_MODES", {})
+
+    linear = F.linear
+
+    def drifting(x, weight, bias=None):  # a last bit that depends on how many rows there are
+        return linear(x, weight, bias) * (1 + 1e-6 * (x.shape[0] % 3))
+
+    monkeypatch.setattr(ck.F, "linear", drifting)
+    w = _randn(24, 40)
+    assert ck.checked_linear_mode(w, None)[0] == "triton"
+    monkeypatch.setattr(ck, "_CHECKED_MODES", {})
+    monkeypatch.setattr(ck, "triton_linear", drifting)
+    assert ck.checked_linear_mode(w, None)[0] == "rows"
+    monkeypatch.setattr(ck, "_CHECKED_MODES", {})
+    monkeypatch.setattr(ck.F, "linear", lambda x, weight, bias=None: (x[:, None, :] * weight).sum(-1))  # per row
+    mode, why = ck.checked_linear_mode(w, None)
+    assert mode == "cublas" and "bit-identical" in why
+
+
+def _causal(starts, width, span, window=None):
+    pos = torch.arange(span)
+    query = torch.tensor(starts)[:, None] + torch.arange(width)  # [B, W]
+    mask = pos[None, None, :] <= query[:, :, None]
+    if window is not None:
+        mask &= pos[None, None, :] > query[:, :, None] - window
+    return mask[:, None]  # [B, 1, W, span]
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("window", [None, 20])
+def test_attention_matches_float64(dtype, window):
+    # GQA (6 query heads over 2 KV heads), head dim 24 (not a power of two), a span of 130 positions
+    q = _randn(2, 6, 5, 24, dtype=dtype)
+    keys, values = _randn(2, 2, 130, 24, dtype=dtype, seed=1), _randn(2, 2, 130, 24, dtype=dtype, seed=2)
+    mask = _causal((40, 90), 5, 130, window)
+    out = ck.triton_attention(q, keys, values, mask, 24**-0.5)
+    ref = F.scaled_dot_product_attention(q.double(), keys.double(), values.double(), attn_mask=mask,
+                                         scale=24**-0.5, enable_gqa=True)
+    tol = 1e-5 if dtype == torch.float32 else 3e-3
+    assert out.dtype == dtype and torch.allclose(out.double(), ref, atol=tol, rtol=tol)
+
+
+def test_tree_attention_reads_keys_in_the_order_given():
+    """A tree token's output is attention over the positions its order index lists as seen."""
+    q = _randn(1, 4, 6, 16)
+    keys, values = _randn(1, 2, 64, 16, seed=1), _randn(1, 2, 64, 16, seed=2)
+    parents = (-1, 0, 0, 1, 1, 2)
+    mask = torch.zeros(1, 1, 6, 64, dtype=torch.bool)
+    mask[0, 0, :, :30] = True
+    for node, parent in enumerate(parents):
+        mask[0, 0, node, 30 + node] = True
+        if parent >= 0:
+            mask[0, 0, node, 30:36] |= mask[0, 0, parent, 30:36]
+    out = ck.triton_attention(q, keys, values, mask, 0.25, tree_order(mask))
+    ref = F.scaled_dot_product_attention(q.double(), keys.double(), values.double(), attn_mask=mask, scale=0.25,
+                                         enable_gqa=True)
+    assert torch.allclose(out.double(), ref, atol=1e-5)
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_attention_tokens_equal_their_one_token_steps(dtype):
+    """Passes of 1..16 tokens over two rows of ragged lengths and a wider span than the one-token
+    steps' (a masked tail), and a tree whose tokens read their keys through an order index:
+    every token bit-identical to its one-token call (``attention_invariant``, the load-time check)."""
+    assert ck.attention_invariant(ck.decode_attention, 4, 2, 16, dtype, "cpu", widths=(1, 2, 3, 4, 7, 8, 16),
+                                  starts=(37, 70), span=192)
+
+
+def test_the_attention_check_catches_a_kernel_whose_tokens_depend_on_the_pass():
+    def leaky(q, keys, values, mask, scale, order=None):  # every token shifted by the pass's width
+        return ck.decode_attention(q, keys, values, mask, scale, order) * (1 + 1e-3 * (q.shape[2] - 1))
+
+    assert not ck.attention_invariant(leaky, 4, 2, 16, torch.float32, "cpu", widths=(1, 2), starts=(5,), span=64)
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_rms_norm_matches_and_its_rows_are_alone(dtype, monkeypatch):
+    x, w = _randn(3, 5, 40, dtype=dtype), _randn(40, dtype=dtype, seed=1)
+    h = x.float()
+    ref = (w.double() * (h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + 1e-5)).to(dtype).double())
+    y = ck.rms_norm(x, w, 1e-5)
+    assert y.shape == x.shape and torch.allclose(y.double(), ref, atol=1e-2 if dtype == torch.float16 else 1e-5)
+    monkeypatch.setattr(ck, "CHECKED_ROWS", (1, *range(2, 17), 24))
+    assert ck.rms_norm_invariant(ck.rms_norm, 40, dtype, "cpu")
+
+
+def test_a_runner_with_the_cuda_kernels_is_row_invariant(monkeypatch):
+    """The whole model with its linears, attention and norms replaced as on CUDA (the kernels
+    interpreted on CPU): passes of several widths over three ragged rows, and over a gathered
+    subset, give each token the logits of its one-token step, bit for bit (float32)."""
+    from specdraft.runner import ModelRunner
+    from specdraft.runner.convert import from_transformers
+    from specdraft.runner.model import DECODE_WIDTH
+    from specdraft.testing import differing_widths, tiny_llama
+
+    monkeypatch.setattr(ck, "CHECKED_ROWS", (1, 2, 3, 4))
+    monkeypatch.setattr(ck, "CHECKED_WIDTHS", (1, 2))
+    monkeypatch.setattr(ck, "_CHECKED_MODES", {})
+    monkeypatch.setattr(ck.F, "linear", lambda x, weight, bias=None: (x.double() @ weight.double().T).to(x.dtype)
+                        * (1 + 1e-6 * (x.shape[0] % 2)))  # a stand-in for cuBLAS that is not row-invariant
+    model, _ = from_transformers(tiny_llama(vocab_size=64, seed=0, dtype=torch.float32))
+    linears = {id(m) for m in model.modules() if type(m) is torch.nn.Linear}
+    model.kernels = ck.make_invariant(model, DECODE_WIDTH)
+    runner = ModelRunner(model)
+    assert runner.info["kernels"]["linear"] == {"triton": len(linears)}
+    assert runner.info["kernels"]["attention"] == "triton" and runner.info["kernels"]["rms_norm"] == "triton"
+    assert not any(type(m) is torch.nn.Linear for m in model.modules())
+    assert differing_widths(runner, 64, (1, 3, 8)) == ([], [])
