@@ -27,12 +27,11 @@ The rules, fixed (never chosen by timing), from measurements on a 2-core AMD EPY
   pass always has ``G >= 2`` rows or duplicates its one row); float32, elementwise products and
   reductions over one axis (MKL's float32 products are not row-invariant at any row count), in
   chunks of query rows so the intermediate stays small. Both gave the same bits for 1..16 query
-  tokens and for spans of 64..2048 positions with the tail masked. float64 and CUDA use SDPA.
+  tokens and for spans of 64..2048 positions with the tail masked. float64 uses SDPA.
 * **Quantized layers** (int8/int4, :mod:`.quantize`) compute each row alone already.
 
-Not covered: CUDA (cuBLAS chooses kernels by row count; a batch-invariant mode is future work,
-and the GPU checklist's row-invariance test says whether a GPU's bfloat16 passes hold), and
-float64 (the parity tests' dtype: its rounding is too fine to flip a greedy argmax).
+CUDA has its own rules and Triton kernels: :mod:`.cuda_kernels`. Not covered: float64 (the
+parity tests' dtype: its rounding is too fine to flip a greedy argmax).
 """
 
 from __future__ import annotations
