@@ -152,3 +152,34 @@ def test_a_shipped_drafter_without_its_weights_says_how_to_restore_them(tmp_path
         shipped.find_shipped(target, "specdraft_heads.json", kind="medusa")
     assert ("is missing" if damage == "missing" else "incomplete (100 of") in str(error.value)
     assert "\n" not in str(error.value)
+
+
+@pytest.mark.skipif(shutil.which("bash") is None or shutil.which("sha256sum") is None, reason="no bash or coreutils")
+def test_gpu_setup_gathers_the_weights_carried_over_several_calls(tmp_path):
+    """scripts/gpu-setup.sh (.gpu/setup.sh on a GPU machine): each call is a fresh checkout with a
+    part of .gpu/; what it carried is kept in the machine's /tmp (here tmp_path/tmp) and put back."""
+    medusa, mlp = (next(e for e in MANIFEST if kind in e["path"]) for kind in ("medusa", "mlp-speculator"))
+
+    def call(n: int, carried: dict[str, Path | bytes]) -> str:
+        checkout = tmp_path / f"call{n}"
+        copy_script(checkout)
+        shutil.copytree(WEIGHTS, checkout / "src/specdraft/drafters/weights", dirs_exist_ok=True,
+                        ignore=shutil.ignore_patterns("*.safetensors"))
+        (checkout / ".gpu").mkdir()
+        shutil.copy(ROOT / "scripts" / "gpu-setup.sh", checkout / ".gpu" / "setup.sh")
+        for rel, what in carried.items():
+            (checkout / rel).parent.mkdir(parents=True, exist_ok=True)
+            (checkout / rel).write_bytes(what) if isinstance(what, bytes) else shutil.copy(what, checkout / rel)
+        done = subprocess.run(["bash", ".gpu/setup.sh"], cwd=checkout, capture_output=True, text=True,
+                              env={**os.environ, "SPECDRAFT_GPU_TMP": str(tmp_path / "tmp")})
+        assert done.returncode == 0, done.stderr
+        return done.stdout
+
+    out = call(1, {".gpu/a/m1": b"half", f".gpu/w1/{medusa['path']}": WEIGHTS / medusa["path"]})
+    assert "default model: no (halves here: m1)" in out and "shipped weights here: medusa\n" in out
+    out = call(2, {".gpu/b/m2": b"not the other half", f".gpu/w2/{mlp['path']}": WEIGHTS / mlp["path"]})
+    assert "the halves do not make the GGUF" in out and "default model: no" in out
+    assert "shipped weights here: medusa mlp-speculator\n" in out
+    assert "eagle3/heads.safetensors: missing" in out
+    weights = tmp_path / "call2" / "src/specdraft/drafters/weights"
+    assert [sha256(weights / e["path"]) for e in (medusa, mlp)] == [medusa["sha256"], mlp["sha256"]]
