@@ -149,7 +149,7 @@ def test_a_runner_with_the_cuda_kernels_is_row_invariant(monkeypatch):
     subset, give each token the logits of its one-token step, bit for bit (float32)."""
     from specdraft.runner import ModelRunner
     from specdraft.runner.convert import from_transformers
-    from specdraft.runner.model import DECODE_WIDTH
+    from specdraft.runner.model import CUDA_DECODE_WIDTH
     from specdraft.testing import differing_widths, tiny_llama
 
     monkeypatch.setattr(ck, "CHECKED_ROWS", (1, 2, 3, 4))
@@ -159,7 +159,7 @@ def test_a_runner_with_the_cuda_kernels_is_row_invariant(monkeypatch):
                         * (1 + 1e-6 * (x.shape[0] % 2)))  # a stand-in for cuBLAS that is not row-invariant
     model, _ = from_transformers(tiny_llama(vocab_size=64, seed=0, dtype=torch.float32))
     linears = {id(m) for m in model.modules() if type(m) is torch.nn.Linear}
-    model.kernels = ck.make_invariant(model, DECODE_WIDTH)
+    model.kernels = ck.make_invariant(model, CUDA_DECODE_WIDTH)
     runner = ModelRunner(model)
     assert runner.info["kernels"]["linear"] == {"triton": len(linears)}
     assert runner.info["kernels"]["attention"] == "triton" and runner.info["kernels"]["rms_norm"] == "triton"

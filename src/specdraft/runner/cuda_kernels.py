@@ -8,7 +8,7 @@ those kernels, greedy speculation differed from plain decoding on 2-4 of 4 Spec-
 
 The rules, fixed (never chosen by timing; a load-time check of results decides between them):
 
-* **Linear layers and the output head** of decode-width passes (``W <= DECODE_WIDTH``):
+* **Linear layers and the output head** of decode-width passes (``W <= CUDA_DECODE_WIDTH``, 64):
   :func:`linear` — one Triton tile configuration for every row count (``BLOCK_M x BLOCK_N``
   output tiles, the inner dimension walked in ``BLOCK_K`` steps from 0, no split-K, float32
   accumulation; IEEE float32 products, never TF32; the inner dimension a compile-time constant:

@@ -151,7 +151,7 @@ class Attention(nn.Module):
         q = q * cos + rotate_half(q) * sin
         k = k * cos + rotate_half(k) * sin
         keys, values = write_kv(k_buf, v_buf, slot, positions, k, v, gather)  # [B, kv_heads, max_len, head_dim]
-        if width <= DECODE_WIDTH and self.decode_kernel is not None:  # CUDA: tokens as in one-token steps
+        if width <= CUDA_DECODE_WIDTH and self.decode_kernel is not None:  # CUDA: tokens as in one-token steps
             y = self.decode_kernel(q, keys, values, mask, self.head_dim**-0.5, order)
         elif width <= DECODE_WIDTH and decode_attention_applies(q):  # a verify pass equals its one-token steps
             if order is None:
@@ -168,6 +168,8 @@ class Attention(nn.Module):
 #: kernels of :mod:`~specdraft.runner.cuda_kernels` on CUDA (prefill does not: plain and
 #: speculative decoding share it, so its rounding cannot make them differ).
 DECODE_WIDTH = 32
+#: ... and up to this wide on CUDA, where the invariant kernels cost little more at 64 tokens than at 32
+CUDA_DECODE_WIDTH = 64
 
 
 class FeedForward(nn.Module):
@@ -222,7 +224,7 @@ def run_blocks(blocks, x: torch.Tensor, cache: KVCache, rows: torch.Tensor | Non
     mask = attention_mask(starts, width, span, tree_mask, window, depths)  # [B, 1, W, span]
     rotated = positions if depths is None else starts[:, None] + depths  # [B, W]
     cos, sin = rope_tables(inv_freq, rotated, x.dtype)  # [B, 1, W, head_dim]
-    order = tree_order(mask) if tree_mask is not None and width <= DECODE_WIDTH else None  # [B, W, span]
+    order = tree_order(mask) if tree_mask is not None and width <= CUDA_DECODE_WIDTH else None  # [B, W, span]
     slot = torch.arange(cache.slots, device=x.device) if rows is None else rows  # [B]
     for i, block in enumerate(blocks):
         if i in collect:

@@ -370,7 +370,7 @@ def finish_model(model: SpecdraftModel, quantize: str | None) -> SpecdraftModel:
     model.kernels = pack_linears(model)  # float linears that are left: oneDNN, row-invariant (see .kernels)
     if model.device.type == "cuda":  # Triton or checked cuBLAS, row-invariant (see .cuda_kernels)
         from .cuda_kernels import make_invariant
-        from .model import DECODE_WIDTH
+        from .model import CUDA_DECODE_WIDTH
 
-        model.kernels = make_invariant(model, DECODE_WIDTH)
+        model.kernels = make_invariant(model, CUDA_DECODE_WIDTH)
     return model
