@@ -37,14 +37,41 @@ SHAPES = {  # Llama-3.2 1B and 3B: hidden, layers, heads, kv heads, intermediate
 }
 
 
-def build(hidden, layers, heads, kv, inter, scale, dtype, device):
+#: Other scripts' named shapes (row_invariance.py --shape, launch_counts.py): the shape and the
+#: configuration values that differ from Llama-3.2's. "default" is SmolLM2-135M-Instruct's, the
+#: default model (vocabulary 49152, tied embeddings, rope theta 100000).
+NAMED_SHAPES = {
+    "default": ((576, 30, 9, 3, 1536), dict(vocab_size=49152, rope_theta=100000.0, max_position_embeddings=8192,
+                                             rms_norm_eps=1e-5)),
+    "llama-1b": (SHAPES["draft (1B)"], {}),
+    "llama-3b": (SHAPES["target (3B)"], {}),
+}
+
+
+def config(hidden, layers, heads, kv, inter, scale=1.0, **overrides) -> LlamaConfig:
+    """A Llama configuration of this shape (``scale`` shrinks width and depth), Llama-3.2's values otherwise."""
     if scale != 1.0:
         hidden, layers, inter = int(hidden * scale) // heads * heads, max(1, int(layers * scale)), int(inter * scale)
-    cfg = LlamaConfig(vocab_size=128256, hidden_size=hidden, num_hidden_layers=layers, num_attention_heads=heads,
-                      num_key_value_heads=kv, intermediate_size=inter, max_position_embeddings=131072,
-                      rope_theta=500000.0, tie_word_embeddings=True)
+    values = dict(vocab_size=128256, hidden_size=hidden, num_hidden_layers=layers, num_attention_heads=heads,
+                  num_key_value_heads=kv, intermediate_size=inter, max_position_embeddings=131072,
+                  rope_theta=500000.0, tie_word_embeddings=True)
+    return LlamaConfig(**(values | overrides))
+
+
+def named_config(name: str, layers: int | None = None) -> LlamaConfig:
+    """The configuration of a :data:`NAMED_SHAPES` entry, cut to its first ``layers`` layers if given."""
+    (hidden, depth, heads, kv, inter), overrides = NAMED_SHAPES[name]
+    return config(hidden, depth if layers is None else layers, heads, kv, inter, **overrides)
+
+
+def random_model(cfg: LlamaConfig, dtype, device):
+    """A random-weight model of ``cfg`` (no download), in ``dtype`` on ``device``."""
     with torch.device(device):
         return LlamaForCausalLM(cfg).to(dtype).eval()
+
+
+def build(hidden, layers, heads, kv, inter, scale, dtype, device):
+    return random_model(config(hidden, layers, heads, kv, inter, scale), dtype, device)
 
 
 def sync(device):
