@@ -464,6 +464,8 @@ def make_invariant(model: nn.Module, decode_width: int) -> dict:
 
     if kernels_wanted() == "stock":
         return {"cuda": "stock", "why": f"{KERNELS_ENV}=stock: cuBLAS, SDPA, torch's RMSNorm (not row-invariant)"}
+    if model.dtype not in (torch.float32, torch.bfloat16, torch.float16):
+        return {"cuda": "stock", "why": f"{model.dtype}: cuBLAS and SDPA (rounding too fine to flip a greedy argmax)"}
     report = {"cuda": "invariant", **cuda_linears(model, decode_width)}
     attention = [m for m in model.modules() if isinstance(m, Attention)]
     if attention:
