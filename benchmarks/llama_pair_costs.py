@@ -151,6 +151,8 @@ def main() -> None:
                     help="torch.compile (+ CUDA graphs on CUDA); default: the device's default")
     ap.add_argument("--quantize", choices=["int8", "int4"], default=None)
     args = ap.parse_args()
+    if torch.device(args.device).type == "cuda" and not torch.cuda.is_available():
+        raise SystemExit(f"--device {args.device}: torch {torch.__version__} sees no CUDA device here")
     dtype = getattr(torch, args.dtype)
     compile = default_compile(args.device) if args.compile is None else args.compile
     models = {name: build(*shape, args.scale, dtype, args.device) for name, shape in SHAPES.items()}
