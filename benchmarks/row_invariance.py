@@ -124,6 +124,7 @@ def load(args, dtype):
         if args.layers is not None:  # keep the first N decoder layers
             model.model.layers = model.model.layers[:args.layers]
             model.config.num_hidden_layers = args.layers
+            name += f" (its first {args.layers} layers)"
         return model, name, model.config.vocab_size
     from llama_pair_costs import named_config, random_model  # beside this file
 
@@ -135,6 +136,9 @@ def load(args, dtype):
     model = random_model(cfg, getattr(torch, dtype), device)
     name = f"{args.shape} shape, random weights, {cfg.num_hidden_layers} layers"
     return model, name, cfg.vocab_size
+
+
+_LAST = {"kernels": None}
 
 
 def report(name, runner, widths, bad_all, bad_subset, decode_width, timing) -> bool:
@@ -155,8 +159,12 @@ def report(name, runner, widths, bad_all, bad_subset, decode_width, timing) -> b
     kernels = runner.info.get("kernels", getattr(runner.model, "kernels", None))
     mode = ("CUDA graphs" if getattr(runner, "cuda_graphs", False) else "compiled") if runner.compiled else "eager"
     dtype = str(runner.dtype).removeprefix("torch.")
-    print(f"{name} | {dtype} | {mode} | {runner.device} | kernels: {compact(kernels)} | {verdict} | {timing}",
-          flush=True)
+    shown = compact(kernels)
+    if shown == _LAST["kernels"]:  # the same as the line above: said once
+        shown = "as above"
+    else:
+        _LAST["kernels"] = shown
+    print(f"{name} | {dtype} | {mode} | {runner.device} | kernels: {shown} | {verdict} | {timing}", flush=True)
     return bool(bad_decode)
 
 
