@@ -134,7 +134,8 @@ step() {  # step NAME CAP TITLE FILTER COMMAND...: run it (timed, under timeout)
         *) state="FAILED (exit $code)" ;;
     esac
     local plain shown
-    plain=$(tr '\r' '\n' < "$log" | grep -v -E -e '^\s*$' -e '[Ww]arning' -e '^\s*warnings\.warn' -e '\[[0-9:]+<[0-9:?]+')
+    plain=$(tr '\r' '\n' < "$log" | grep -v -E -e '^\s*$' -e '[Ww]arning' -e '^\s*warnings\.warn' -e '\[[0-9:]+<[0-9:?]+' \
+        -e 'ActivityProfiler|profiler_st')
     shown=$(echo "$plain" | $filter)
     [ -z "$shown" ] && shown=$(echo "$plain" | tail -n 12)  # the filter found nothing: the last lines
     {
@@ -253,9 +254,27 @@ else
         $RI --shape gguf --dtype bfloat16 --modes eager compile --widths 1-16,24,32
 fi
 
+digest() {  # the key line of each step that ran, from its log (the report's last lines: they survive a cut)
+    local log name
+    for name in $KNOWN; do
+        log=$OUT/logs/$name.log
+        [ -f "$log" ] || continue
+        case $name in
+            ri-*) awk -F' [|] ' -v n="$name" 'NF >= 6 {print n ": " $2 ", " $3 ": " $6}' "$log" ;;
+            costs-*) grep -m1 '^target decode step' "$log" | sed "s/^/$name: /" ;;
+            conformance) grep -q 'passed on' "$log" && grep -m1 'passed on' "$log" | sed "s/^/$name: /" \
+                || echo "$name: cut short: $(grep -c '^ok:' "$log") ok, failed: $(grep '^FAIL' "$log" | cut -d: -f2 | xargs echo)" ;;
+            launches*) grep '^- [0-9]*-token pass' "$log" | cut -d';' -f1,2 | sed "s/^- /$name: /" ;;
+            bench-*) grep -m1 'mismatches vs plain' "$log" | sed "s/^/$name: /"
+                     grep -m1 -e '- questions:' "$log" | sed "s/^- /$name: /" ;;
+        esac
+    done | cut -c1-300
+}
+
 {
     echo; echo "## Summary ($((SECONDS - BEGIN)) s of $BUDGET)"; echo
     for s in "${SUMMARY[@]}"; do echo "- $s"; done
+    echo; echo '```'; digest; echo '```'
 } >> "$REPORT"
 cat "$REPORT"
 echo "full logs: $OUT/logs/" >&2

@@ -22,6 +22,7 @@ import collections
 import torch
 
 from llama_pair_costs import named_config, random_model, read_bandwidth, time_pass, weight_bytes  # beside this file
+from row_invariance import compact
 from specdraft.runner import load_runner
 
 
@@ -82,7 +83,7 @@ def main() -> int:
     mode = "CUDA graphs" if getattr(runner, "cuda_graphs", False) else ("compiled" if args.compile else "eager")
     name = torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu"
     print(f"{args.shape} shape ({cfg.num_hidden_layers} layers), {args.dtype}, {mode}, {name}, context {args.context}; "
-          f"kernels: {runner.info.get('kernels')}")
+          f"kernels: {compact(runner.info.get('kernels'))}")
     for width in (1, args.verify):
         t = time_pass(runner, width, args.context, args.reps, device)
         line = f"- {width}-token pass: {t * 1e3:.2f} ms, {t / floor:.1f}x the weight-read floor ({floor * 1e3:.3f} ms)"
