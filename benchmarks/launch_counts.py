@@ -53,9 +53,9 @@ def profile_pass(runner, width, context, device):
         if e.device_type == torch.autograd.DeviceType.CUDA or (
                 not cuda and e.name.startswith("aten::") and e.cpu_parent is None):
             gpu[e.name] += 1
-        elif e.name in ("cudaLaunchKernel", "cuLaunchKernel", "cuLaunchKernelEx", "cudaLaunchKernelExC"):
+        elif "LaunchKernel" in e.name:  # cudaLaunchKernel(ExC), and Triton's cuLaunchKernel(Ex)
             launches += 1
-        elif e.name in ("cudaGraphLaunch", "cuGraphLaunch"):
+        elif "GraphLaunch" in e.name:  # cudaGraphLaunch, cuGraphLaunch
             graphs += 1
     return sum(gpu.values()), launches, graphs, gpu.most_common(4)
 
