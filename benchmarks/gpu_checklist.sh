@@ -38,7 +38,9 @@
 # The whole phase stays within BUDGET seconds (default 480): a step gets at most its own cap
 # and what is left; one that cannot get 20 s is skipped. Everything goes into OUTDIR
 # (default gpu-checklist/): report.md (compact: each step's last lines), logs/STEP.log (all of its
-# output), bench-*/ (results.md, results.json, plots). report.md is printed at the end.
+# output), bench-*/ (results.md, results.json, plots). report.md is printed at the end, closing
+# with each step's key line and the STEPS= of those skipped or cut short (for a later call).
+# Put OUTDIR under the device tool's $OUT so that the files come back.
 #
 # Settings (environment):
 #   BUDGET=480          seconds for the phase
@@ -67,7 +69,7 @@ SPEC_BENCH=../shared/data/spec_bench/question.jsonl
 DEVICE=${DEVICE:-cuda}
 CONFORMANCE_SAMPLES=${CONFORMANCE_SAMPLES:-0}
 
-usage() { sed -n '2,56p' "$0" | sed 's/^# \{0,1\}//' >&2; exit 2; }
+usage() { sed -n '2,58p' "$0" | sed 's/^# \{0,1\}//' >&2; exit 2; }
 
 case $PHASE in  # the steps of each phase, in their order
     synthetic) KNOWN="machine ri-default ri-3b costs-graphs costs-graphs-stock conformance costs-eager costs-eager-stock ri-1b launches launches-stock" ;;
@@ -95,7 +97,7 @@ mkdir -p "$OUT/logs" || exit 1
 OUT=$(cd "$OUT" && pwd)
 REPORT=$OUT/report.md
 BEGIN=$SECONDS
-SUMMARY=()
+SUMMARY=() MISSING=()
 export HF_HUB_OFFLINE=${HF_HUB_OFFLINE:-1} TRANSFORMERS_OFFLINE=${TRANSFORMERS_OFFLINE:-1}  # no network there
 if commit=$(git rev-parse --short HEAD 2>/dev/null); then
     git diff --quiet HEAD -- src benchmarks 2>/dev/null || commit="$commit + uncommitted changes"
@@ -118,7 +120,7 @@ step() {  # step NAME CAP TITLE FILTER COMMAND...: run it (timed, under timeout)
     [ "$left" -lt "$limit" ] && limit=$left
     local log=$OUT/logs/$name.log
     if [ "$limit" -lt 20 ]; then
-        SUMMARY+=("$name: skipped ($left s of the budget left)"); return 0
+        SUMMARY+=("$name: skipped ($left s of the budget left)"); MISSING+=("$name"); return 0
     fi
     echo "== $name: $title (at most $limit s)" >&2
     local start=$SECONDS code
@@ -130,7 +132,7 @@ step() {  # step NAME CAP TITLE FILTER COMMAND...: run it (timed, under timeout)
     local took=$((SECONDS - start)) state
     case $code in
         0) state=ok ;;
-        124|137) state="TIMED OUT after $limit s" ;;
+        124|137) state="TIMED OUT after $limit s"; MISSING+=("$name") ;;
         *) state="FAILED (exit $code)" ;;
     esac
     local plain shown
@@ -274,7 +276,9 @@ digest() {  # the key line of each step that ran, from its log (the report's las
 {
     echo; echo "## Summary ($((SECONDS - BEGIN)) s of $BUDGET)"; echo
     for s in "${SUMMARY[@]}"; do echo "- $s"; done
-    echo; echo '```'; digest; echo '```'
+    [ ${#MISSING[@]} -gt 0 ] && echo "- not (fully) run: STEPS=$(IFS=,; echo "${MISSING[*]}") (for a later call)"
+    key=$(digest)
+    [ -n "$key" ] && printf '\n```\n%s\n```\n' "$key"
 } >> "$REPORT"
 cat "$REPORT"
 echo "full logs: $OUT/logs/" >&2
