@@ -37,7 +37,7 @@
 # so a bench writes the prompts it finished); a failing step is recorded and the list goes on.
 # The whole phase stays within BUDGET seconds (default 480): a step gets at most its own cap
 # and what is left; one that cannot get 20 s is skipped. Everything goes into OUTDIR
-# (default gpu-checklist/): report.md (compact: each step's last lines), logs/STEP.log (all of its
+# (default .gpu/checklist-PHASE/): report.md (compact: each step's last lines), logs/STEP.log (all of its
 # output), bench-*/ (results.md, results.json, plots). report.md is printed at the end, closing
 # with each step's key line and the STEPS= of those skipped or cut short (for a later call).
 # Put OUTDIR under the device tool's $OUT so that the files come back.
@@ -60,7 +60,7 @@ set -uo pipefail
 cd "$(dirname "$0")/.."
 ROOT=$PWD
 PHASE=${1:-}
-OUT=${2:-gpu-checklist}
+OUT=${2:-.gpu/checklist-$PHASE}  # .gpu/ is ignored
 PY=${PYTHON:-python3}
 BUDGET=${BUDGET:-480}
 HELPERS=benchmarks/checklist_helpers.py
