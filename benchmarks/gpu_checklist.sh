@@ -72,8 +72,8 @@ CONFORMANCE_SAMPLES=${CONFORMANCE_SAMPLES:-0}
 usage() { sed -n '2,58p' "$0" | sed 's/^# \{0,1\}//' >&2; exit 2; }
 
 case $PHASE in  # the steps of each phase, in their order
-    synthetic) KNOWN="machine ri-default ri-3b costs-graphs costs-graphs-stock conformance costs-eager costs-eager-stock ri-1b launches launches-stock" ;;
-    model) KNOWN="machine bench-eager bench-graphs ri-model" ;;
+    synthetic) KNOWN="machine ri-default ri-default-stock ri-3b costs-graphs costs-graphs-stock conformance costs-eager costs-eager-stock ri-1b launches launches-stock" ;;
+    model) KNOWN="machine bench-eager bench-graphs bench-graphs-stock ri-model" ;;
 esac
 STEPS=${STEPS:-}
 for s in ${STEPS//,/ }; do
@@ -206,7 +206,9 @@ STOCK="env SPECDRAFT_CUDA_KERNELS=stock"
 if [ "$PHASE" = synthetic ]; then
     step machine 60 "Machine" all machine
     step ri-default 150 "Row invariance: default model's shape (SmolLM2-135M), random weights" lines \
-        $RI --shape default --dtype bfloat16 float32 --modes eager compile --widths 1-16,24,32
+        $RI --shape default --dtype bfloat16 float32 --modes eager compile --widths 1-16,24,32,48,64
+    step ri-default-stock 60 "Row invariance: default model's shape, SPECDRAFT_CUDA_KERNELS=stock (the kernels before)" lines \
+        $STOCK $RI --shape default --dtype bfloat16 --modes eager compile --widths 1-16
     step ri-3b 120 "Row invariance: Llama-3.2-3B's shape, random weights" lines \
         $RI --shape llama-3b --dtype bfloat16 --modes eager compile --widths 1-16,32
     step costs-graphs 120 "Pass costs, Llama-3.2 3B/1B shapes, bfloat16, CUDA graphs" costs $COSTS --compile
@@ -252,6 +254,8 @@ else
     step machine 60 "Machine, model and shipped weights" all present
     step bench-eager 240 "Spec-Bench, default model, bfloat16, eager" tables bench bench-eager --no-compile --peers "$PEERS"
     step bench-graphs 240 "Spec-Bench, default model, bfloat16, CUDA graphs" tables bench bench-graphs --compile
+    step bench-graphs-stock 150 "Spec-Bench, CUDA graphs, SPECDRAFT_CUDA_KERNELS=stock (the kernels before)" tables \
+        env SPECDRAFT_CUDA_KERNELS=stock DRAFTERS=${STOCK_DRAFTERS:-ngram,prompt-lookup} bash -c 'bench bench-graphs-stock --compile'
     step ri-model 90 "Row invariance: the default model itself" lines \
         $RI --shape gguf --dtype bfloat16 --modes eager compile --widths 1-16,24,32
 fi

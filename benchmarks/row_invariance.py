@@ -188,10 +188,10 @@ def main() -> None:
     args = p.parse_args()
     if args.device is not None and torch.device(args.device).type == "cuda" and not torch.cuda.is_available():
         raise SystemExit(f"--device {args.device}: torch {torch.__version__} sees no CUDA device here")
-    try:
-        from specdraft.runner.model import DECODE_WIDTH as decode_width  # wider passes are prefill
-    except ImportError:
-        decode_width = max(args.widths)
+    from specdraft.runner.model import CUDA_DECODE_WIDTH, DECODE_WIDTH  # wider passes are prefill
+
+    on_cuda = torch.device(args.device or ("cuda" if torch.cuda.is_available() else "cpu")).type == "cuda"
+    decode_width = CUDA_DECODE_WIDTH if on_cuda else DECODE_WIDTH
     modes = args.modes or (["compile"] if args.compile else ["eager"])
     failed = False
     for dtype in args.dtype:

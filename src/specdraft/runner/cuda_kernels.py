@@ -14,9 +14,12 @@ The rules, fixed (never chosen by timing; a load-time check of results decides b
   accumulation; IEEE float32 products, never TF32; the inner dimension a compile-time constant:
   one compiled kernel per layer shape). A row's sums are the same instructions on
   the same data whichever tile it shares. :func:`checked_linear_mode` checks every row count to
-  64 and a few to 256 against one-row products when a model is loaded: ``"cublas"`` when cuBLAS
-  itself is row-invariant for the shape (a shape and card where it never splits K), else
-  ``"triton"``, else ``"rows"`` (cuBLAS one row at a time: invariant by construction). Prefill
+  64 and a few to 256 against one-row products when a model is loaded: ``"triton"``, else
+  ``"cublas"`` if cuBLAS passes for the shape, else ``"rows"`` (cuBLAS one row at a time:
+  invariant by construction). Triton comes first because it is invariant by construction and
+  the check only confirms it: a check of bfloat16 outputs can miss a kernel whose sums differ in
+  order rarely enough that rounding hides it (seen on an AMX CPU with oneDNN), so a kernel that
+  is invariant only by the check's evidence is the second choice. Prefill
   (wider passes) keeps cuBLAS: its tokens are shared by plain and speculative decoding, never
   compared with a verify pass's.
 * **Attention** of decode-width passes: :func:`decode_attention` — one program per (row, query
@@ -153,12 +156,12 @@ def checked_linear_mode(weight: torch.Tensor, bias: torch.Tensor | None) -> tupl
     key = (*weight.shape, weight.dtype, bias is not None, str(weight.device))
     if key not in _CHECKED_MODES:
         with torch.inference_mode():
-            if _linear_invariant(F.linear, weight, bias):
-                found = ("cublas", "cuBLAS rows bit-identical to one-row products at 1..64, 96..256 rows")
-            elif _linear_invariant(triton_linear, weight, bias):
-                found = ("triton", "cuBLAS rows differ by row count; Triton's fixed tiles do not")
+            if _linear_invariant(triton_linear, weight, bias):
+                found = ("triton", "one tile configuration for every row count; checked at 1..64, 96..256 rows")
+            elif _linear_invariant(F.linear, weight, bias):
+                found = ("cublas", "Triton's rows differed by row count; cuBLAS's were bit-identical at 1..64, 96..256")
             else:
-                found = ("rows", "neither cuBLAS nor the Triton tiles were row-invariant: one row at a time")
+                found = ("rows", "neither Triton's tiles nor cuBLAS were row-invariant: one row at a time")
         _CHECKED_MODES[key] = found
     return _CHECKED_MODES[key]
 
