@@ -43,9 +43,22 @@ from .model import SpecdraftModel, run_block
 WIDTH_BUCKETS = (1, 2, 4, 8, 16, 32)
 
 
-def width_bucket(width: int) -> int | None:
-    """The smallest bucket holding ``width`` tokens, or None past the largest (run eagerly)."""
-    return next((b for b in WIDTH_BUCKETS if b >= width), None)
+def width_bucket(width: int, buckets: tuple[int, ...] = WIDTH_BUCKETS) -> int | None:
+    """The smallest of ``buckets`` holding ``width`` tokens, or None past the largest (run eagerly)."""
+    return next((b for b in buckets if b >= width), None)
+
+
+def runner_buckets(model) -> tuple[int, ...]:
+    """A compiled runner's width buckets: :data:`WIDTH_BUCKETS`, and on CUDA with the invariant
+    kernels one more at :data:`~.model.CUDA_DECODE_WIDTH` (64): a pass wider than the last bucket
+    runs eagerly, whose elementwise operations round otherwise than the compiled graphs' fused
+    ones, so its tokens would differ from compiled one-token steps (seen on an H100 at 48 and 64)."""
+    from .model import CUDA_DECODE_WIDTH
+
+    kernels = getattr(model, "kernels", None)
+    if isinstance(kernels, dict) and kernels.get("cuda") == "invariant":
+        return WIDTH_BUCKETS + (CUDA_DECODE_WIDTH,)
+    return WIDTH_BUCKETS
 
 
 #: The shortest span a pass attends over; spans are powers of two from here to the capacity.
@@ -72,7 +85,9 @@ class ModelRunner(RunnerBase):
         self.quantization = quantization
         #: the static KV cache the passes run over (:mod:`specdraft.cache`): the engine and the
         #: drafters size it, roll it back and keep tree paths through it
-        self.cache = StaticCache(model.new_cache, headroom=WIDTH_BUCKETS[-1])
+        #: the widths passes are padded to when compiled (:func:`runner_buckets`)
+        self.buckets = runner_buckets(model)
+        self.cache = StaticCache(model.new_cache, headroom=self.buckets[-1])
         self._epoch = 0
         self.compile_seconds = 0.0  # spent compiling (first passes of each bucket)
         self._compiled_block = None
@@ -125,7 +140,7 @@ class ModelRunner(RunnerBase):
             return
         self.cache.reset(rows, MIN_SPAN)
         with torch.inference_mode():
-            for bucket in sorted({width_bucket(w) for w in widths} - {None}):
+            for bucket in sorted({width_bucket(w, self.buckets) for w in widths} - {None}):
                 for hidden in self._warm_variants(bucket):
                     self._forward(self._blank(rows, bucket), None, hidden, None, None)
                     self.cache.set_lengths([0] * rows)
@@ -177,7 +192,7 @@ class ModelRunner(RunnerBase):
         rows, width = inputs.shape[:2]
         if advance is not None:
             advance = as_long(advance, inputs.device)
-        bucket = width_bucket(width) if self.compiled else None
+        bucket = width_bucket(width, self.buckets) if self.compiled else None
         bound = self.cache.grow(slots, width)
         span = span_for(bound + (bucket or width), self.cache.kv.max_len)
         cache, first = self.cache.kv, None
