@@ -216,3 +216,15 @@ def test_serve_warns_on_a_public_address_without_a_key(capsys, monkeypatch, host
                             "port can use it and read /docs"]
     else:
         assert err[:-1] == []
+
+
+def test_generate_stats_say_which_cuda_kernels_run():
+    from specdraft.cli import format_runner
+
+    base = {"implementation": "specdraft", "compiled": True, "quantization": None, "dtype": "bfloat16"}
+    invariant = {"cuda": "invariant", "linear": {"triton": 121}, "attention": "triton", "rms_norm": "triton"}
+    assert format_runner({**base, "kernels": invariant}).endswith(
+        "bfloat16, row-invariant CUDA kernels (linear triton, attention triton, RMSNorm triton)")
+    stock = {"cuda": "stock", "why": "SPECDRAFT_CUDA_KERNELS=stock: cuBLAS, SDPA, torch's RMSNorm (not row-invariant)"}
+    assert format_runner({**base, "kernels": stock}).endswith("CUDA kernels: " + stock["why"])
+    assert format_runner({**base, "kernels": {"packed": 7}}).endswith("unquantized weights, bfloat16")  # CPU: as before

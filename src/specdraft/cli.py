@@ -216,7 +216,19 @@ def format_runner(info: dict) -> str:
     reason = f" ({info['dtype_reason']})" if info.get("dtype_reason") else ""
     return (f"{info['implementation']} model code, {'compiled' if info['compiled'] else 'eager'}, "
             f"{info['quantization'] or 'unquantized'} weights" + (f", {dtype}{reason}" if dtype else "")
-            + (f", sharded over {info['tensor_parallel']} ranks" if info.get("tensor_parallel") else ""))
+            + (f", sharded over {info['tensor_parallel']} ranks" if info.get("tensor_parallel") else "")
+            + _cuda_kernels(info.get("kernels")))
+
+
+def _cuda_kernels(kernels) -> str:
+    """``, CUDA kernels: ...`` from a runner's kernel report on CUDA (nothing elsewhere)."""
+    if not isinstance(kernels, dict) or "cuda" not in kernels:
+        return ""
+    if kernels["cuda"] != "invariant":
+        return f", CUDA kernels: {kernels.get('why', kernels['cuda'])}"
+    linear = "/".join(sorted(kernels.get("linear", {}))) or "none"
+    return (f", row-invariant CUDA kernels (linear {linear}, attention {kernels.get('attention')}, "
+            f"RMSNorm {kernels.get('rms_norm')})")
 
 
 def format_stats(stats, drafter: str, spec_length: int, runner: dict | None = None) -> str:
