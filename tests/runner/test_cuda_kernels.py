@@ -142,10 +142,15 @@ def test_rms_norm_matches_and_its_rows_are_alone(dtype, monkeypatch):
     assert ck.rms_norm_invariant(ck.rms_norm, 40, dtype, "cpu")
 
 
-def test_a_runner_with_the_cuda_kernels_is_row_invariant(monkeypatch):
+def test_a_compiled_runner_with_the_cuda_kernels_is_row_invariant(monkeypatch):
     """The whole model with its linears, attention and norms replaced as on CUDA (the kernels
-    interpreted on CPU): passes of several widths over three ragged rows, and over a gathered
-    subset, give each token the logits of its one-token step, bit for bit (float32)."""
+    interpreted on CPU), compiled as a CUDA-graphed runner is (each kernel one opaque operator
+    in the graph): passes of 3 and 40 tokens over three ragged rows, and over a gathered subset,
+    give each token the logits of its one-token step, bit for bit (float32). 40 tokens run in
+    the 64-token bucket such a runner has (asserted: run eagerly past the last bucket, passes of
+    48 and 64 tokens differed on an H100, where eager elementwise operations round otherwise than
+    the compiled graph's; on this CPU they happen to round alike, so the widths alone would not
+    catch a missing bucket)."""
     from specdraft.runner import ModelRunner
     from specdraft.runner.convert import from_transformers
     from specdraft.runner.model import CUDA_DECODE_WIDTH
@@ -159,8 +164,9 @@ def test_a_runner_with_the_cuda_kernels_is_row_invariant(monkeypatch):
     model, _ = from_transformers(tiny_llama(vocab_size=64, seed=0, dtype=torch.float32))
     linears = {id(m) for m in model.modules() if type(m) is torch.nn.Linear}
     model.kernels = ck.make_invariant(model, CUDA_DECODE_WIDTH)
-    runner = ModelRunner(model)
+    runner = ModelRunner(model, compile=True)
     assert runner.info["kernels"]["linear"] == {"triton": len(linears)}
     assert runner.info["kernels"]["attention"] == "triton" and runner.info["kernels"]["rms_norm"] == "triton"
     assert not any(type(m) is torch.nn.Linear for m in model.modules())
-    assert differing_widths(runner, 64, (1, 3, 8)) == ([], [])
+    assert runner.buckets[-1] == CUDA_DECODE_WIDTH == 64
+    assert differing_widths(runner, 64, (1, 3, 40)) == ([], [])
