@@ -115,12 +115,12 @@ def test_tree_attention_reads_keys_in_the_order_given():
     assert torch.allclose(out.double(), ref, atol=1e-5)
 
 
-@pytest.mark.parametrize("dtype", DTYPES)
-def test_attention_tokens_equal_their_one_token_steps(dtype):
+def test_attention_tokens_equal_their_one_token_steps():
     """Passes of 1..16 tokens over two rows of ragged lengths and a wider span than the one-token
     steps' (a masked tail), and a tree whose tokens read their keys through an order index:
-    every token bit-identical to its one-token call (``attention_invariant``, the load-time check)."""
-    assert ck.attention_invariant(ck.decode_attention, 4, 2, 16, dtype, "cpu", widths=(1, 2, 3, 4, 7, 8, 16),
+    every token bit-identical to its one-token call (``attention_invariant``, the load-time check).
+    float16 (bfloat16's stand-in here); float32 runs in the whole-model test below."""
+    assert ck.attention_invariant(ck.decode_attention, 4, 2, 16, torch.float16, "cpu", widths=(1, 2, 3, 4, 7, 8, 16),
                                   starts=(37, 70), span=192)
 
 
