@@ -8,26 +8,54 @@ default CPU kernels give neither: the product's kernel, and so its summation ord
 the row count, and float32 products of 2-5 rows cost up to 30x a one-row product on an AMD EPYC.
 
 The rules, fixed (never chosen by timing), from measurements on a 2-core AMD EPYC (AVX-512 with
-``avx512_bf16``), torch 2.13 CPU; ``benchmarks/row_invariance.py`` reprints them on any machine:
+``avx512_bf16``) and a 2-core Intel Xeon (family 6 model 207, with AMX: ``amx_bf16``,
+``amx_tile``, and ``avx512_bf16``), torch 2.13 CPU; ``benchmarks/row_invariance.py`` reprints
+them on any machine:
 
 * **Linear layers and the output head** (float32 and bfloat16 on CPU): oneDNN with the weight
-  prepacked once (:class:`PackedLinear`). For every shape of SmolLM2-135M and of larger models
-  (up to 2048 x 8192), every row count from 2 to 48 gave rows bit-identical to a 2-row product
-  in both dtypes, while one row takes another kernel once the inner dimension is 1152 or more;
-  so a single row runs as two (the row twice). It is also the fastest kernel measured there:
-  bfloat16, the 3072 x 576 product 0.04 ms at 1 row and 0.08 at 16 (MKL's ``F.linear``
-  0.12 / 0.19), the 49152 x 576 head 0.6 / 1.6 ms (2.4 / 3.9). Because kernels differ between
-  processors, each shape is also *checked* when a model is packed (:func:`checked_row_counts`: random
-  rows, every row count to 64 and a few to 256, bit-identity — a check of results, not a
-  timing): a pass runs as products of checked counts only, so a count that fails on some
-  processor is never used there (one row at a time at worst), and :func:`pack_linears` reports it.
+  prepacked once (:class:`PackedLinear`). On the EPYC, for every shape of SmolLM2-135M and of
+  larger models (up to 2048 x 8192), every row count from 2 to 48 gave rows bit-identical to a
+  2-row product in both dtypes, while one row takes another kernel once the inner dimension is
+  1152 or more; so a single row runs as two (the row twice). It is also the fastest kernel
+  measured there: bfloat16, the 3072 x 576 product 0.04 ms at 1 row and 0.08 at 16 (MKL's
+  ``F.linear`` 0.12 / 0.19), the 49152 x 576 head 0.6 / 1.6 ms (2.4 / 3.9). On the Xeon oneDNN's
+  bfloat16 products run on AMX, row-invariant up to 32 rows for every shape of SmolLM2-135M
+  (and 96 x 1536) but summing in another order from 33 rows on (inner dimensions of 64 or less:
+  every count to 256); bfloat16's rounding hides most of it (about 1 row in 100 of a 96-wide
+  product differs, 1 in 30 of a 576-wide one), so random rows let such counts pass by luck. Its
+  float32 products passed every count to 256. AMX is worth keeping: 16 rows of the 3072 x 576
+  product take 0.20 ms and of the head 3.2 ms on one thread there, 0.72 and 13.9 ms with oneDNN
+  held to ``avx512_bf16`` (``ONEDNN_MAX_CPU_ISA=AVX512_CORE_BF16``, which made every count pass).
+  Because kernels differ between processors, each shape is *checked* when a model is packed
+  (:func:`checked_row_counts`, a check of results, not a timing): every row count to 64 and a few
+  to 256, bit-identity on :func:`check_inputs`, random rows and cancelling rows (whose results are
+  pure rounding residues: a change of summation order shows in nearly every element; random rows
+  alone let the Xeon's counts 33..192 pass for a 96 x 1536 bfloat16 shape); a pass runs as
+  products of checked counts only, so a count that fails on some processor is never used there
+  (one row at a time at worst), and :func:`pack_linears` reports it. On the Xeon every bfloat16
+  shape of SmolLM2-135M stops at 32 (a 300-row pass: products of 32 and a rest), and the counts
+  that passed held in every window of 2048 other random rows (512 for the head) and of four other
+  sets of cancelling rows (all shapes but the head). The checks take 1.0-1.2 s of loading it
+  there (0.7 s with random rows only), 2.8-3.4 s in float32, where every count passes (2.4-3.0 s).
 * **Attention of decode-width passes** (:func:`decode_attention`): bfloat16 and float16, each KV
-  head's query rows (``G`` heads x ``W`` tokens) against its keys as one batched product with the
-  softmax in float32 (oneDNN's batched product is row-invariant at every row count from 2, and a
-  pass always has ``G >= 2`` rows or duplicates its one row); float32, elementwise products and
-  reductions over one axis (MKL's float32 products are not row-invariant at any row count), in
-  chunks of query rows so the intermediate stays small. Both gave the same bits for 1..16 query
-  tokens and for spans of 64..2048 positions with the tail masked. float64 uses SDPA.
+  head's query rows (``G`` heads x ``W`` tokens) against its keys as one batched product, the
+  softmax in float32, then the probabilities against the values in blocks of
+  :data:`VALUE_BLOCK` positions (:func:`blocked_values`), the blocks' results summed in float32.
+  The scores' product (inner length: the head dimension) was row-invariant at every row count from
+  2 on both machines (a pass always has ``G >= 2`` rows or duplicates its one row). The values'
+  product over a whole span was on the EPYC (spans to 2048), but not on the Xeon's AMX: it sums in
+  another order from 33 rows per KV head at spans of 512 or more, from 16 rows at 8192 positions,
+  and from as few as 3 when the batch holds a single KV head (one KV head, one sequence) and two
+  threads run it; products of 128 positions were row-invariant there for 2..128 rows (256 too,
+  512 not). The blocks cost 10-40% of attention's time there, the most at short spans (one
+  thread: a 16-token pass over 1024 positions 0.68 -> 0.80 ms, one token over 64 0.09 -> 0.12),
+  nothing measurable in a SmolLM2-135M pass (35-58 ms there, 1-16 tokens after 100 or 1000).
+  float32: elementwise products and reductions over one axis (MKL's float32 products are not
+  row-invariant at any row count), in chunks of query rows so the intermediate stays small. On the
+  EPYC both forms (bfloat16's then with one product over the span) gave the same bits for 1..16
+  query tokens and spans of 64..2048 positions with the tail masked; on the Xeon bfloat16 and
+  float16 with blocks did for 1..32 tokens (up to 96 query rows per KV head) and spans to 16384
+  (the blocks are not measured on the EPYC yet). float64 uses SDPA.
 * **Quantized layers** (int8/int4, :mod:`.quantize`) compute each row alone already.
 
 CUDA has its own rules and Triton kernels: :mod:`.cuda_kernels`. Not covered: float64 (the
@@ -40,6 +68,7 @@ import itertools
 import weakref
 
 import torch
+import torch.nn.functional as F
 from torch import nn
 
 #: row counts every packed shape is checked at when a model is packed (a pass's rows: batch x width; the
@@ -133,24 +162,64 @@ def _(flat: torch.Tensor, handle: torch.Tensor, out_features: int) -> torch.Tens
 
 
 def checked_row_counts(module: PackedLinear) -> tuple[int, ...]:
-    """The row counts ``module``'s products are checked to take with every row bit-identical to a
-    2-row product of that row alone: :data:`CHECKED_ROWS` (every count to 64, then a few to 256)
-    up to the first that fails, on random rows (a fixed seed: deterministic). Remembered per shape,
-    dtype and thread count. ``(1,)`` means row by row."""
+    """The row counts products of ``module``'s shape are checked to take with every row
+    bit-identical to a 2-row product of that row alone: :data:`CHECKED_ROWS` (every count to 64,
+    then a few to 256) up to the first that fails (deterministic: a fixed seed). Remembered per
+    shape, dtype, bias and thread count. ``(1,)`` means row by row.
+
+    The products are a :class:`PackedLinear` of ``module``'s shape, dtype and bias (a zero one) on
+    :func:`check_inputs`: its rows alternate random ones and cancelling ones, whose results are
+    pure float32 rounding residues. Random rows show a product that sums in another order only
+    now and then (the result's rounding hides most of it: about 1 bfloat16 row in 100 of a
+    96-wide product on the Xeon of the module's docstring, where every count from 33 to 192 passed
+    on them); cancelling rows in nearly every element."""
     key = (module.out_features, module.in_features, module.dtype, module.bias is not None, torch.get_num_threads())
     if key in _CHECKED_COUNTS:
         return _CHECKED_COUNTS[key]
-    generator = torch.Generator().manual_seed(0)
-    x = torch.randn(CHECKED_ROWS[-1], module.in_features, generator=generator).to(module.dtype)
+    weight, rows = check_inputs(module.out_features, module.in_features, CHECKED_ROWS[-1])
+    linear = nn.Linear(module.in_features, module.out_features, bias=module.bias is not None, device="meta")
+    linear.weight = nn.Parameter(weight.to(module.dtype), requires_grad=False)
+    if module.bias is not None:
+        linear.bias = nn.Parameter(torch.zeros_like(module.bias), requires_grad=False)
+    probe = PackedLinear(linear)
+    rows = rows.to(module.dtype)
     with torch.inference_mode():
-        alone = torch.cat([module.product(x[i:i + 1].expand(2, -1).contiguous())[:1] for i in range(x.shape[0])])
+        alone = torch.cat([probe.product(rows[i:i + 1].expand(2, -1).contiguous())[:1] for i in range(rows.shape[0])])
         passed = (1,)
         for n in CHECKED_ROWS[1:]:
-            if not torch.equal(module.product(x[:n]), alone[:n]):
+            if not torch.equal(probe.product(rows[:n]), alone[:n]):
                 break
             passed += (n,)
     _CHECKED_COUNTS[key] = passed
     return passed
+
+
+#: distinct weight rows of :func:`check_inputs` (a larger weight repeats them)
+CHECK_WEIGHT_ROWS = 1024
+
+
+def check_inputs(out_features: int, in_features: int, count: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """``(weight # [out, in], rows # [count, in])``, float32, random normal values (a fixed seed),
+    for :func:`checked_row_counts`. The inputs pair up at random places (``2 * (in // 2)`` of
+    them) where a pair's weights are equal; the odd rows' values are opposite in each pair, so
+    that their exact product is zero while its partial sums are not: the result is the rounding
+    residue of the partial sums, which changes with almost any change of summation order, however
+    it is rounded afterwards. The even rows are plain random rows. Past :data:`CHECK_WEIGHT_ROWS`
+    the weight's rows repeat (each output is still summed on its own)."""
+    generator = torch.Generator().manual_seed(0)
+    half = in_features // 2
+    order = torch.randperm(in_features, generator=generator)
+    first, second = order[:half], order[half:2 * half]
+    distinct = min(out_features, CHECK_WEIGHT_ROWS)  # repeated below: a random 49152 x 576 weight took 0.3 s
+    weight = torch.randn(distinct, in_features, generator=generator)
+    weight[:, second] = weight[:, first]
+    weight = weight.repeat(-(-out_features // distinct), 1)[:out_features]
+    rows = torch.randn(count, in_features, generator=generator)
+    cancelling = rows[1::2]
+    cancelling[:, second] = -cancelling[:, first]
+    if in_features % 2:
+        cancelling[:, order[-1]] = 0
+    return weight, rows
 
 
 def replace_linears(model: nn.Module, convert, when=None) -> dict[str, nn.Module]:
@@ -260,12 +329,17 @@ def tree_attention(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, ma
     return out.reshape(batch, width, heads, dim).transpose(1, 2)
 
 
+#: positions per product of attention's probabilities and values (:func:`grouped_attention`)
+VALUE_BLOCK = 128
+
+
 def grouped_attention(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, mask: torch.Tensor,
                       scale: float) -> torch.Tensor:
     """Each KV head's ``G x W`` query rows against its keys as batched products (bfloat16 or
     float16 on CPU: oneDNN), the softmax in float32. Scores are ``keys @ queries.T`` so the cache's
     keys are read in place (no transposed copy); a single query row of a single head is run twice
-    so that no product has one row or column. Shapes as for :func:`decode_attention`.  # [B, heads, W, D]"""
+    so that no product has one row or column. The probabilities meet the values in blocks of
+    :data:`VALUE_BLOCK` positions (:func:`blocked_values`). Shapes as for :func:`decode_attention`.  # [B, heads, W, D]"""
     batch, heads, width, dim = q.shape
     kv_heads = keys.shape[1]
     rows = heads // kv_heads * width
@@ -278,8 +352,32 @@ def grouped_attention(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor,
     probs = scores.softmax(-1).to(values.dtype).reshape(batch, kv_heads, rows, -1)  # [B, kvH, G*W, L]
     if rows == 1:
         probs = torch.cat([probs, probs], dim=2)
-    out = torch.matmul(probs, values)[:, :, :rows]  # [B, kvH, G*W, D]
-    return out.reshape(batch, heads, width, dim)
+    out = blocked_values(probs, values)[:, :, :rows]  # [B, kvH, G*W, D] float32
+    return out.to(values.dtype).reshape(batch, heads, width, dim)
+
+
+def blocked_values(probs: torch.Tensor, values: torch.Tensor) -> torch.Tensor:
+    """``probs @ values`` as products of exactly :data:`VALUE_BLOCK` positions (the last block
+    padded with zeros), one batched product for all blocks, their results summed in float32, block
+    by block, over the position axis as :func:`elementwise_attention` sums. Every product then has
+    the same inner length whatever the span, and one short enough that oneDNN's row-count
+    dependent choices do not reach it (see the module's docstring: one product over the whole
+    span summed in another order from 33 rows on, on an AMX Xeon).
+
+    ``probs # [B, kvH, R, L]``, ``values # [B, kvH, L, D]`` (bfloat16 or float16).  # [B, kvH, R, D] float32"""
+    batch, kv_heads, rows, span = probs.shape
+    dim = values.shape[-1]
+    full = span // VALUE_BLOCK * VALUE_BLOCK
+    parts = []
+    if full:  # views of the cache's values: [B, kvH, blocks, VALUE_BLOCK, D]
+        blocks = probs[..., :full].reshape(batch, kv_heads, rows, -1, VALUE_BLOCK).transpose(2, 3)
+        parts.append(torch.matmul(blocks, values[:, :, :full].reshape(batch, kv_heads, -1, VALUE_BLOCK, dim)))
+    if full < span:  # the last, short block, padded to a whole one
+        pad = VALUE_BLOCK - (span - full)
+        tail = F.pad(probs[..., full:], (0, pad))[:, :, None]  # [B, kvH, 1, R, VALUE_BLOCK]
+        parts.append(torch.matmul(tail, F.pad(values[:, :, full:], (0, 0, 0, pad))[:, :, None]))
+    partial = parts[0] if len(parts) == 1 else torch.cat(parts, dim=2)  # [B, kvH, blocks, R, D]
+    return partial.transpose(2, 3).to(torch.float32, memory_format=torch.contiguous_format).sum(-2)
 
 
 def elementwise_attention(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, mask: torch.Tensor,
@@ -297,6 +395,6 @@ def elementwise_attention(q: torch.Tensor, keys: torch.Tensor, values: torch.Ten
     return out.reshape(batch, heads, width, dim).to(values.dtype)
 
 
-__all__ = ["CHECKED_ROWS", "PackedLinear", "checked_row_counts", "decode_attention", "decode_attention_applies",
-           "elementwise_attention", "grouped_attention", "pack_linears", "packable", "replace_linears",
-           "tree_attention", "tree_order"]
+__all__ = ["CHECKED_ROWS", "PackedLinear", "VALUE_BLOCK", "blocked_values", "check_inputs", "checked_row_counts",
+           "decode_attention", "decode_attention_applies", "elementwise_attention", "grouped_attention", "pack_linears",
+           "packable", "replace_linears", "tree_attention", "tree_order"]
