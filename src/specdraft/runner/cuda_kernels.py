@@ -383,13 +383,10 @@ def per_token_attention(q, keys, values, mask, scale, order=None) -> torch.Tenso
 
 def per_row_rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
     """transformers' RMSNorm in torch, one row at a time (the fallback for :func:`rms_norm`)."""
+    from .model import rms_norm as torch_rms_norm
+
     flat = x.reshape(-1, x.shape[-1])
-    rows = []
-    for i in range(flat.shape[0]):
-        h = flat[i:i + 1].to(torch.float32)
-        h = h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + eps)
-        rows.append(weight * h.to(x.dtype))
-    return torch.cat(rows).reshape(x.shape)
+    return torch.cat([torch_rms_norm(flat[i:i + 1], weight, eps) for i in range(flat.shape[0])]).reshape(x.shape)
 
 
 def attention_invariant(kernel, heads: int, kv_heads: int, dim: int, dtype: torch.dtype, device,

@@ -116,11 +116,14 @@ class RMSNorm(nn.Module):
         self.kernel = None
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        if self.kernel is not None:
-            return self.kernel(x, self.weight, self.eps)
-        h = x.to(torch.float32)
-        h = h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + self.eps)
-        return self.weight * h.to(x.dtype)
+        return (self.kernel or rms_norm)(x, self.weight, self.eps)
+
+
+def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    """transformers' RMSNorm in torch ops: normalised in float32, cast back, times the weight."""
+    h = x.to(torch.float32)
+    h = h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + eps)
+    return weight * h.to(x.dtype)
 
 
 class Attention(nn.Module):
