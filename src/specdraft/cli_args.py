@@ -45,7 +45,7 @@ def device_args(p: argparse.ArgumentParser) -> None:
 def runner_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--compile", action=argparse.BooleanOptionalAction, default=None,
                    help="torch.compile the target, one graph per pass width (CUDA graphs on a GPU); "
-                        "default: off (see docs/benchmarks.md)")
+                        "default: on with CUDA, off on a CPU (see docs/benchmarks.md)")
     p.add_argument("--quantize", choices=["int8", "int4"], default=None,
                    help="weight-only int8 (per channel) or int4 (per group of 32; CPU only) target: the quantized "
                         "model is the one decoded, exactly")

@@ -117,3 +117,30 @@ def test_the_suite_catches_a_drafter_that_assumes_one_setting_per_batch(tiny_mod
 
     with pytest.raises(AssertionError, match="continuous batching.*rows have different sampling settings"):
         check_drafter(OneSettingDrafter(None, None), tiny_model, spec_lengths=(3,), samples=0)
+
+
+@pytest.mark.parametrize("sampled", [False, True], ids=["greedy", "sampled"])
+@pytest.mark.parametrize("name", get_registry().names())
+def test_a_round_copies_to_the_host_once(tiny_model, tmp_path, name, sampled, monkeypatch):
+    """Every drafter's engine round (draft, verify, accept, commit) asks for at most one
+    device-to-host copy: the verifier's Outcome. Counted on CPU, where each would be a host sync
+    on a GPU (specdraft.testing.syncs), over batches of three rows, greedy and sampled."""
+    from specdraft.engine.engine import Engine
+    from specdraft.testing import repetitive_prompts
+    from specdraft.testing.syncs import HostSyncs
+
+    rounds, run_round = [], Engine._round
+
+    def counted(self, batch):
+        with HostSyncs() as syncs:
+            run_round(self, batch)
+        rounds.append(syncs.where)
+
+    monkeypatch.setattr(Engine, "_round", counted)
+    options = OPTIONS[name](tiny_model, tmp_path) if name in OPTIONS else None
+    dec = SpeculativeDecoder(tiny_model, None, drafter=name, spec_length=3, adaptive=False, drafter_options=options)
+    dec.generate_ids(repetitive_prompts(64, seed=0)[:3], max_new_tokens=12,
+                     **({"temperature": 0.8, "seed": 1} if sampled else {}))
+    assert len(rounds) >= 3
+    worst = max(rounds, key=lambda where: sum(where.values()))
+    assert sum(worst.values()) <= 1, f"a round copied to the host {sum(worst.values())} times: {dict(worst)}"

@@ -35,3 +35,22 @@ def test_choose_is_the_argmax_of_the_mixture_and_its_probability(trimmed):
     assert torch.equal(token, mixture.argmax(-1))
     torch.testing.assert_close(confidence.double(), mixture.max(-1).values, rtol=1e-6, atol=1e-6)
     assert (g > 0).any() and (g == 0).any() and (token == copy_ids).any() and (token != copy_ids).any()
+
+
+def test_device_candidates_are_lookups():
+    """The copy candidate computed on the device for every row at once (no copy to the host) is
+    prompt lookup's (``lookup(row, 1)``): the token after the most recent earlier occurrence of the
+    longest trailing n-gram, n in 3..1; rows of different lengths, padded, with and without matches."""
+    from specdraft.drafters.common.copy_gate import device_candidates
+    from specdraft.drafters.common.lookup import lookup
+
+    gen = torch.Generator().manual_seed(0)
+    for trial in range(200):
+        lengths = torch.randint(1, 30, (5,), generator=gen)
+        vocab = int(torch.randint(2, 9, (1,), generator=gen))  # small vocabularies: many matches
+        ids = torch.randint(vocab, (5, int(lengths.max()) + 3), generator=gen)  # padding past each length
+        candidate, n = device_candidates(ids, lengths, 1, 3)
+        for b in range(5):
+            row = ids[b, : lengths[b]].tolist()
+            follow, matched = lookup(row, 1, 1, 3)
+            assert (int(candidate[b]), int(n[b])) == (follow[0] if follow else -1, matched), (trial, row)

@@ -124,6 +124,10 @@ class DraftModelDrafter(Drafter):
 
     def reset(self) -> None:
         self._fed: dict[int, list[int]] = {}  # sequence id -> the tokens whose keys/values its cache row holds
+        # sequence id -> drafted tokens fed after ``_fed`` last round (on the device: never copied), then
+        # how many of them the verifier accepted (those are the next context's tokens there)
+        self._drafts_fed: dict[int, int] = {}
+        self._drafts_kept: dict[int, int] = {}
         self._slots = SequenceSlots()
         self.runner.cache.reset(1, 256)
 
@@ -135,6 +139,8 @@ class DraftModelDrafter(Drafter):
 
     def on_leave(self, seq_id: int) -> None:
         self._fed.pop(seq_id, None)
+        self._drafts_fed.pop(seq_id, None)
+        self._drafts_kept.pop(seq_id, None)
         self._slots.leave(seq_id)
 
     def _sync(self, ctx: DraftContext, seq_ids: list[int]) -> list[list[int]]:
@@ -142,6 +148,10 @@ class DraftModelDrafter(Drafter):
         for seq_id, tokens in zip(seq_ids, ctx.token_ids):
             if seq_id not in self._fed:  # a context built without on_join (by hand)
                 self.on_join(seq_id, tokens)
+        for seq_id, tokens in zip(seq_ids, ctx.token_ids):  # the accepted drafts fed: the context's tokens there
+            kept, fed = self._drafts_kept.pop(seq_id, 0), self._fed[seq_id]
+            self._drafts_fed.pop(seq_id, None)
+            fed.extend(tokens[len(fed):len(fed) + kept])
         pending, keep = [], []
         for fed, tokens in zip((self._fed[i] for i in seq_ids), ctx.token_ids):
             limit = min(len(fed), len(tokens) - 1)
@@ -201,13 +211,13 @@ class DraftModelDrafter(Drafter):
             return self._tree(ctx, k, step_logits, step_hidden, slots)
 
         chain = DraftChain(ctx.batch_size, device, self.options.min_confidence, ctx.sampling.greedy)
-        fed_now = []  # tokens fed below, copied to the host once at the end (one copy per round, not per step)
+        fed_now = 0  # drafted tokens fed below (never copied to the host: the accepted ones come back in the context)
         for i in range(k):
             if self.copier is None:  # [batch], [batch, vocab] | None, [batch] | None
                 drawn = draw_scored(self._to_target_vocab(step_logits), ctx.sampling, generators(ctx), chain.scored,
                                     ctx.counts_after(chain.tokens))
             else:
-                drawn = self.copier.draw(step_logits, step_hidden, drafted_rows(ctx.token_ids, chain.tokens),
+                drawn = self.copier.draw(step_logits, step_hidden, drafted_rows(ctx, chain.tokens, device),
                                          ctx.sampling, generators(ctx), ctx.counts_after(chain.tokens))
             token = drawn[0]
             if not chain.add(*drawn):
@@ -215,11 +225,18 @@ class DraftModelDrafter(Drafter):
             if i + 1 < k:
                 logits, hidden = self.runner.forward(token[:, None], hidden=gated, slots=slots)
                 step_logits, step_hidden = logits[:, -1], (hidden[:, -1] if gated else None)
-                fed_now.append(token)
+                fed_now += 1
         if fed_now:
-            for fed, tokens in zip(fed_rows, torch.stack(fed_now, 1).tolist()):
-                fed.extend(tokens)
+            self._drafts_fed.update((i, fed_now) for i in seq_ids)
         return chain.draft()
+
+    def on_verified(self, ctx: DraftContext, num_accepted: list[int]) -> None:
+        """The drafted tokens fed last round that were accepted hold valid keys and values: the next
+        :meth:`_sync` keeps them (the context has them); the rest is rolled back."""
+        for seq_id, accepted in zip(row_ids(ctx), num_accepted):
+            fed = self._drafts_fed.get(seq_id, 0)
+            if fed:
+                self._drafts_kept[seq_id] = min(accepted, fed)
 
     def _tree(self, ctx: DraftContext, k: int, logits, hidden, slots: list[int]) -> Draft:
         """A dynamic tree from the first step's ``logits # [batch, vocab_d]`` (``hidden # [batch, H]``

@@ -128,6 +128,23 @@ class RunnerAsModel:
         return SimpleNamespace(logits=logits.float().clone())
 
 
+def plain_reference(decoder):
+    """What a decoder's plain sampling draws from, as a model for the test references: its runner's
+    own logits (:class:`RunnerAsModel` over a fresh runner of the same converted model, so the
+    decoder's cache is left alone) when it runs specdraft's model, else its transformers model.
+
+    The runner's half-precision arithmetic is its own (the CPU operators of
+    :mod:`specdraft.runner.cpu_ops`, oneDNN products, the CUDA kernels): it agrees with
+    transformers' forward to rounding, not bit for bit, and a sharp distribution (temperature
+    0.03) turns such rounding into a difference a chi-square test of thousands of samples finds.
+    Speculation is exact with respect to the target as it runs."""
+    runner = decoder.runner
+    if getattr(runner, "implementation", None) != "specdraft" or runner.__class__.__name__ != "ModelRunner":
+        return decoder.model
+    vocab = runner.model.args.vocab_size
+    return RunnerAsModel(runner.__class__(runner.model, quantization=runner.quantization), vocab)
+
+
 def differing_widths(runner, vocab_size: int, widths, prompt_lengths=(9, 4, 13), seed: int = 0):
     """Where ``runner`` is not row-invariant: three rows with prompts of ``prompt_lengths`` tokens
     (one cache slot each), their one-token steps (each row alone) against passes of every width

@@ -131,7 +131,8 @@ def sampled_joint_pvalue(decoder, prompt: Sequence[int], params, n: int | None =
                          exact=None, steps: int | None = None, max_new_tokens: int | None = None,
                          prediction: Sequence[int] | None = None):
     """p-value of the first ``steps`` tokens of ``n`` speculative samples from ``decoder`` (one
-    batched call, ``prompt`` repeated) against the target's exact distribution.
+    batched call, ``prompt`` repeated) against the target's exact distribution (by default
+    enumerated from its plain decoding as it runs: :func:`~specdraft.testing.models.plain_reference`).
 
     ``steps`` defaults to the decoder's ``spec_length + 1``, so the first round drafts (and
     verifies) as deep as the decoder drafts at all; ``n`` defaults to :func:`samples_needed` for
@@ -142,11 +143,12 @@ def sampled_joint_pvalue(decoder, prompt: Sequence[int], params, n: int | None =
     compare the p-value with :data:`SIGNIFICANCE`. ``prediction``: every sample's predicted output
     (token ids), drafted from before the drafter.
     """
+    from .models import plain_reference
     from .reference import enumerate_plain_sampling
 
     steps = steps or decoder.engine.spec_length + 1
     if exact is None:
-        exact = enumerate_plain_sampling(decoder.model, prompt, params, steps)
+        exact = enumerate_plain_sampling(plain_reference(decoder), prompt, params, steps)
     if n is None:
         support = max(int((exact.marginal(i) > 0).sum()) for i in range(steps))
         n = samples_needed(support - 1, family_size(steps))

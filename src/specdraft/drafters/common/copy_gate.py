@@ -17,7 +17,7 @@ mixture through the filters again (:func:`~specdraft.sampling.restrict`).
 
 from __future__ import annotations
 
-from typing import Sequence
+from typing import NamedTuple, Sequence
 
 import torch
 
@@ -76,8 +76,45 @@ def copy_mixture(probs: torch.Tensor, gate: torch.Tensor, copy_ids: torch.Tensor
     return mixed.scatter_add_(1, copy_ids.clamp(min=0)[:, None], gate)
 
 
-def copy_candidates(rows: Sequence[Sequence[int]], gate: CopyGate, device) -> tuple[torch.Tensor, torch.Tensor]:
-    """Each row's copy candidate ``# [B]`` (-1: none) and matched n-gram length ``# [B]``."""
+class DraftedRows(NamedTuple):
+    """Each row's context followed by the tokens drafted so far this round, on the device:
+    ``ids # [B, L]`` (padded past each row's length) and ``lengths # [B]``."""
+
+    ids: torch.Tensor
+    lengths: torch.Tensor
+
+
+def device_candidates(ids: torch.Tensor, lengths: torch.Tensor, min_ngram: int,
+                      max_ngram: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """:func:`~.lookup.lookup`'s candidate (``k=1``) and n-gram length for every row at once, on the
+    device (no copy to the host): ``ids # [B, L]`` each row's tokens, ``lengths # [B]`` how many are
+    its own (the rest is padding). Returns ``(candidate # [B] (-1: none), n # [B] (0: none))``: for
+    the longest ``n`` in ``max_ngram..min_ngram`` whose trailing n-gram occurs earlier, the token
+    after its most recent earlier occurrence."""
+    batch, width = ids.shape
+    device = ids.device
+    candidate = torch.full((batch,), -1, dtype=torch.long, device=device)
+    match = torch.zeros(batch, dtype=torch.long, device=device)
+    for n in range(max_ngram, min_ngram - 1, -1):
+        if width <= n:
+            continue
+        tail = ids.gather(1, (lengths[:, None] - n + torch.arange(n, device=device)).clamp(min=0))  # [B, n]
+        starts = torch.arange(width - n, device=device)  # windows of ids[:, :length - 1]: starts 0..length-1-n
+        hits = (ids[:, : width - 1].unfold(1, n, 1) == tail[:, None, :]).all(-1)  # [B, width - n]
+        hits &= starts[None, :] <= (lengths[:, None] - 1 - n)
+        last = torch.where(hits, starts, -1).amax(1)  # [B] the most recent occurrence, -1: none
+        found = (last >= 0) & (match == 0)
+        after = ids.gather(1, (last + n).clamp(0, width - 1)[:, None])[:, 0]
+        candidate = torch.where(found, after, candidate)
+        match = torch.where(found, n, match)
+    return candidate, match
+
+
+def copy_candidates(rows, gate: CopyGate, device) -> tuple[torch.Tensor, torch.Tensor]:
+    """Each row's copy candidate ``# [B]`` (-1: none) and matched n-gram length ``# [B]``; ``rows``
+    a :class:`DraftedRows` (on the device, no copy to the host) or each row's tokens as lists."""
+    if isinstance(rows, DraftedRows):
+        return device_candidates(rows.ids, rows.lengths, gate.min_ngram, gate.max_ngram)
     from .lookup import lookup
 
     found = [lookup(r, 1, gate.min_ngram, gate.max_ngram) for r in rows]
@@ -149,7 +186,7 @@ class CopyDrafting:
         like :func:`~specdraft.sampling.draw` plus, when greedy, the mixture's probability of the token.
 
         ``small # [B, N]`` the head's logits, ``hidden # [B, H]`` the feature it read, ``rows``
-        each row's tokens so far (context plus what was drafted this round), ``counts`` the
+        each row's tokens so far (context plus what was drafted this round: :func:`drafted_rows`), ``counts`` the
         penalties' context at this position (the head's distribution is penalized before mixing).
         """
         copy_ids, match = copy_candidates(rows, self.gate, small.device)
@@ -176,11 +213,25 @@ def copy_table(ids: torch.Tensor, gate: CopyGate) -> tuple[torch.Tensor, torch.T
     return copy_ids, match
 
 
-def drafted_rows(token_ids: Sequence[Sequence[int]], drafted: list[torch.Tensor]) -> Sequence[Sequence[int]]:
-    """Each row's context followed by the tokens drafted so far this round (``drafted``: ``[B]`` tensors)."""
+def drafted_rows(ctx, drafted: list[torch.Tensor], device) -> DraftedRows:
+    """Each row of ``ctx`` (a :class:`~specdraft.types.DraftContext`): its context followed by the
+    tokens drafted so far this round (``drafted``: ``[B]`` tensors on ``device``), kept on the device
+    so a drafting step copies nothing to the host (the round's one copy is the verifier's). The
+    contexts go to the device once per round (kept on ``ctx``)."""
+    base = getattr(ctx, "_copy_rows", None)
+    if base is None or base.ids.device != torch.device(device):
+        rows = ctx.token_ids
+        longest = max(1, max((len(r) for r in rows), default=1))
+        ids = torch.tensor([list(r) + [0] * (longest - len(r)) for r in rows], dtype=torch.long).to(device)
+        base = DraftedRows(ids, torch.tensor([len(r) for r in rows], dtype=torch.long).to(device))
+        ctx._copy_rows = base
     if not drafted:
-        return token_ids  # read only: no copy of each context
-    return [list(t) + d for t, d in zip(token_ids, torch.stack(drafted, dim=1).tolist())]
+        return base
+    tokens = torch.stack(drafted, dim=1).long()  # [B, m]
+    ids = torch.cat([base.ids, torch.zeros_like(tokens)], dim=1)
+    ids.scatter_(1, base.lengths[:, None] + torch.arange(tokens.shape[1], device=ids.device), tokens)
+    return DraftedRows(ids, base.lengths + tokens.shape[1])
 
 
-__all__ = ["CopyDrafting", "CopyGate", "column_table", "copy_candidates", "copy_mixture", "copy_table", "drafted_rows"]
+__all__ = ["CopyDrafting", "CopyGate", "DraftedRows", "column_table", "copy_candidates", "copy_mixture", "copy_table",
+           "device_candidates", "drafted_rows"]

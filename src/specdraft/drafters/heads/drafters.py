@@ -80,7 +80,7 @@ class HeadDrafter(Drafter):
         counts = ctx.counts_after(chain.tokens)
         if self.copier is None:
             return draw_scored(self.head(feature), ctx.sampling, generators(ctx), chain.scored, counts)
-        return self.copier.draw(self.head.small(feature), feature, drafted_rows(ctx.token_ids, chain.tokens),
+        return self.copier.draw(self.head.small(feature), feature, drafted_rows(ctx, chain.tokens, feature.device),
                                 ctx.sampling, generators(ctx), counts)
 
     def _lengths(self, width: int) -> torch.Tensor:
