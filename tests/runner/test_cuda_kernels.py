@@ -167,6 +167,54 @@ def test_a_compiled_runner_with_the_cuda_kernels_is_row_invariant(monkeypatch):
     runner = ModelRunner(model, compile=True)
     assert runner.info["kernels"]["linear"] == {"triton": len(linears)}
     assert runner.info["kernels"]["attention"] == "triton" and runner.info["kernels"]["rms_norm"] == "triton"
+    assert runner.info["kernels"]["layers"].startswith("fused")  # the layers run lean_ops (below)
+    assert all(block.lean.rope_write.__name__ == "run" for block in model.layers)
     assert not any(type(m) is torch.nn.Linear for m in model.modules())
     assert runner.buckets[-1] == CUDA_DECODE_WIDTH == 64
     assert differing_widths(runner, 64, (1, 3, 40)) == ([], [])
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_a_layers_fused_kernels_match_float64(dtype):
+    """The residual add with the norm, SwiGLU, the rotation with the cache write and the attention
+    over the cache's slots in place (lean_ops) against torch in float64; rows alone equal rows together."""
+    tol = 2e-3 if dtype == torch.float16 else 1e-5
+    x, y = _randn(2, 3, 48, dtype=dtype, seed=1), _randn(2, 3, 48, dtype=dtype, seed=2)
+    weight = _randn(48, dtype=dtype, seed=3).abs() + 0.5
+    total, normed = ck.triton_add_rms_norm(x, y, weight, 1e-5)
+    assert torch.equal(total, x + y)
+    assert torch.equal(normed, ck.triton_rms_norm(total, weight, 1e-5))
+    g = _randn(2, 3, 2 * 40, dtype=dtype, seed=4)
+    gate, up = g.double().chunk(2, dim=-1)
+    assert torch.allclose(ck.triton_silu_mul(g).double(), F.silu(gate) * up, atol=tol, rtol=tol)
+    assert torch.equal(ck.triton_silu_mul(g)[1:, 2:], ck.triton_silu_mul(g[1:, 2:]))
+
+    heads, kv_heads, dim, width = 4, 2, 16, 3
+    qkv = _randn(2, width, (heads + 2 * kv_heads) * dim, dtype=dtype, seed=5)
+    positions = torch.tensor([[4, 5, 6], [0, 1, 2]])
+    freqs = positions[..., None].float() * (1.0 / 10000 ** (torch.arange(0, dim, 2).float() / dim))
+    emb = torch.cat((freqs, freqs), dim=-1)
+    cos, sin = emb.cos().to(dtype)[:, None], emb.sin().to(dtype)[:, None]
+    k_buf, v_buf = torch.zeros(3, kv_heads, 24, dim, dtype=dtype), torch.zeros(3, kv_heads, 24, dim, dtype=dtype)
+    slot = torch.tensor([2, 0])
+    q = ck.triton_rope_write(qkv, cos, sin, k_buf, v_buf, slot, positions, heads, kv_heads)
+    qq, kk, vv = qkv.double().split([heads * dim, kv_heads * dim, kv_heads * dim], dim=-1)
+
+    def rotate(t, n):
+        t = t.view(2, width, n, dim).transpose(1, 2)
+        return t * cos.double() + torch.cat((-t[..., dim // 2:], t[..., :dim // 2]), dim=-1) * sin.double()
+
+    assert torch.allclose(q.double(), rotate(qq, heads), atol=tol, rtol=tol)
+    for b, s in enumerate(slot.tolist()):
+        assert torch.allclose(k_buf[s][:, positions[b]].double(), rotate(kk, kv_heads)[b], atol=tol, rtol=tol)
+        assert torch.equal(v_buf[s][:, positions[b]], vv.view(2, width, kv_heads, dim).transpose(1, 2)[b].to(dtype))
+    assert not k_buf[1].any()
+
+    k_buf, v_buf = _randn(3, kv_heads, 24, dim, dtype=dtype, seed=6), _randn(3, kv_heads, 24, dim, dtype=dtype, seed=7)
+    mask = _causal([7, 3], width, 24)
+    out = ck.triton_lean_attention(q, k_buf, v_buf, slot, mask, 0.25)  # [B, W, heads * dim]
+    ref = F.scaled_dot_product_attention(q.double(), k_buf[slot].double(), v_buf[slot].double(), attn_mask=mask,
+                                         scale=0.25, enable_gqa=True)
+    assert torch.allclose(out.double(), ref.transpose(1, 2).reshape(2, width, -1), atol=tol, rtol=tol)
+    gathered = ck.triton_attention(q, k_buf[slot], v_buf[slot], mask, 0.25)  # the same sums as a gathered copy
+    assert torch.equal(out, gathered.transpose(1, 2).reshape(2, width, -1))

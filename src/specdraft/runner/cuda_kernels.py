@@ -233,15 +233,19 @@ def cuda_linears(model: nn.Module, decode_width: int) -> dict:
 
 
 @triton.jit
-def _attention_kernel(q_ptr, k_ptr, v_ptr, mask_ptr, order_ptr, out_ptr, scale, L,
+def _attention_kernel(q_ptr, k_ptr, v_ptr, mask_ptr, order_ptr, slot_ptr, out_ptr, scale, L,
                       sq_b, sq_h, sq_w, sk_b, sk_h, sk_l, sv_b, sv_h, sv_l, sm_b, sm_w, so_b, so_w, su_b, su_h, su_w,
                       H: tl.constexpr, G: tl.constexpr, D: tl.constexpr, BLOCK_D: tl.constexpr,
-                      BLOCK: tl.constexpr, BLOCKS: tl.constexpr, HAS_ORDER: tl.constexpr):
+                      BLOCK: tl.constexpr, BLOCKS: tl.constexpr, HAS_ORDER: tl.constexpr, HAS_SLOT: tl.constexpr):
     bh = tl.program_id(0)
     w = tl.program_id(1)
     b = bh // H
     h = bh % H
     kvh = h // G
+    if HAS_SLOT:  # the row's cache slot: keys and values read from the whole cache, in place
+        kb = tl.load(slot_ptr + b).to(tl.int64)
+    else:
+        kb = b
     d = tl.arange(0, BLOCK_D)
     dmask = d < D
     q = tl.load(q_ptr + b * sq_b + h * sq_h + w * sq_w + d, mask=dmask, other=0.0).to(tl.float32)
@@ -259,14 +263,14 @@ def _attention_kernel(q_ptr, k_ptr, v_ptr, mask_ptr, order_ptr, out_ptr, scale, 
         seen = tl.load(mask_ptr + b * sm_b + w * sm_w + idx, mask=inside, other=0) != 0
         if tl.max(seen.to(tl.int32), 0) > 0:  # a block with nothing visible changes nothing: skip it
             kv_mask = seen[:, None] & dmask[None, :]
-            k = tl.load(k_ptr + b * sk_b + kvh * sk_h + idx[:, None] * sk_l + d[None, :], mask=kv_mask,
+            k = tl.load(k_ptr + kb * sk_b + kvh * sk_h + idx[:, None] * sk_l + d[None, :], mask=kv_mask,
                         other=0.0).to(tl.float32)
             s = tl.sum(k * q[None, :], 1) * scale
             s = tl.where(seen, s, float("-inf"))
             m_new = tl.maximum(m, tl.max(s, 0))
             alpha = tl.exp(m - m_new)
             p = tl.exp(s - m_new)
-            v = tl.load(v_ptr + b * sv_b + kvh * sv_h + idx[:, None] * sv_l + d[None, :], mask=kv_mask,
+            v = tl.load(v_ptr + kb * sv_b + kvh * sv_h + idx[:, None] * sv_l + d[None, :], mask=kv_mask,
                         other=0.0).to(tl.float32)
             total = total * alpha + tl.sum(p, 0)
             acc = acc * alpha + tl.sum(p[:, None] * v, 0)
@@ -276,19 +280,23 @@ def _attention_kernel(q_ptr, k_ptr, v_ptr, mask_ptr, order_ptr, out_ptr, scale, 
 
 
 def triton_attention(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, mask: torch.Tensor, scale: float,
-                     order: torch.Tensor | None = None) -> torch.Tensor:
+                     order: torch.Tensor | None = None, slot: torch.Tensor | None = None,
+                     out: torch.Tensor | None = None) -> torch.Tensor:
     """Attention of ``q # [B, heads, W, D]`` over ``keys``/``values # [B, kv_heads, L, D]`` (read in
     place; the last dimension contiguous) where ``mask # [B, 1, W, L]`` bool says what each token
     sees; ``order # [B, W, L]`` long (a tree): token ``w`` meets position ``order[b, w, j]`` ``j``-th,
     and sees it if ``mask[b, 0, w, order[b, w, j]]``. Scores, softmax and sums in float32; each
     token's sums over fixed blocks of :data:`ATTENTION_BLOCK` of its key sequence, from 0, with
-    nothing shared between tokens.  # [B, heads, W, D], q's dtype, contiguous"""
+    nothing shared between tokens. ``slot # [B]`` long: ``keys``/``values`` are the whole cache
+    ``[slots, kv_heads, L, D]`` and row ``b`` reads slot ``slot[b]`` (no gathered copy). ``out``:
+    where to write (a ``[B, heads, W, D]`` view, e.g. of a ``[B, W, heads, D]`` tensor).  # [B, heads, W, D], q's dtype"""
     batch, heads, width, dim = q.shape
-    kv_heads, span = keys.shape[1], keys.shape[2]
+    kv_heads, span = keys.shape[1], mask.shape[-1]
     if keys.stride(-1) != 1 or values.stride(-1) != 1:
         keys, values = keys.contiguous(), values.contiguous()
     q = q if q.stride(-1) == 1 else q.contiguous()
-    out = torch.empty((batch, heads, width, dim), dtype=q.dtype, device=q.device)
+    if out is None:
+        out = torch.empty((batch, heads, width, dim), dtype=q.dtype, device=q.device)
     seen = mask.view(torch.uint8) if mask.dtype == torch.bool else mask.to(torch.uint8)
     if seen.stride(-1) != 1:
         seen = seen.contiguous()
@@ -296,12 +304,14 @@ def triton_attention(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, 
     order_t = order if has_order else seen  # unused when there is no order
     so = (order_t.stride(0), order_t.stride(1)) if has_order else (0, 0)
     grid = (batch * heads, width)
-    _attention_kernel[grid](q, keys, values, seen, order_t, out, float(scale), span,
+    has_slot = slot is not None
+    _attention_kernel[grid](q, keys, values, seen, order_t, slot if has_slot else seen, out, float(scale), span,
                             q.stride(0), q.stride(1), q.stride(2), keys.stride(0), keys.stride(1), keys.stride(2),
                             values.stride(0), values.stride(1), values.stride(2), seen.stride(0), seen.stride(2),
                             so[0], so[1], out.stride(0), out.stride(1), out.stride(2),
                             H=heads, G=heads // kv_heads, D=dim, BLOCK_D=triton.next_power_of_2(dim),
-                            BLOCK=ATTENTION_BLOCK, BLOCKS=triton.cdiv(span, ATTENTION_BLOCK), HAS_ORDER=has_order, num_warps=4)
+                            BLOCK=ATTENTION_BLOCK, BLOCKS=triton.cdiv(span, ATTENTION_BLOCK), HAS_ORDER=has_order, HAS_SLOT=has_slot,
+                            num_warps=4)
     return out
 
 
@@ -368,6 +378,181 @@ def _cuda_rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.T
 @_cuda_rms_norm.register_fake
 def _(x, weight, eps):
     return x.new_empty(x.shape, dtype=torch.promote_types(weight.dtype, x.dtype))
+
+
+# -- the rest of a decoder layer: one kernel per stage (LeanOps) ------------------------------------
+
+
+@triton.jit
+def _add_rms_norm_kernel(x_ptr, y_ptr, w_ptr, s_ptr, o_ptr, N, eps, BLOCK: tl.constexpr):
+    row = tl.program_id(0)
+    cols = tl.arange(0, BLOCK)
+    inside = cols < N
+    x = tl.load(x_ptr + row * N + cols, mask=inside, other=0.0)
+    y = tl.load(y_ptr + row * N + cols, mask=inside, other=0.0)
+    total = (x.to(tl.float32) + y.to(tl.float32)).to(x.dtype)  # one rounding of the sum, as torch's add
+    tl.store(s_ptr + row * N + cols, total, mask=inside)
+    h = total.to(tl.float32)
+    var = tl.sum(h * h, 0) / N
+    h = (h * (1.0 / tl.sqrt(var + eps))).to(x.dtype)
+    w = tl.load(w_ptr + cols, mask=inside, other=0.0)
+    tl.store(o_ptr + row * N + cols, (w.to(tl.float32) * h.to(tl.float32)).to(o_ptr.dtype.element_ty), mask=inside)
+
+
+def triton_add_rms_norm(x: torch.Tensor, y: torch.Tensor, weight: torch.Tensor,
+                        eps: float) -> tuple[torch.Tensor, torch.Tensor]:
+    """``(x + y, rms_norm(x + y))``: the residual add and the next norm, one program per row."""
+    x, y = x.contiguous(), y.contiguous()
+    total, out = torch.empty_like(x), torch.empty_like(x)
+    dim = x.shape[-1]
+    rows = x.numel() // dim
+    if rows:
+        _add_rms_norm_kernel[(rows,)](x, y, weight, total, out, dim, float(eps), BLOCK=triton.next_power_of_2(dim),
+                                      num_warps=4)
+    return total, out
+
+
+@triton.jit
+def _silu_mul_kernel(g_ptr, o_ptr, N, BLOCK: tl.constexpr):
+    row = tl.program_id(0)
+    cols = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
+    inside = cols < N
+    gate = tl.load(g_ptr + row * 2 * N + cols, mask=inside, other=0.0).to(tl.float32)
+    up = tl.load(g_ptr + row * 2 * N + N + cols, mask=inside, other=0.0).to(tl.float32)
+    out = gate / (1.0 + tl.exp(-gate)) * up
+    tl.store(o_ptr + row * N + cols, out.to(o_ptr.dtype.element_ty), mask=inside)
+
+
+def triton_silu_mul(g: torch.Tensor) -> torch.Tensor:
+    """``silu(gate) * up`` of ``g = [gate ; up]`` (the fused gate/up product), elementwise in float32."""
+    g = g.contiguous()
+    n = g.shape[-1] // 2
+    rows = g.numel() // (2 * n)
+    out = g.new_empty(*g.shape[:-1], n)
+    if rows:
+        _silu_mul_kernel[(rows, triton.cdiv(n, 1024))](g, out, n, BLOCK=1024, num_warps=4)
+    return out
+
+
+@triton.jit
+def _rope_write_kernel(qkv_ptr, cos_ptr, sin_ptr, q_ptr, k_ptr, v_ptr, slot_ptr, pos_ptr, W, row_width,
+                       sq_b, sq_h, sq_w, sk_s, sk_h, sk_l, sv_s, sv_h, sv_l,
+                       H: tl.constexpr, KV: tl.constexpr, D: tl.constexpr, HALF: tl.constexpr):
+    row = tl.program_id(0)  # b * W + w
+    b = row // W
+    w = row % W
+    i = tl.arange(0, HALF)
+    c1 = tl.load(cos_ptr + row * D + i).to(tl.float32)
+    c2 = tl.load(cos_ptr + row * D + HALF + i).to(tl.float32)
+    s1 = tl.load(sin_ptr + row * D + i).to(tl.float32)
+    s2 = tl.load(sin_ptr + row * D + HALF + i).to(tl.float32)
+    slot = tl.load(slot_ptr + b).to(tl.int64)
+    pos = tl.load(pos_ptr + row).to(tl.int64)
+    base = qkv_ptr + row * row_width
+    for h in range(H):
+        a = tl.load(base + h * D + i).to(tl.float32)
+        c = tl.load(base + h * D + HALF + i).to(tl.float32)
+        dst = q_ptr + b * sq_b + h * sq_h + w * sq_w
+        tl.store(dst + i, (a * c1 - c * s1).to(q_ptr.dtype.element_ty))
+        tl.store(dst + HALF + i, (c * c2 + a * s2).to(q_ptr.dtype.element_ty))
+    for h in range(KV):
+        a = tl.load(base + (H + h) * D + i).to(tl.float32)
+        c = tl.load(base + (H + h) * D + HALF + i).to(tl.float32)
+        dst = k_ptr + slot * sk_s + h * sk_h + pos * sk_l
+        tl.store(dst + i, (a * c1 - c * s1).to(k_ptr.dtype.element_ty))
+        tl.store(dst + HALF + i, (c * c2 + a * s2).to(k_ptr.dtype.element_ty))
+        src = base + (H + KV + h) * D
+        vdst = v_ptr + slot * sv_s + h * sv_h + pos * sv_l
+        tl.store(vdst + i, tl.load(src + i))
+        tl.store(vdst + HALF + i, tl.load(src + HALF + i))
+
+
+def triton_rope_write(qkv: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, k_buf: torch.Tensor,
+                      v_buf: torch.Tensor, slot: torch.Tensor, positions: torch.Tensor, heads: int,
+                      kv_heads: int) -> torch.Tensor:
+    """The fused q/k/v product's output ``qkv # [B, W, (heads + 2 kv_heads) D]`` rotated (``cos``,
+    ``sin # [B, 1, W, D]``); keys and values written into ``k_buf``/``v_buf # [slots, kv_heads, L, D]``
+    at ``slot # [B]``, ``positions # [B, W]``. One program per token.  # q [B, heads, W, D]"""
+    batch, width = qkv.shape[:2]
+    dim = k_buf.shape[-1]
+    qkv, cos, sin, positions = qkv.contiguous(), cos.contiguous(), sin.contiguous(), positions.contiguous()
+    q = qkv.new_empty(batch, heads, width, dim)
+    if batch * width:
+        _rope_write_kernel[(batch * width,)](qkv, cos, sin, q, k_buf, v_buf, slot, positions, width, qkv.shape[-1],
+                                             q.stride(0), q.stride(1), q.stride(2), k_buf.stride(0), k_buf.stride(1),
+                                             k_buf.stride(2), v_buf.stride(0), v_buf.stride(1), v_buf.stride(2),
+                                             H=heads, KV=kv_heads, D=dim, HALF=dim // 2, num_warps=1)
+    return q
+
+
+def triton_lean_attention(q, k_buf, v_buf, slot, mask, scale, order=None) -> torch.Tensor:
+    """:func:`triton_attention` over the cache buffers in place (row ``b`` reads slot ``slot[b]``),
+    written straight into the output projection's layout.  # [B, W, heads * D]"""
+    batch, heads, width, dim = q.shape
+    out = q.new_empty(batch, width, heads, dim)
+    triton_attention(q, k_buf, v_buf, mask, scale, order, slot=slot, out=out.transpose(1, 2))
+    return out.view(batch, width, heads * dim)
+
+
+def _compiled(op, direct):
+    """``direct`` eagerly; the opaque operator ``op`` under ``torch.compile``."""
+    def run(*args):
+        return op(*args) if torch.compiler.is_compiling() else direct(*args)
+    return run
+
+
+@torch.library.custom_op("specdraft::cuda_add_rms_norm", mutates_args=())
+def _cuda_add_rms_norm(x: torch.Tensor, y: torch.Tensor, weight: torch.Tensor,
+                       eps: float) -> tuple[torch.Tensor, torch.Tensor]:
+    return triton_add_rms_norm(x, y, weight, eps)
+
+
+@_cuda_add_rms_norm.register_fake
+def _(x, y, weight, eps):
+    return torch.empty_like(x), torch.empty_like(x)
+
+
+@torch.library.custom_op("specdraft::cuda_silu_mul", mutates_args=())
+def _cuda_silu_mul(g: torch.Tensor) -> torch.Tensor:
+    return triton_silu_mul(g)
+
+
+@_cuda_silu_mul.register_fake
+def _(g):
+    return g.new_empty(*g.shape[:-1], g.shape[-1] // 2)
+
+
+@torch.library.custom_op("specdraft::cuda_rope_write", mutates_args=("k_buf", "v_buf"))
+def _cuda_rope_write(qkv: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, k_buf: torch.Tensor,
+                     v_buf: torch.Tensor, slot: torch.Tensor, positions: torch.Tensor, heads: int,
+                     kv_heads: int) -> torch.Tensor:
+    return triton_rope_write(qkv, cos, sin, k_buf, v_buf, slot, positions, heads, kv_heads)
+
+
+@_cuda_rope_write.register_fake
+def _(qkv, cos, sin, k_buf, v_buf, slot, positions, heads, kv_heads):
+    return qkv.new_empty(qkv.shape[0], heads, qkv.shape[1], k_buf.shape[-1])
+
+
+@torch.library.custom_op("specdraft::cuda_lean_attention", mutates_args=())
+def _cuda_lean_attention(q: torch.Tensor, k_buf: torch.Tensor, v_buf: torch.Tensor, slot: torch.Tensor,
+                         mask: torch.Tensor, scale: float, order: torch.Tensor | None) -> torch.Tensor:
+    return triton_lean_attention(q, k_buf, v_buf, slot, mask, scale, order)
+
+
+@_cuda_lean_attention.register_fake
+def _(q, k_buf, v_buf, slot, mask, scale, order):
+    return q.new_empty(q.shape[0], q.shape[2], q.shape[1] * q.shape[3])
+
+
+def lean_ops(width: int):
+    """The layer's Triton operators as a :class:`~.model.LeanOps` (attention for passes of up to ``width`` tokens)."""
+    from .model import LeanOps
+
+    return LeanOps(rms_norm, _compiled(torch.ops.specdraft.cuda_add_rms_norm, triton_add_rms_norm),
+                   _compiled(torch.ops.specdraft.cuda_rope_write, triton_rope_write),
+                   _compiled(torch.ops.specdraft.cuda_lean_attention, triton_lean_attention),
+                   _compiled(torch.ops.specdraft.cuda_silu_mul, triton_silu_mul), width)
 
 
 # -- the load-time check and the fallbacks ---------------------------------------------------------
@@ -484,10 +669,18 @@ def make_invariant(model: nn.Module, decode_width: int) -> dict:
             checked[key] = rms_norm_invariant(rms_norm, key[0], key[1], m.weight.device)
         m.kernel = rms_norm if checked[key] else per_row_rms_norm
     report["rms_norm"] = "triton" if all(checked.values()) else "per-row where the check failed"
+    if report.get("attention") == "triton" and all(checked.values()) and not any(m.q_norm is not None
+                                                                                 for m in attention):
+        lean = lean_ops(decode_width)  # the rest of each layer: one kernel per stage
+        for m in model.modules():
+            if hasattr(m, "lean"):
+                m.lean = lean
+        report["layers"] = "fused (rotary and cache write, residual add and norm, SwiGLU: one kernel each)"
     return report
 
 
 __all__ = ["CHECKED_WIDTHS", "attention_invariant", "make_invariant", "per_row_rms_norm", "per_token_attention", "rms_norm_invariant",
            "ATTENTION_BLOCK", "BLOCK_K", "BLOCK_M", "BLOCK_N", "CHECKED_ROWS", "CudaLinear", "KERNELS_ENV",
            "LINEAR_MODES", "checked_linear_mode", "cuda_linears", "decode_attention", "kernels_wanted", "rms_norm",
-           "rows_linear", "triton_attention", "triton_linear", "triton_rms_norm"]
+           "lean_ops", "rows_linear", "triton_add_rms_norm", "triton_attention", "triton_lean_attention",
+           "triton_linear", "triton_rms_norm", "triton_rope_write", "triton_silu_mul"]

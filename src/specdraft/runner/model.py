@@ -48,6 +48,25 @@ class ModelArgs:
     sliding_window: int | None = None  # Mistral: a query sees this many positions, itself included
 
 
+class LeanOps(NamedTuple):
+    """A decoder layer's fused operators, set on its modules (``lean``) when a model is loaded: the
+    C++ ones on CPU (:mod:`.cpu_ops`), Triton ones on CUDA (:mod:`.cuda_kernels`). Each computes a
+    row the same way whatever else its call holds (row-invariant by construction).
+
+    ``rms_norm(x, weight, eps)``; ``add_rms_norm(x, y, weight, eps) -> (x + y, rms_norm(x + y))``;
+    ``rope_write(qkv, cos, sin, k_buf, v_buf, slot, positions, heads, kv_heads) -> q # [B, heads, W, D]``
+    (keys rotated and values written into the cache); ``attention(q, k_buf, v_buf, slot, mask,
+    scale, order) -> [B, W, heads * D]`` over the cache in place, for passes of up to ``width``
+    tokens (wider ones use SDPA); ``silu_mul(g) -> silu(gate) * up``."""
+
+    rms_norm: object
+    add_rms_norm: object
+    rope_write: object
+    attention: object
+    silu_mul: object
+    width: int
+
+
 class ForwardOutput(NamedTuple):
     logits: torch.Tensor  # [B, W, vocab], or [B, N, vocab] at ``logits_at``; the model's dtype
     hidden: torch.Tensor | None  # [B, W, dim] after the final norm, or [B, W, n * dim] at n chosen layers
@@ -138,7 +157,7 @@ class Attention(nn.Module):
         #: on CUDA, the row-invariant attention of decode-width passes, set when the model is loaded
         #: (:func:`~specdraft.runner.cuda_kernels.make_invariant`): ``(q, keys, values, mask, scale, order)``
         self.decode_kernel = None
-        #: on CPU, the operators of :mod:`~specdraft.runner.cpu_ops` (set when the model is loaded)
+        #: the layer's fused operators (a :class:`LeanOps`, set when the model is loaded), or None
         self.lean = None
 
     def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, mask: torch.Tensor,
@@ -149,7 +168,7 @@ class Attention(nn.Module):
         if self.lean is not None:  # CPU: rotation and cache write in one operator, attention in another
             q = self.lean.rope_write(self.wqkv(x), cos, sin, k_buf, v_buf, slot, positions, self.n_heads,
                                      self.n_kv_heads)  # [B, heads, W, head_dim]
-            if width <= DECODE_WIDTH:  # a verify pass equals its one-token steps
+            if width <= self.lean.width:  # a verify pass equals its one-token steps
                 return self.wo(self.lean.attention(q, k_buf, v_buf, slot, mask, self.head_dim**-0.5, order))
             keys, values = (k_buf[slot], v_buf[slot]) if gather else (k_buf, v_buf)
             y = F.scaled_dot_product_attention(q, keys, values, attn_mask=mask, scale=self.head_dim**-0.5,
@@ -191,7 +210,7 @@ class FeedForward(nn.Module):
         super().__init__()
         self.w13 = nn.Linear(args.dim, 2 * args.intermediate_size, bias=False)  # gate and up, fused
         self.w2 = nn.Linear(args.intermediate_size, args.dim, bias=False)
-        self.lean = None  # on CPU, the operators of :mod:`~specdraft.runner.cpu_ops`
+        self.lean = None  # a :class:`LeanOps` (set when the model is loaded), or None
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if self.lean is not None:
@@ -207,7 +226,7 @@ class TransformerBlock(nn.Module):
         self.attention = Attention(args, layer)
         self.ffn_norm = RMSNorm(args.dim, args.norm_eps)
         self.feed_forward = FeedForward(args)
-        self.lean = None  # on CPU, the operators of :mod:`~specdraft.runner.cpu_ops`
+        self.lean = None  # a :class:`LeanOps` (set when the model is loaded), or None
 
     def forward(self, x, cos, sin, mask, k_buf, v_buf, slot, positions, gather: bool, order=None) -> torch.Tensor:
         if self.lean is not None:  # the residual add and the second norm in one operator
