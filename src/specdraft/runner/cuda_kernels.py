@@ -337,16 +337,23 @@ def _(q, keys, values, mask, scale, order):
 
 
 @triton.jit
+def _norm_row(x, w_ptr, cols, inside, N, eps):
+    """transformers' RMSNorm of one row ``x`` (its dtype, zero past ``N``), in float32: normalised,
+    rounded to ``x``'s dtype, times the weight."""
+    h = x.to(tl.float32)
+    var = tl.sum(h * h, 0) / N
+    h = (h * (1.0 / tl.sqrt(var + eps))).to(x.dtype)
+    w = tl.load(w_ptr + cols, mask=inside, other=0.0)
+    return w.to(tl.float32) * h.to(tl.float32)
+
+
+@triton.jit
 def _rms_norm_kernel(x_ptr, w_ptr, y_ptr, N, eps, stride_x, stride_y, BLOCK: tl.constexpr):
     row = tl.program_id(0)
     cols = tl.arange(0, BLOCK)
     inside = cols < N
     x = tl.load(x_ptr + row * stride_x + cols, mask=inside, other=0.0)
-    h = x.to(tl.float32)
-    var = tl.sum(h * h, 0) / N
-    h = (h * (1.0 / tl.sqrt(var + eps))).to(x.dtype)
-    w = tl.load(w_ptr + cols, mask=inside, other=0.0)
-    y = w.to(tl.float32) * h.to(tl.float32)
+    y = _norm_row(x, w_ptr, cols, inside, N, eps)
     tl.store(y_ptr + row * stride_y + cols, y.to(y_ptr.dtype.element_ty), mask=inside)
 
 
@@ -392,11 +399,8 @@ def _add_rms_norm_kernel(x_ptr, y_ptr, w_ptr, s_ptr, o_ptr, N, eps, BLOCK: tl.co
     y = tl.load(y_ptr + row * N + cols, mask=inside, other=0.0)
     total = (x.to(tl.float32) + y.to(tl.float32)).to(x.dtype)  # one rounding of the sum, as torch's add
     tl.store(s_ptr + row * N + cols, total, mask=inside)
-    h = total.to(tl.float32)
-    var = tl.sum(h * h, 0) / N
-    h = (h * (1.0 / tl.sqrt(var + eps))).to(x.dtype)
-    w = tl.load(w_ptr + cols, mask=inside, other=0.0)
-    tl.store(o_ptr + row * N + cols, (w.to(tl.float32) * h.to(tl.float32)).to(o_ptr.dtype.element_ty), mask=inside)
+    y = _norm_row(total, w_ptr, cols, inside, N, eps)
+    tl.store(o_ptr + row * N + cols, y.to(o_ptr.dtype.element_ty), mask=inside)
 
 
 def triton_add_rms_norm(x: torch.Tensor, y: torch.Tensor, weight: torch.Tensor,

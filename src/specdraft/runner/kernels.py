@@ -16,7 +16,8 @@ them on any machine:
   prepacked once (:class:`PackedLinear`). On the EPYC, for every shape of SmolLM2-135M and of
   larger models (up to 2048 x 8192), every row count from 2 to 48 gave rows bit-identical to a
   2-row product in both dtypes, while one row takes another kernel once the inner dimension is
-  1152 or more; so a single row runs as two (the row twice). It is also the fastest kernel
+  1152 or more; so a single row runs as two (the row twice) unless the load-time check finds
+  one-row products equal to those (:func:`one_row_checked`: on the Xeon below, at every shape). It is also the fastest kernel
   measured there: bfloat16, the 3072 x 576 product 0.04 ms at 1 row and 0.08 at 16 (MKL's
   ``F.linear`` 0.12 / 0.19), the 49152 x 576 head 0.6 / 1.6 ms (2.4 / 3.9). On the Xeon oneDNN's
   bfloat16 products run on AMX, row-invariant up to 32 rows for every shape of SmolLM2-135M
