@@ -53,8 +53,17 @@ def main() -> int:
     p.add_argument("--only", default=None, help="comma-separated drafters (default: every registered one)")
     p.add_argument("--samples", type=int, default=None,
                    help="samples of check_drafter's sampled test (default: its power calculation's; 0: off)")
+    p.add_argument("--compile", action=argparse.BooleanOptionalAction, default=False,
+                   help="compile the decoders (CUDA graphs, the default on CUDA since issue 43): each drafter's "
+                        "check then takes 30-60 s of compiling; default: eager (the graphs' exactness is "
+                        "row_invariance.py's to check)")
     args = p.parse_args()
     import torch
+
+    import specdraft.runner
+
+    if not args.compile:  # every decoder the checks build, eager (they build many, each would compile)
+        specdraft.runner.default_compile = lambda device: False
 
     if torch.device(args.device).type == "cuda" and not torch.cuda.is_available():
         print(f"--device {args.device}: torch {torch.__version__} sees no CUDA device here", flush=True)
