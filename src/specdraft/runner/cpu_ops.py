@@ -114,14 +114,12 @@ def use(model) -> dict:
     reason = applies(model)
     if reason:
         return {"cpu_ops": reason}
-    from .model import DECODE_WIDTH, LeanOps
+    from .model import DECODE_WIDTH, LeanOps, RMSNorm, use_lean
 
     ops = torch.ops.specdraft_cpu
-    lean = LeanOps(ops.rms_norm, ops.add_rms_norm, ops.rope_write, ops.attention, ops.silu_mul, DECODE_WIDTH)
+    use_lean(model, LeanOps(ops.rms_norm, ops.add_rms_norm, ops.rope_write, ops.attention, ops.silu_mul, DECODE_WIDTH))
     for module in model.modules():
-        if hasattr(module, "lean"):
-            module.lean = lean
-        if type(module).__name__ == "RMSNorm" and module.kernel is None:
+        if isinstance(module, RMSNorm) and module.kernel is None:
             module.kernel = ops.rms_norm
     return {"cpu_ops": "yes"}
 

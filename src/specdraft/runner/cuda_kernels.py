@@ -649,7 +649,7 @@ def make_invariant(model: nn.Module, decode_width: int) -> dict:
     its linears (:func:`cuda_linears`), its attention modules' ``decode_kernel`` and its RMSNorms'
     ``kernel``, each chosen by a load-time check of results (the Triton kernel, else one token or
     row at a time). Returns what runs and why (the runner's ``info["kernels"]``)."""
-    from .model import Attention, RMSNorm
+    from .model import Attention, RMSNorm, use_lean
 
     if kernels_wanted() == "stock":
         return {"cuda": "stock", "why": f"{KERNELS_ENV}=stock: cuBLAS, SDPA, torch's RMSNorm (not row-invariant)"}
@@ -675,10 +675,7 @@ def make_invariant(model: nn.Module, decode_width: int) -> dict:
     report["rms_norm"] = "triton" if all(checked.values()) else "per-row where the check failed"
     if report.get("attention") == "triton" and all(checked.values()) and not any(m.q_norm is not None
                                                                                  for m in attention):
-        lean = lean_ops(decode_width)  # the rest of each layer: one kernel per stage
-        for m in model.modules():
-            if hasattr(m, "lean"):
-                m.lean = lean
+        use_lean(model, lean_ops(decode_width))  # the rest of each layer: one kernel per stage
         report["layers"] = "fused (rotary and cache write, residual add and norm, SwiGLU: one kernel each)"
     return report
 

@@ -176,7 +176,7 @@ def checked_row_counts(module: PackedLinear) -> tuple[int, ...]:
     now and then (the result's rounding hides most of it: about 1 bfloat16 row in 100 of a
     96-wide product on the Xeon of the module's docstring, where every count from 33 to 192 passed
     on them); cancelling rows in nearly every element."""
-    key = (module.out_features, module.in_features, module.dtype, module.bias is not None, torch.get_num_threads())
+    key = _check_key(module)
     if key in _CHECKED_COUNTS:
         return _CHECKED_COUNTS[key]
     weight, rows = check_inputs(module.out_features, module.in_features, CHECKED_ROWS[-1])
@@ -208,8 +208,12 @@ def one_row_checked(module: PackedLinear) -> bool:
     the two-row products :meth:`PackedLinear.apply` otherwise runs a single row as (every row of
     the first 64 of its check inputs); then a one-row pass skips the copy."""
     checked_row_counts(module)
-    key = (module.out_features, module.in_features, module.dtype, module.bias is not None, torch.get_num_threads())
-    return _ONE_ROW[key]
+    return _ONE_ROW[_check_key(module)]
+
+
+def _check_key(module: PackedLinear) -> tuple:
+    """What the checks' results are remembered by: the shape, dtype, bias and thread count."""
+    return module.out_features, module.in_features, module.dtype, module.bias is not None, torch.get_num_threads()
 
 
 #: distinct weight rows of :func:`check_inputs` (a larger weight repeats them)

@@ -67,6 +67,13 @@ class LeanOps(NamedTuple):
     width: int
 
 
+def use_lean(model: nn.Module, lean: LeanOps) -> None:
+    """Give every module of ``model`` that has a ``lean`` slot (attention, feed-forward, blocks) ``lean``."""
+    for module in model.modules():
+        if hasattr(module, "lean"):
+            module.lean = lean
+
+
 class ForwardOutput(NamedTuple):
     logits: torch.Tensor  # [B, W, vocab], or [B, N, vocab] at ``logits_at``; the model's dtype
     hidden: torch.Tensor | None  # [B, W, dim] after the final norm, or [B, W, n * dim] at n chosen layers
@@ -165,15 +172,13 @@ class Attention(nn.Module):
                 gather: bool, order: torch.Tensor | None = None) -> torch.Tensor:
         batch, width, _ = x.shape  # x: [B, W, dim]
         q_size, kv_size = self.n_heads * self.head_dim, self.n_kv_heads * self.head_dim
-        if self.lean is not None:  # CPU: rotation and cache write in one operator, attention in another
+        scale = self.head_dim**-0.5
+        if self.lean is not None:  # rotation and cache write in one operator, decode attention in another
             q = self.lean.rope_write(self.wqkv(x), cos, sin, k_buf, v_buf, slot, positions, self.n_heads,
                                      self.n_kv_heads)  # [B, heads, W, head_dim]
             if width <= self.lean.width:  # a verify pass equals its one-token steps
-                return self.wo(self.lean.attention(q, k_buf, v_buf, slot, mask, self.head_dim**-0.5, order))
-            keys, values = (k_buf[slot], v_buf[slot]) if gather else (k_buf, v_buf)
-            y = F.scaled_dot_product_attention(q, keys, values, attn_mask=mask, scale=self.head_dim**-0.5,
-                                               enable_gqa=self.n_heads != self.n_kv_heads)
-            return self.wo(y.transpose(1, 2).reshape(batch, width, q_size))
+                return self.wo(self.lean.attention(q, k_buf, v_buf, slot, mask, scale, order))
+            return self.wo(self._sdpa(q, *((k_buf[slot], v_buf[slot]) if gather else (k_buf, v_buf)), mask))
         q, k, v = self.wqkv(x).split([q_size, kv_size, kv_size], dim=-1)
         q = q.view(batch, width, self.n_heads, self.head_dim)
         k = k.view(batch, width, self.n_kv_heads, self.head_dim)
@@ -185,16 +190,21 @@ class Attention(nn.Module):
         k = k * cos + rotate_half(k) * sin
         keys, values = write_kv(k_buf, v_buf, slot, positions, k, v, gather)  # [B, kv_heads, max_len, head_dim]
         if width <= CUDA_DECODE_WIDTH and self.decode_kernel is not None:  # CUDA: tokens as in one-token steps
-            y = self.decode_kernel(q, keys, values, mask, self.head_dim**-0.5, order)
+            y = self.decode_kernel(q, keys, values, mask, scale, order)
         elif width <= DECODE_WIDTH and decode_attention_applies(q):  # a verify pass equals its one-token steps
             if order is None:
-                y = decode_attention(q, keys, values, mask, self.head_dim**-0.5)
+                y = decode_attention(q, keys, values, mask, scale)
             else:  # a tree: each token against its own ancestors, laid out as in one-token steps
-                y = tree_attention(q, keys, values, mask, order, self.head_dim**-0.5)
+                y = tree_attention(q, keys, values, mask, order, scale)
         else:
-            y = F.scaled_dot_product_attention(q, keys, values, attn_mask=mask, scale=self.head_dim**-0.5,
-                                               enable_gqa=self.n_heads != self.n_kv_heads)  # [B, heads, W, head_dim]
+            return self.wo(self._sdpa(q, keys, values, mask))
         return self.wo(y.transpose(1, 2).reshape(batch, width, q_size))
+
+    def _sdpa(self, q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
+        """Attention of a wide pass (prefill) through SDPA, in the output projection's layout.  # [B, W, heads * D]"""
+        y = F.scaled_dot_product_attention(q, keys, values, attn_mask=mask, scale=self.head_dim**-0.5,
+                                           enable_gqa=self.n_heads != self.n_kv_heads)  # [B, heads, W, head_dim]
+        return y.transpose(1, 2).reshape(q.shape[0], q.shape[2], self.n_heads * self.head_dim)
 
 
 #: Passes up to this wide use :func:`~specdraft.runner.kernels.decode_attention` on CPU and the
