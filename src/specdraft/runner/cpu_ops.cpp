@@ -97,6 +97,40 @@ inline void weighted_sum(const float* e, const T* const* rows, int64_t n, int64_
     }
 }
 
+// e^x of each element, the same steps for every element (so a value's result does not depend on
+// where in a row it sits, or on the row's length): 2^n e^r, n = round(x / ln 2), r = x - n ln 2,
+// e^r by Cephes' degree-6 polynomial; x clamped to [-88, 88]
+#if defined(__AVX512F__)
+inline __m512 exp16(__m512 x) {
+    x = _mm512_min_ps(_mm512_max_ps(x, _mm512_set1_ps(-88.0f)), _mm512_set1_ps(88.0f));
+    const __m512 n = _mm512_roundscale_ps(_mm512_mul_ps(x, _mm512_set1_ps(1.44269504088896341f)),
+                                          _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+    __m512 r = _mm512_fnmadd_ps(n, _mm512_set1_ps(0.693359375f), x);
+    r = _mm512_fnmadd_ps(n, _mm512_set1_ps(-2.12194440e-4f), r);
+    __m512 p = _mm512_set1_ps(1.9875691500e-4f);
+    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.3981999507e-3f));
+    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(8.3334519073e-3f));
+    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(4.1665795894e-2f));
+    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.6666665459e-1f));
+    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(5.0000001201e-1f));
+    p = _mm512_fmadd_ps(p, _mm512_mul_ps(r, r), _mm512_add_ps(r, _mm512_set1_ps(1.0f)));
+    return _mm512_scalef_ps(p, n);
+}
+#endif
+
+// a[i] = e^(a[i] - shift) for i < n (exp16's steps, a tail in masked lanes)
+inline void exp_shifted(float* a, int64_t n, float shift) {
+    int64_t i = 0;
+#if defined(__AVX512F__)
+    const __m512 s = _mm512_set1_ps(shift);
+    for (; i < n; i += LANES) {
+        const __mmask16 k = n - i >= LANES ? __mmask16(0xffff) : __mmask16((1u << (n - i)) - 1);
+        _mm512_mask_storeu_ps(a + i, k, exp16(_mm512_sub_ps(_mm512_maskz_loadu_ps(k, a + i), s)));
+    }
+#endif
+    for (; i < n; ++i) a[i] = std::exp(a[i] - shift);
+}
+
 template <typename T>
 inline float sum_squares(const float* a, int64_t n) {
     float acc[LANES] = {0};
@@ -197,12 +231,15 @@ at::Tensor silu_mul(const at::Tensor& g_) {
         using scalar_t = decltype(tag);
         const scalar_t* pg = g.data_ptr<scalar_t>();
         scalar_t* po = out.data_ptr<scalar_t>();
+        std::vector<float> e(n);
         for (int64_t r = 0; r < rows; ++r) {
             const scalar_t* gate = pg + r * 2 * n;
             const scalar_t* up = gate + n;
+            for (int64_t i = 0; i < n; ++i) e[i] = -static_cast<float>(gate[i]);
+            exp_shifted(e.data(), n, 0.0f);  // e^-gate
             for (int64_t i = 0; i < n; ++i) {
                 const float a = static_cast<float>(gate[i]);
-                po[r * n + i] = static_cast<scalar_t>(a / (1.0f + std::exp(-a)) * static_cast<float>(up[i]));
+                po[r * n + i] = static_cast<scalar_t>(a / (1.0f + e[i]) * static_cast<float>(up[i]));
             }
         }
     });
@@ -315,11 +352,9 @@ at::Tensor attention(const at::Tensor& q_, const at::Tensor& k_buf, const at::Te
                     scores[n++] = s;
                     top = s > top ? s : top;
                 }
+                exp_shifted(scores.data(), n, top);
                 float total = 0.0f;
-                for (int64_t j = 0; j < n; ++j) {
-                    scores[j] = std::exp(scores[j] - top);
-                    total += scores[j];
-                }
+                for (int64_t j = 0; j < n; ++j) total += scores[j];
                 weighted_sum<scalar_t>(scores.data(), seen.data(), n, D, acc.data());
                 scalar_t* orow = po + (b * W + w) * H * D + h * D;
                 for (int64_t i = 0; i < D; ++i) orow[i] = static_cast<scalar_t>(n ? acc[i] / total : 0.0f);
