@@ -10,6 +10,7 @@ the real model's tests are in ``test_server_e2e.py``.
 from __future__ import annotations
 
 import contextlib
+import queue
 import socket
 import threading
 import time
@@ -157,6 +158,38 @@ class FakeStream:
         self.closed.set()
         self.decoder.closed += 1
         self._finish("aborted")
+
+    # the engine stream's non-blocking side (the server's output loop): a producer thread of the
+    # fake's own plays the engine, running the blocking iteration above and marking each burst ready
+
+    def on_ready(self, callback) -> None:
+        self._outbox: queue.SimpleQueue = queue.SimpleQueue()
+        threading.Thread(target=self._produce, args=(callback,), daemon=True, name="fake-engine").start()
+
+    def _produce(self, callback) -> None:
+        while True:
+            try:
+                item = ("burst", next(self))
+            except StopIteration:
+                item = ("end", None)
+            except Exception as exc:  # noqa: BLE001 - handed to the reader, as the engine does
+                item = ("error", exc)
+            self._outbox.put(item)
+            callback()
+            if item[0] != "burst":
+                return
+
+    def poll(self):
+        try:
+            kind, value = self._outbox.get_nowait()
+        except queue.Empty:
+            return None
+        if kind == "end":
+            self._outbox.put((kind, value))  # the end stays the end
+            raise StopIteration
+        if kind == "error":
+            raise value
+        return value
 
 
 class FakeDecoder:

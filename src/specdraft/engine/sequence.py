@@ -55,6 +55,36 @@ class Status(enum.Enum):
     FINISHED = "finished"
 
 
+class Outbox:
+    """Where a sequence's output events go (``("tokens", ids)``, then ``("done", None)``): a queue
+    any thread may read, and ``on_put``, a callback run (on the putting thread) after each event,
+    so that a reader need not block a thread of its own on :meth:`get` (the server's output loop)."""
+
+    def __init__(self) -> None:
+        self._queue: queue.SimpleQueue = queue.SimpleQueue()
+        self.on_put = None
+
+    def put(self, event: tuple) -> None:
+        self._queue.put(event)
+        callback = self.on_put
+        if callback is not None:
+            callback()
+
+    def get(self) -> tuple:
+        """The next event, waiting for it."""
+        return self._queue.get()
+
+    def get_nowait(self) -> tuple | None:
+        """The next event, or None if there is none yet."""
+        try:
+            return self._queue.get_nowait()
+        except queue.Empty:
+            return None
+
+    def empty(self) -> bool:
+        return self._queue.empty()
+
+
 @dataclass(eq=False)
 class Sequence:
     """One request: its tokens (prompt + output, the very list drafters see), its settings, its
@@ -88,7 +118,7 @@ class Sequence:
     #: the sequences of the same prompt (a request's ``n`` choices), which prefill it once; None: alone
     group: "PromptGroup | None" = field(default=None, repr=False)
     stats: GenerationStats = field(default_factory=GenerationStats)
-    events: "queue.SimpleQueue" = field(default_factory=queue.SimpleQueue)
+    events: Outbox = field(default_factory=Outbox)
     submitted: float = field(default_factory=time.perf_counter)
     #: perf_counter when it got a slot, and when its first and latest output were committed (None:
     #: not yet); see :mod:`specdraft.engine.report`

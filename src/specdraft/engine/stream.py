@@ -80,21 +80,45 @@ class Stream:
         return self
 
     def __next__(self) -> StreamChunk:
-        seq = self.seq
         while not self._done:
-            kind, tokens = seq.events.get()
-            if kind == "tokens":
-                start, self._read = self._read, self._read + len(tokens)
-                logprobs = None if seq.logprobs is None else seq.output_logprobs[start : self._read]
-                return StreamChunk(self._text.delta(seq.new_tokens), tokens, logprobs)
-            self._done = True  # "done"
-            if seq.error is not None:
-                raise seq.error
-            rest = self._text.delta(seq.new_tokens, seq.finish_reason)
-            self.result = result_of(seq, self._text.emitted if self._text.tokenizer is not None else None)
-            if rest:
-                return StreamChunk(rest, [], None if seq.logprobs is None else [])
+            chunk = self._take(self.seq.events.get())
+            if chunk is not None:
+                return chunk
         raise StopIteration
+
+    def poll(self) -> StreamChunk | None:
+        """The next burst if one has arrived, else None, without waiting; raises StopIteration at
+        the end (and the request's error, as iteration does). With :meth:`on_ready`, a reader that
+        holds no thread: the server's output loop."""
+        while not self._done:
+            event = self.seq.events.get_nowait()
+            if event is None:
+                return None
+            chunk = self._take(event)
+            if chunk is not None:
+                return chunk
+        raise StopIteration
+
+    def on_ready(self, callback) -> None:
+        """Run ``callback()`` whenever an event arrives for this stream (on the engine's thread, or
+        the thread that closes it: keep it short); events that came before are :meth:`poll`'s too."""
+        self.seq.events.on_put = callback
+
+    def _take(self, event: tuple) -> StreamChunk | None:
+        """The burst of one of the sequence's events (None: it ended with no text left)."""
+        seq, (kind, tokens) = self.seq, event
+        if kind == "tokens":
+            start, self._read = self._read, self._read + len(tokens)
+            logprobs = None if seq.logprobs is None else seq.output_logprobs[start : self._read]
+            return StreamChunk(self._text.delta(seq.new_tokens), tokens, logprobs)
+        self._done = True  # "done"
+        if seq.error is not None:
+            raise seq.error
+        rest = self._text.delta(seq.new_tokens, seq.finish_reason)
+        self.result = result_of(seq, self._text.emitted if self._text.tokenizer is not None else None)
+        if rest:
+            return StreamChunk(rest, [], None if seq.logprobs is None else [])
+        return None
 
     def close(self) -> None:
         """Stop the request if it is still running (its slot is freed before the next step)."""

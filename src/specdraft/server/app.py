@@ -5,8 +5,9 @@ Endpoints: ``GET /v1/models``, ``POST /v1/completions``, ``POST /v1/chat/complet
 ``GET`` / ``HEAD /health`` and ``GET /metrics`` (Prometheus).
 
 The decoder's engine decodes in its own thread; this app only submits requests
-(``decoder.stream_ids``) and reads their streams, each blocking read in a worker thread, so
-the event loop never waits on the model. Every error is OpenAI's JSON
+(``decoder.stream_ids``, prompts encoded in at most :data:`BLOCKING_THREADS` worker threads) and
+reads their streams on the event loop (:mod:`.outputs`: no thread per stream), so the event
+loop never waits on the model. Every error is OpenAI's JSON
 ``{"error": {"message", "type", "param", "code"}}`` with a one-line message: 400 bad
 parameters (an unknown one included), 401 a missing or wrong API key, 404 an unknown model or
 path, 413 a body over ``max_request_bytes``, 415 a body that is not ``application/json``, 429 a
@@ -29,7 +30,6 @@ from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 from prometheus_client import CONTENT_TYPE_LATEST
 from pydantic import ValidationError
-from starlette.concurrency import run_in_threadpool
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from .. import __version__
@@ -39,6 +39,7 @@ from ..sampling import SamplingParams
 from ..types import LOGPROBS_MODES
 from .logprobs import ChatFormat, CompletionFormat, StreamedLogprobs, TokenTexts
 from .metrics import ServerMetrics
+from .outputs import OutputLoop
 from .protocol import (
     CHAT_DEFAULT_MAX_TOKENS,
     COMPLETION_DEFAULT_MAX_TOKENS,
@@ -76,9 +77,8 @@ logger = logging.getLogger("specdraft.server")
 
 #: the engine's finish reasons as OpenAI's
 FINISH_REASONS = {"eos": "stop", "stop": "stop", "length": "length"}
-#: worker threads that may wait on streams at once (each running or waiting request holds one
-#: while it waits for its next burst); apart from the default pool, which encodes prompts
-STREAM_THREADS = 512
+#: worker threads that encode prompts and submit requests (blocking work) at once; streams take none
+BLOCKING_THREADS = 4
 #: the largest request body read (bytes; ``create_app(max_request_bytes=...)``, ``serve
 #: --max-request-bytes``): 8 MiB holds a prompt far longer than any context (a token is a few
 #: bytes of text), and caps what one request can make the server parse and tokenize
@@ -182,16 +182,6 @@ class _EventStreamResponse(StreamingResponse):
             await super().__call__(scope, receive, send)
         finally:
             self.on_exit()
-
-
-_END = object()
-
-
-def _next_chunk(iterator):
-    try:
-        return next(iterator)
-    except StopIteration:
-        return _END
 
 
 async def _cancel_on_disconnect(request: Request, scope: anyio.CancelScope) -> None:
@@ -369,6 +359,7 @@ class _Server:
         self.chars_per_token = None if tokenizer is None else chars_per_token(tokenizer)
         self.token_texts = None if tokenizer is None else TokenTexts(tokenizer)  # tokens' texts, for logprobs
         self._limiter: anyio.CapacityLimiter | None = None  # made on first use, inside the event loop
+        self.outputs = OutputLoop()  # reads every request's stream (see .outputs)
 
     def register(self, app: FastAPI) -> None:
         for exc_class in (APIError, Exception):
@@ -427,7 +418,7 @@ class _Server:
                     return list(tokenizer(body.prompt, add_special_tokens=body.add_special_tokens).input_ids)
 
             try:
-                ids = await run_in_threadpool(encode)
+                ids = await self.blocking(encode)
             except ConfigError as exc:
                 raise APIError(400, str(exc), param=_config_param(exc, body, "messages")) from None
             return TokenizeResponse(count=len(ids), max_model_len=self.decoder.target.max_context,
@@ -446,7 +437,7 @@ class _Server:
             if bad is not None:
                 raise APIError(400, f"tokens holds {bad}, outside the vocabulary [0, {vocab}); send the model's "
                                     "token ids", param="tokens")
-            text = await run_in_threadpool(tokenizer.decode, body.tokens)
+            text = await self.blocking(tokenizer.decode, body.tokens)
             return DetokenizeResponse(prompt=text).model_dump()
         except Exception as exc:
             return self.error(exc).response()
@@ -578,7 +569,7 @@ class _Server:
             return streams if choices else [streams]
 
         try:
-            return await run_in_threadpool(_submit)
+            return await self.blocking(_submit)
         except ConfigError as exc:  # the decoder's own checks: the 400 names the parameter at fault
             raise APIError(400, str(exc), param=_config_param(exc, body, kind.prompt_param, param)) from None
 
@@ -587,17 +578,17 @@ class _Server:
         them (too long for the context: its ConfigError, a 400)."""
         return self.decoder.tokenizer(text, add_special_tokens=False).input_ids if text else None
 
-    async def bursts(self, stream, started: float) -> AsyncIterator:
-        """The stream's bursts, each read in a worker thread that a cancelled request abandons;
-        the first with tokens is observed as the time to first token."""
+    async def blocking(self, func, *args):
+        """``func(*args)`` in a worker thread (at most :data:`BLOCKING_THREADS` at once)."""
         if self._limiter is None:
-            self._limiter = anyio.CapacityLimiter(STREAM_THREADS)
-        iterator, first = iter(stream), True
-        while True:
-            chunk = await anyio.to_thread.run_sync(_next_chunk, iterator, abandon_on_cancel=True,
-                                                   limiter=self._limiter)
-            if chunk is _END:
-                return
+            self._limiter = anyio.CapacityLimiter(BLOCKING_THREADS)
+        return await anyio.to_thread.run_sync(func, *args, limiter=self._limiter)
+
+    async def bursts(self, stream, started: float) -> AsyncIterator:
+        """The stream's bursts as the output loop reads them; the first with tokens is observed as
+        the time to first token."""
+        first = True
+        async for chunk in self.outputs.watch(stream):
             if first and chunk.token_ids:
                 self.metrics.first_token(time.monotonic() - started)
                 first = False

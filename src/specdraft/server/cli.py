@@ -31,8 +31,7 @@ LISTEN_BACKLOG = 2048
 KEEP_ALIVE_S = 5.0
 #: seconds a client has to send a request's headers and body (``--read-timeout``)
 READ_TIMEOUT_S = 30.0
-#: connections and requests at once (``--limit-concurrency``): the app's stream threads
-#: (``app.STREAM_THREADS``) are 512
+#: connections and requests at once (``--limit-concurrency``)
 LIMIT_CONCURRENCY = 512
 #: bytes of a request's line and headers buffered while incomplete (``--h11-max-incomplete-event-size``;
 #: h11's default)
