@@ -35,7 +35,7 @@ SHUTTING_DOWN_CODE = "server_shutting_down"
 
 def shutdown_error():
     """The 503 a request ended (or refused) by the shutdown is answered with (a stream: its error event)."""
-    from .app import APIError
+    from .errors import APIError
 
     return APIError(503, SHUTTING_DOWN, type="server_error", code=SHUTTING_DOWN_CODE)
 
