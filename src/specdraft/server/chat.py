@@ -7,8 +7,7 @@ from typing import Any, Callable
 
 from .errors import APIError
 from .logprobs import ChatFormat
-from .protocol import (
-    CHAT_DEFAULT_MAX_TOKENS,
+from .chat_protocol import (
     ChatCompletionRequest,
     ChatCompletionResponse,
     ChatCompletionResponseChoice,
@@ -17,6 +16,7 @@ from .protocol import (
     ChatMessage,
     DeltaMessage,
 )
+from .protocol import CHAT_DEFAULT_MAX_TOKENS
 from .serving import Reply
 
 #: chat roles a message may have; "developer" is passed to the template as "system"

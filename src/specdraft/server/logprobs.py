@@ -18,7 +18,8 @@ from typing import Sequence
 
 from ..engine.output import INCOMPLETE
 from ..types import TokenLogprob
-from .protocol import ChatChoiceLogprobs, ChatCompletionTokenLogprob, CompletionLogprobs, TopLogprob
+from .chat_protocol import ChatChoiceLogprobs, ChatCompletionTokenLogprob, TopLogprob
+from .protocol import CompletionLogprobs
 
 #: what -inf is sent as (vLLM's value)
 LOGPROB_FLOOR = -9999.0
