@@ -57,6 +57,24 @@ class ServerMetrics:
         def histogram(name, doc, buckets):
             return Histogram(f"specdraft:{name}", doc, names, buckets=buckets, registry=registry)
 
+        self._counters(counter)
+        self._histograms(histogram, getattr(decoder, "target", None))
+        kv = self._gauges(decoder, names)
+        engine = getattr(decoder, "engine", None)
+        #: counted as the engine steps (else, a decoder without an engine: when requests finish)
+        self.per_step = isinstance(getattr(engine, "observers", None), list)
+        if self.per_step:
+            from ..engine.report import kv_cache_usage
+
+            engine_ref = weakref.ref(engine)
+            kv.labels(**labels).set_function(lambda: kv_cache_usage(engine_ref()) if engine_ref() is not None else 0.0)
+            _subscribe(self, engine.observers)
+        else:
+            kv.labels(**labels).set(0.0)
+        self._bind()
+
+    def _counters(self, counter) -> None:
+        """vLLM's counters (speculation's, tokens', requests')."""
         self.num_drafts = counter("spec_decode_num_drafts", "Rounds that drafted at least one token (per sequence).")
         self.num_draft_tokens = counter("spec_decode_num_draft_tokens", "Draft tokens the target verified.")
         self.num_accepted_tokens = counter("spec_decode_num_accepted_tokens", "Draft tokens the target accepted.")
@@ -72,6 +90,9 @@ class ServerMetrics:
                                                           "client went away first).", ["finished_reason"])
         self.request_errors = counter("request_errors", "Requests answered with an error, by HTTP status.",
                                       ["status"])
+
+    def _histograms(self, histogram, target) -> None:
+        """vLLM's latency and size histograms."""
         self.e2e_latency = histogram("e2e_request_latency_seconds", "Time from a request's arrival to its last token.",
                                      E2E_BUCKETS)
         self.ttft = histogram("time_to_first_token_seconds", "Time from a request's arrival to its first generated "
@@ -89,7 +110,6 @@ class ServerMetrics:
                                                                     "token to its last.", E2E_BUCKETS)
         self.inference_time = histogram("request_inference_time_seconds", "Per sequence: time from its admission "
                                                                           "to its last output token.", E2E_BUCKETS)
-        target = getattr(decoder, "target", None)
         sizes = build_1_2_5_buckets(int(getattr(target, "max_context", 0) or 0) or 8192)
         self.request_prompt_tokens = histogram("request_prompt_tokens", "Per sequence: its prompt's tokens.", sizes)
         self.request_generation_tokens = histogram("request_generation_tokens", "Per sequence: its output tokens.",
@@ -99,26 +119,19 @@ class ServerMetrics:
         self.iteration_tokens = histogram("iteration_tokens_total", "Tokens per engine pass: a round's generated "
                                                                     "tokens, a prefill pass's prompt tokens.",
                                           ITERATION_BUCKETS)
+
+    def _gauges(self, decoder, names: list[str]):
+        """The running and waiting requests (read from ``decoder`` when scraped); returns the KV
+        cache usage gauge, which the caller binds."""
+        labels, registry = self._labels, self.registry
         running = Gauge("specdraft:num_requests_running", "Requests the engine is decoding.", names,
                         registry=registry)
         running.labels(**labels).set_function(lambda: decoder.num_running)
         waiting = Gauge("specdraft:num_requests_waiting", "Requests waiting for a place in the batch.",
                         names, registry=registry)
         waiting.labels(**labels).set_function(lambda: decoder.num_waiting)
-        kv = Gauge("specdraft:kv_cache_usage_perc", "Fraction (0..1) of the target's KV cache positions in use.",
-                   names, registry=registry)
-        engine = getattr(decoder, "engine", None)
-        #: counted as the engine steps (else, a decoder without an engine: when requests finish)
-        self.per_step = isinstance(getattr(engine, "observers", None), list)
-        if self.per_step:
-            from ..engine.report import kv_cache_usage
-
-            engine_ref = weakref.ref(engine)
-            kv.labels(**labels).set_function(lambda: kv_cache_usage(engine_ref()) if engine_ref() is not None else 0.0)
-            _subscribe(self, engine.observers)
-        else:
-            kv.labels(**labels).set(0.0)
-        self._bind()
+        return Gauge("specdraft:kv_cache_usage_perc", "Fraction (0..1) of the target's KV cache positions in use.",
+                     names, registry=registry)
 
     def _bind(self) -> None:
         """The label-bound children the engine's thread updates every round (``labels()`` looks each up)."""

@@ -68,6 +68,16 @@ def check_draft(draft: Any, batch: int, k: int, vocab: int, who: str, device: to
     if not full:  # on the device, without a copy: a draft stops before its first id outside the vocabulary
         valid_ids = ((ids >= 0) & (ids < vocab)).long().cumprod(dim=1).sum(dim=1)  # [batch]
         return ids.clamp(0, vocab - 1), torch.minimum(lengths.clamp(0, width), valid_ids), probs, parents
+    _check_values(ids, lengths, probs, parents, k, vocab, bad)
+    return ids, lengths, probs, parents
+
+
+def _check_values(ids: torch.Tensor, lengths: torch.Tensor, probs: torch.Tensor | None, parents: torch.Tensor | None,
+                  k: int, vocab: int, bad) -> None:
+    """:func:`check_draft`'s full checks, of values (each copies from the device): lengths in range,
+    a tree's parents and depth, ids in the vocabulary, draft distributions that are distributions
+    giving their own tokens a chance. ``bad(message)`` makes the error raised."""
+    width, device = ids.shape[1], ids.device
     if bool((lengths < 0).any()) or bool((lengths > width).any()):
         raise bad(f"lengths must be [batch] with values in 0..{width}")
     valid = torch.arange(width, device=device) < lengths[:, None]  # [batch, k']
@@ -95,7 +105,6 @@ def check_draft(draft: Any, batch: int, k: int, vocab: int, who: str, device: to
                 raise bad(f"each probs row must sum to 1 (got sums from {float(sums.min()):.4f} to {float(sums.max()):.4f})")
             if bool((rows.gather(1, real[:, None]) <= 0).any()):
                 raise bad("a drafted token has probability 0 under its own draft distribution")
-    return ids, lengths, probs, parents
 
 
 @dataclass
