@@ -303,10 +303,12 @@ class Group:
                 check_shardable(model.args, self.world)
                 key = next(self._keys)
                 self.send(("model", key, model.args, quantize))
-                states = [shard_state(model, r, self.world) for r in range(self.world)]
-                dist.scatter_object_list([None], states, src=0, group=_CONTROL)
-                shards[quantize] = (key, build_shard(model.args, 0, self.world, states[0], self.device, quantize))
-                del model, states
+                for rank in range(1, self.world):  # one rank's weights at a time: held (and pickled) once
+                    dist.send_object_list([shard_state(model, rank, self.world)], dst=rank, group=_CONTROL)
+                args, state = model.args, shard_state(model, 0, self.world)
+                del model  # the unsharded copy goes before rank 0's shard is built
+                shards[quantize] = (key, build_shard(args, 0, self.world, state, self.device, quantize))
+                del state
             model_key, shard = shards[quantize]
             key = next(self._keys)
             self.send(("runner", key, model_key))
@@ -486,7 +488,7 @@ def follow(device: torch.device) -> None:
             elif kind == "model":
                 _, key, args, quantize = msg
                 box = [None]
-                dist.scatter_object_list(box, None, src=0, group=_CONTROL)
+                dist.recv_object_list(box, src=0, group=_CONTROL)
                 shards[key] = (build_shard(args, dist.get_rank(), dist.get_world_size(), box[0], device, quantize), quantize)
             elif kind == "runner":
                 _, key, model_key = msg
