@@ -145,10 +145,11 @@ def plain_reference(decoder):
     return RunnerAsModel(runner.__class__(runner.model, quantization=runner.quantization), vocab)
 
 
-def differing_widths(runner, vocab_size: int, widths, prompt_lengths=(9, 4, 13), seed: int = 0):
-    """Where ``runner`` is not row-invariant: three rows with prompts of ``prompt_lengths`` tokens
-    (one cache slot each), their one-token steps (each row alone) against passes of every width
-    in ``widths`` over all rows and over rows 0 and 2 only (a gathered subset). Returns
+def differing_widths(runner, vocab_size: int, widths, prompt_lengths=(9, 4, 13), seed: int = 0, subset=(0, 2)):
+    """Where ``runner`` is not row-invariant: rows with prompts of ``prompt_lengths`` tokens (one
+    cache slot each; three by default), their one-token steps (each row alone) against passes of
+    every width in ``widths`` over all rows and over the rows ``subset`` names only (a gathered
+    subset: rows 0 and 2 by default). Returns
     ``(widths where all rows differ, widths where the subset differs)`` by bit-identity of the
     logits: ``([], [])`` for a row-invariant runner (see ``specdraft.runner.kernels``)."""
     import torch
@@ -172,6 +173,7 @@ def differing_widths(runner, vocab_size: int, widths, prompt_lengths=(9, 4, 13),
             if not torch.equal(runner.forward(tokens[:, :width])[0], steps[:, :width]):
                 bad_all.append(width)
             runner.cache.set_lengths(lengths)
-            if not torch.equal(runner.forward(tokens[[0, 2], :width], slots=[0, 2])[0], steps[[0, 2], :width]):
+            rows = list(subset)
+            if not torch.equal(runner.forward(tokens[rows, :width], slots=rows)[0], steps[rows, :width]):
                 bad_subset.append(width)
     return bad_all, bad_subset
