@@ -162,8 +162,15 @@ def test_python_snippets_run_as_written(page, tmp_path, monkeypatch, capsys, req
         request.getfixturevalue("cached_default_model")
         generate_ids = SpeculativeDecoder.generate_ids
 
-        def capped(self, prompts, max_new_tokens=128, **kwargs):
-            return generate_ids(self, prompts, max_new_tokens=min(max_new_tokens, E2E_MAX_NEW_TOKENS), **kwargs)
+        def capped(self, prompts, settings=None, **options):
+            def cap(s):
+                return s.replace(max_new_tokens=min(s.max_new_tokens, E2E_MAX_NEW_TOKENS))
+
+            if settings is not None:
+                settings = [cap(s) for s in settings] if isinstance(settings, (list, tuple)) else cap(settings)
+            if settings is None or "max_new_tokens" in options:
+                options["max_new_tokens"] = min(options.get("max_new_tokens", 128), E2E_MAX_NEW_TOKENS)
+            return generate_ids(self, prompts, settings, **options)
 
         monkeypatch.setattr(SpeculativeDecoder, "generate_ids", capped)
     run = runnable_blocks(page)

@@ -14,6 +14,7 @@ from .errors import (
 )
 from .hookspecs import hookimpl
 from .sampling import SamplingParams, TokenCounts, logits_to_probs
+from .settings import GenerationSettings
 from .types import Draft, DraftContext, GenerationResult, GenerationStats, TargetInfo, TokenLogprob
 
 try:
@@ -22,7 +23,7 @@ except _metadata.PackageNotFoundError:  # running from a source tree that is not
     __version__ = "0+unknown"
 
 __all__ = [
-    "ConfigError", "Draft", "DraftContext", "Drafter", "DrafterError", "GenerationResult",
+    "ConfigError", "Draft", "DraftContext", "Drafter", "DrafterError", "GenerationResult", "GenerationSettings",
     "GenerationStats", "ModelLoadError", "PluginError", "SamplingParams", "SpecdraftError",
     "SpeculativeDecoder", "TargetInfo", "TokenCounts", "TokenLogprob", "UnknownDrafterError", "hookimpl",
     "logits_to_probs",

@@ -296,16 +296,20 @@ def _generate(args) -> int:
     if not prompt.strip():
         raise ConfigError("the prompt is empty; give some text to continue")
     prediction = _read_prediction(args.prediction)
-    from .decoder import SpeculativeDecoder, check_generation_args, check_spec_length, check_stop_settings
+    from .decoder import SpeculativeDecoder
+    from .limits import check_spec_length
     from .plugins import get_registry
+    from .settings import GenerationSettings
 
     # Cheap checks first, so a typo fails in a blink rather than after loading a model.
     check_spec_length(args.spec_length)
-    sampling = {name: getattr(args, name) for name in SAMPLING_FLAGS}
-    check_generation_args(args.max_new_tokens, sampling, args.seed, args.stop)
-    check_stop_settings(args.max_new_tokens, args.ignore_eos, args.min_tokens, args.stop_token_id)
+    settings = GenerationSettings(
+        max_new_tokens=args.max_new_tokens, seed=args.seed, stop=args.stop, prediction=prediction,
+        ignore_eos=args.ignore_eos, min_tokens=args.min_tokens, stop_token_ids=args.stop_token_id,
+        **{name: getattr(args, name) for name in SAMPLING_FLAGS})
+    settings.check_ids()
     get_registry().validate_options(args.drafter, dict(args.drafter_options))
-    response_format = _response_format(args)
+    settings = settings.replace(response_format=_response_format(args))
     decoder = SpeculativeDecoder.from_pretrained(
         target=args.target, drafter=args.drafter, spec_length=args.spec_length,
         drafter_options=dict(args.drafter_options), dtype=args.dtype, device=args.device,
@@ -317,11 +321,8 @@ def _generate(args) -> int:
         _check_fits(prediction, f"--prediction {args.prediction}", decoder)
     from .engine import GenerationInterrupted
 
-    settings = dict(max_new_tokens=args.max_new_tokens, seed=args.seed, stop=args.stop, raw=args.raw,
-                    prediction=prediction, ignore_eos=args.ignore_eos, min_tokens=args.min_tokens,
-                    stop_token_ids=args.stop_token_id, response_format=response_format, **sampling)
     if args.stream:
-        stream = decoder.stream(prompt, **settings)
+        stream = decoder.stream(prompt, settings, raw=args.raw)
         try:
             for chunk in stream:
                 print(chunk.text, end="", flush=True)
@@ -334,7 +335,7 @@ def _generate(args) -> int:
         result = stream.result
     else:
         try:
-            result = decoder.generate(prompt, **settings)[0]
+            result = decoder.generate(prompt, settings, raw=args.raw)[0]
         except GenerationInterrupted as stopped:  # Ctrl-C: keep what was generated
             print(stopped.results[0].text, flush=True)
             print("specdraft: interrupted", file=sys.stderr)
@@ -350,7 +351,7 @@ def _response_format(args):
     """``--response-format`` / ``--json-schema`` / ``--regex`` as a grammar (None: none), checked
     before any model loads: a file that cannot be read, bad JSON, a second flag, or a grammar
     without llguidance installed is one line and exit 2."""
-    from .engine.grammar import check_spec
+    from .grammar import check_spec
     from .structured import from_cli
 
     spec = from_cli(args.response_format, args.json_schema, args.regex)
@@ -410,7 +411,8 @@ def _gguf_of(target: str | None) -> str | None:
 def _bench(args) -> int:
     from .bench import BenchSettings, load_questions, run_bench, write_outputs
     from .bench.harness import split_method
-    from .decoder import check_generation_args, check_spec_length
+    from .limits import check_spec_length
+    from .settings import GenerationSettings
     from .plugins import get_registry
 
     options: dict[str, dict[str, str]] = {}
@@ -430,7 +432,7 @@ def _bench(args) -> int:
         tensor_parallel=args.tensor_parallel,
     )
     check_spec_length(settings.spec_length)
-    check_generation_args(settings.max_new_tokens, {"temperature": settings.temperature}, None, None)
+    GenerationSettings(max_new_tokens=settings.max_new_tokens, temperature=settings.temperature)
     if args.limit_per_category is not None and args.limit_per_category < 1:
         raise ConfigError("--limit-per-category must be >= 1")
     for label, drafter in methods.items():  # unknown names and bad options fail here, before the model loads
@@ -517,7 +519,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     try:
         if getattr(args, "tensor_parallel", 1) != 1:  # torchrun's ranks other than 0 follow rank 0, then end here
-            from .decoder import follow_if_worker
+            from .runner.tp import follow_if_worker
 
             follow_if_worker(args.tensor_parallel, args.device)
         if args.command == "generate":

@@ -11,7 +11,15 @@ class SpecdraftError(Exception):
 
 
 class ConfigError(SpecdraftError, ValueError):
-    """A setting or an input is invalid (bad sampling values, empty prompt, ...)."""
+    """A setting or an input is invalid (bad sampling values, empty prompt, ...).
+
+    ``param``: the setting or input at fault, by its Python name (``"temperature"``, ``"stop"``,
+    ``"prompt"``, ``"response_format.json_schema"``, ...), or None when it is no one setting's;
+    the server answers with the request field it comes from."""
+
+    def __init__(self, message: str, *, param: str | None = None) -> None:
+        super().__init__(message)
+        self.param = param
 
 
 class ModelLoadError(SpecdraftError):

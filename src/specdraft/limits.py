@@ -115,3 +115,15 @@ def _normalizer_shrink(node) -> float | None:
         else:  # Strip, StripAccents, BertNormalizer, Precompiled (SentencePiece's), ...: may drop text
             return None
     return shrink
+
+
+#: The most tokens one round may draft: acceptance of the 16th drafted token is negligible
+#: for any drafter measured, and a verify pass that wide costs several plain steps.
+MAX_SPEC_LENGTH = 16
+
+
+def check_spec_length(spec_length) -> None:
+    """The most tokens a round drafts (a decoder's setting), or ConfigError."""
+    if isinstance(spec_length, bool) or not isinstance(spec_length, int) or not 1 <= spec_length <= MAX_SPEC_LENGTH:
+        raise ConfigError(f"spec_length must be an integer from 1 to {MAX_SPEC_LENGTH} (got {spec_length!r}); "
+                          "4-6 suits most drafters", param="spec_length")

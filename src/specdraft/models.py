@@ -401,3 +401,13 @@ def load_target(target=None, dtype=None, device=None, require_tokenizer: bool = 
             hf_logging.enable_progress_bar()
     model.to(device).eval()
     return model, tokenizer, name
+
+
+def encode_prompt(tokenizer, prompt: str, raw: bool = False) -> list[int]:
+    """Token ids for ``prompt``: through the chat template unless ``raw`` or there is none."""
+    if not raw and getattr(tokenizer, "chat_template", None):
+        prompt = tokenizer.apply_chat_template(
+            [{"role": "user", "content": prompt}], add_generation_prompt=True, tokenize=False
+        )
+        return tokenizer(prompt, add_special_tokens=False).input_ids
+    return tokenizer(prompt).input_ids

@@ -287,3 +287,35 @@ class GenerationResult:
     stats: GenerationStats
     #: one entry per token of ``token_ids`` when the call asked for ``logprobs``, else None
     logprobs: list[TokenLogprob] | None = None
+
+
+def eos_ids(model, tokenizer) -> tuple[int, ...]:
+    """The model's end-of-sequence token ids (its generation config's, its config's, its tokenizer's)."""
+    ids: set[int] = set()
+    for source in (getattr(model, "generation_config", None), model.config):
+        value = getattr(source, "eos_token_id", None) if source is not None else None
+        if value is not None:
+            ids.update([value] if isinstance(value, int) else value)
+    if tokenizer is not None and tokenizer.eos_token_id is not None:
+        ids.add(tokenizer.eos_token_id)
+    return tuple(sorted(ids))
+
+
+def describe_target(model, tokenizer=None, target_name: str = "") -> TargetInfo:
+    """What drafters are told about a loaded target model."""
+    config = model.config.get_text_config()
+    return TargetInfo(
+        vocab_size=model.get_output_embeddings().weight.shape[0],
+        device=model.device,
+        dtype=model.dtype,
+        max_context=int(getattr(config, "max_position_embeddings", 0) or 2**31 - 1),
+        eos_token_ids=eos_ids(model, tokenizer),
+        tokenizer=tokenizer,
+        config=config,
+        name=target_name or getattr(config, "_name_or_path", ""),
+        embeddings=model.get_input_embeddings(),
+        lm_head=model.get_output_embeddings(),
+        hidden_size=int(getattr(config, "hidden_size", 0) or 0),
+    )
+
+

@@ -10,10 +10,9 @@ import math
 
 import pytest
 
-from specdraft import SpeculativeDecoder
+from specdraft import GenerationSettings, SpeculativeDecoder
 from specdraft.engine.sequence import Sequence
 from specdraft.errors import ConfigError
-from specdraft.sampling import SamplingParams
 from specdraft.testing import plain_greedy, random_heads, repetitive_prompts
 
 CHUNK = 16
@@ -49,12 +48,12 @@ def test_a_long_prompt_joins_in_chunks_while_the_running_sequence_decodes_every_
     dec = _decoder(tiny_model, drafter, tmp_path)
     engine = dec.engine
     chunks = _record_chunks(engine)
-    first = Sequence(tokens=list(base[1]), max_new_tokens=60, max_len=256, seed=0, sampling=SamplingParams())
+    first = Sequence(tokens=list(base[1]), settings=GenerationSettings(max_new_tokens=60), max_len=256, seed=0)
     engine.add([first])
     for _ in range(2):
         engine.steps += 1
         engine.step()
-    second = Sequence(tokens=list(long), max_new_tokens=20, max_len=256, seed=1, sampling=SamplingParams())
+    second = Sequence(tokens=list(long), settings=GenerationSettings(max_new_tokens=20), max_len=256, seed=1)
     engine.add([second])
     steps_prefilling = 0
     while True:
@@ -84,7 +83,7 @@ def test_a_prompt_alone_is_prefilled_at_the_same_offsets_in_one_step(tiny_model,
     long = (repetitive_prompts(64)[3] * 20)[:101]
     dec = _decoder(tiny_model, "ngram", tmp_path)
     chunks = _record_chunks(dec.engine)
-    seq = Sequence(tokens=list(long), max_new_tokens=8, max_len=256, seed=0, sampling=SamplingParams())
+    seq = Sequence(tokens=list(long), settings=GenerationSettings(max_new_tokens=8), max_len=256, seed=0)
     dec.engine.add([seq])
     dec.engine.steps = 1
     dec.engine.step()
@@ -119,7 +118,7 @@ def test_choices_of_one_prompt_prefill_it_once(tiny_model, tmp_path):
     long = (repetitive_prompts(64)[0] * 60)[:101]
     dec = _decoder(tiny_model, "eagle", tmp_path)
     chunks = _record_chunks(dec.engine)
-    greedy = sequences_for([long], SamplingParams(), 12, 256, n=3)
+    greedy = sequences_for([long], GenerationSettings(max_new_tokens=12, n=3), 256)
     dec.engine.add(greedy)
     while dec.engine.has_work():
         dec.engine.step()
@@ -130,7 +129,7 @@ def test_choices_of_one_prompt_prefill_it_once(tiny_model, tmp_path):
     assert all(s.error is None and s.new_tokens == plain for s in greedy)
 
     def sampled(seed):
-        seqs = sequences_for([long], SamplingParams(temperature=1.0), 12, 256, seed=seed, n=3)
+        seqs = sequences_for([long], GenerationSettings(max_new_tokens=12, temperature=1.0, seed=seed, n=3), 256)
         dec.engine.add(seqs)
         while dec.engine.has_work():
             dec.engine.step()

@@ -7,10 +7,9 @@ import threading
 import pytest
 import torch
 
-from specdraft import Drafter, SpeculativeDecoder
+from specdraft import Drafter, GenerationSettings, SpeculativeDecoder
 from specdraft.engine.sequence import Sequence
 from specdraft.errors import DrafterError
-from specdraft.sampling import SamplingParams
 from specdraft.testing import SIGNIFICANCE as ALPHA
 from specdraft.testing import (enumerate_plain_sampling, plain_greedy, random_heads, repetitive_prompts,
                                samples_needed, samples_pvalue, tiny_llama)
@@ -76,13 +75,13 @@ def test_sampling_is_exact_per_sequence_with_mixed_settings_in_one_batch(small_v
     (chi-square, ALPHA, the power calculation's sample size), with greedy and three sampling
     settings sharing every batch, and a sampling draft model."""
     tiny_llama(vocab_size=16, seed=5, layers=1).save_pretrained(tmp_path)
-    settings = [SamplingParams(temperature=1.0), SamplingParams(temperature=0.7, top_k=5),
-                SamplingParams(temperature=1.3, top_p=0.8, min_p=0.05), SamplingParams()]
     prompt, steps = [3, 5, 3, 5, 3], 4
+    settings = [GenerationSettings(max_new_tokens=steps, **params) for params in (
+        dict(temperature=1.0), dict(temperature=0.7, top_k=5), dict(temperature=1.3, top_p=0.8, min_p=0.05), {})]
     n = samples_needed(15, family_size(steps))
     dec = SpeculativeDecoder(small_vocab_model, None, drafter="draft-model", spec_length=steps - 1, max_batch=512,
                              drafter_options={"model": str(tmp_path), "dtype": "float64", "min_confidence": 0.0})
-    seqs = [Sequence(tokens=prompt, sampling=settings[i % 4], max_new_tokens=steps, max_len=64, seed=i)
+    seqs = [Sequence(tokens=prompt, settings=settings[i % 4], max_len=64, seed=i)
             for i in range(4 * n)]
     from specdraft.engine import Stream
 
@@ -92,7 +91,7 @@ def test_sampling_is_exact_per_sequence_with_mixed_settings_in_one_batch(small_v
         for _ in s:
             pass
     greedy = plain_greedy(small_vocab_model, prompt, steps)
-    for i, params in enumerate(settings):
+    for i, params in enumerate(s.sampling for s in settings):
         mine = [s.result for s in streams[i::4]]
         if params.greedy:
             assert all(r.token_ids == greedy for r in mine)
@@ -201,12 +200,12 @@ def test_a_long_prompt_joining_a_long_running_sequence(tiny_model, options, draf
     dec = SpeculativeDecoder(tiny_model, None, drafter=drafter, spec_length=3, drafter_options=options.get(drafter),
                              adaptive=False, max_batch=2)
     engine = dec.engine
-    first = Sequence(tokens=list(long), max_new_tokens=80, max_len=1024, seed=0, sampling=SamplingParams())
+    first = Sequence(tokens=list(long), settings=GenerationSettings(max_new_tokens=80), max_len=1024, seed=0)
     engine.add([first])
     for _ in range(12):
         engine.step()
     assert first.finish_reason is None and len(first.tokens) >= len(long) + 12
-    second = Sequence(tokens=list(long[:280]), max_new_tokens=30, max_len=1024, seed=1, sampling=SamplingParams())
+    second = Sequence(tokens=list(long[:280]), settings=GenerationSettings(max_new_tokens=30), max_len=1024, seed=1)
     engine.add([second])
     while engine.has_work():
         engine.step()

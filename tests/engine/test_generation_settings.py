@@ -266,12 +266,12 @@ def test_bad_values_give_one_line_errors(settings, message):
 def test_the_server_passes_the_fields_to_the_decoder(plain):
     from specdraft.server.protocol import CompletionRequest
 
-    off = CompletionRequest(prompt="x").sampling()
-    assert (off["ignore_eos"], off["min_tokens"], off["stop_token_ids"]) == (False, 0, None)
+    off = CompletionRequest(prompt="x").settings(N)
+    assert (off.ignore_eos, off.min_tokens, off.stop_token_ids) == (False, 0, ())
     body = CompletionRequest(prompt="x", temperature=0, min_tokens=6, stop_token_ids=[plain[4]])
     assert not body.model_extra  # declared fields, not unknown ones
     dec = SpeculativeDecoder(_shared_model(plain[2]), None, drafter="ngram")
-    stream = dec.stream_ids(PROMPTS[0], max_new_tokens=N, **body.sampling())
+    stream = dec.stream_ids(PROMPTS[0], body.settings(N))
     tokens = [t for chunk in stream for t in chunk.token_ids]
     settings = {"min_tokens": 6, "stop_token_ids": [plain[4]]}
     assert (tokens, stream.result.finish_reason) == expected(plain[2], PROMPTS[0], settings)

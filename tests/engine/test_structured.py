@@ -25,7 +25,7 @@ import llguidance  # noqa: E402
 
 from specdraft import ConfigError, SamplingParams, SpeculativeDecoder  # noqa: E402
 from specdraft.drafters.api import Drafter  # noqa: E402
-from specdraft.engine.grammar import GrammarCompiler, GrammarSpec  # noqa: E402
+from specdraft.grammar import GrammarCompiler, GrammarSpec  # noqa: E402
 from specdraft.structured import from_cli, guided, one_of, response_format, structured_outputs  # noqa: E402
 from specdraft.testing import SIGNIFICANCE as ALPHA  # noqa: E402
 from specdraft.testing import TargetDrafter, chi_square_pvalue, random_heads, tiny_llama  # noqa: E402

@@ -233,20 +233,16 @@ class FakeDecoder:
             check_text(text)
         return list(text.encode())
 
-    def stream_ids(self, prompt_ids, max_new_tokens=128, temperature=0.0, top_k=0, top_p=1.0, seed=None,
-                   stop=None, *, min_p=0.0, repetition_penalty=1.0, presence_penalty=0.0,
-                   frequency_penalty=0.0, prediction=None, ignore_eos=False, min_tokens=0,
-                   stop_token_ids=None) -> FakeStream:
-        self.calls.append(dict(prompt_ids=list(prompt_ids), max_new_tokens=max_new_tokens, temperature=temperature,
-                               top_k=top_k, top_p=top_p, seed=seed, stop=stop, min_p=min_p,
-                               repetition_penalty=repetition_penalty, presence_penalty=presence_penalty,
-                               frequency_penalty=frequency_penalty, prediction=prediction, ignore_eos=ignore_eos,
-                               min_tokens=min_tokens, stop_token_ids=stop_token_ids))
-        if not 0 <= temperature <= 100:
-            raise ConfigError(f"invalid sampling settings: temperature: must be from 0 to 100 (got {temperature})")
+    def stream_ids(self, prompt_ids, settings) -> FakeStream:
+        self.calls.append(dict(prompt_ids=list(prompt_ids), **{name: getattr(settings, name) for name in (
+            "max_new_tokens", "temperature", "top_k", "top_p", "seed", "min_p", "repetition_penalty",
+            "presence_penalty", "frequency_penalty", "prediction", "ignore_eos", "min_tokens")},
+            stop=list(settings.stop) or None, stop_token_ids=list(settings.stop_token_ids) or None))
+        max_new_tokens, stop, prediction = settings.max_new_tokens, settings.stop, settings.prediction
         if len(prompt_ids) >= self.target.max_context:
             raise ConfigError(f"prompt 0 has {len(prompt_ids)} tokens but the model's context holds "
-                              f"{self.target.max_context}; shorten it to at most {self.target.max_context - 1} tokens")
+                              f"{self.target.max_context}; shorten it to at most {self.target.max_context - 1} tokens",
+                              param="prompt")
         stream = FakeStream(self, list(prompt_ids), max_new_tokens, stop, prediction)
         with self._lock:
             if len(self.running) < self.max_batch:

@@ -8,7 +8,7 @@ import random
 import pytest
 import torch
 
-from specdraft import Draft, Drafter, SpeculativeDecoder
+from specdraft import Draft, Drafter, GenerationSettings, SpeculativeDecoder
 from specdraft.verifier.tree import first_chain, greedy_tree_accept, tree_ancestors, tree_rejection_sample
 from specdraft.errors import DrafterError
 from specdraft.sampling import SamplingParams, logits_to_probs
@@ -134,8 +134,8 @@ def test_after_a_tree_round_the_cache_equals_a_fresh_prefill(tiny_model):
     dec = SpeculativeDecoder(tiny_model, None, drafter=OracleTreeDrafter(tiny_model, seed=3), spec_length=4,
                              adaptive=False, max_batch=2)
     engine, runner = dec.engine, dec.engine.runner
-    seqs = [Sequence(tokens=list(prompt), max_new_tokens=40, max_len=128, seed=0, sampling=SamplingParams()),
-            Sequence(tokens=list(prompt[:7]), max_new_tokens=40, max_len=128, seed=1, sampling=SamplingParams())]
+    seqs = [Sequence(tokens=list(prompt), settings=GenerationSettings(max_new_tokens=40), max_len=128, seed=0),
+            Sequence(tokens=list(prompt[:7]), settings=GenerationSettings(max_new_tokens=40), max_len=128, seed=1)]
     engine.add(seqs)
     for _ in range(6):
         engine.step()

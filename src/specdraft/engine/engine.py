@@ -29,10 +29,10 @@ from dataclasses import dataclass, field
 import torch
 
 from ..errors import DrafterError, SpecdraftError
-from ..sampling import RowSampling, TokenCounts, compute_dtype
+from ..sampling import RowSampling, TokenCounts
 from ..types import DraftContext, TargetInfo
 from ..verifier import Outcome, Proposal, Verifier
-from .grammar import GrammarMasks
+from .processors import GrammarMasks, HoldStops, LogitBias, RowState, process
 from .logprobs import round_logprobs
 from .output import first_stop, stop_floor
 from .policy import AdaptiveDraftLength
@@ -100,7 +100,8 @@ class Engine:
         waves = getattr(drafter, "api_version", 1) < 2
         self.scheduler = Scheduler(max_batch, max_waiting, waves=waves)
         self.verifier = Verifier(runner, target.vocab_size, target.device, who=drafter_label(drafter))
-        self.grammars = GrammarMasks(target.eos_token_ids)  # structured output's masks (rows with a grammar)
+        #: what requests do to the target's distribution, in order (see :mod:`.processors`)
+        self.processors = (LogitBias(), GrammarMasks(), HoldStops())
         self._drafting = WaveDrafter(drafter, self.verifier) if waves else drafter  # what the rounds call
         #: draft-length policies per batch-size bucket: verify costs differ with the batch
         self.policies: dict[int, AdaptiveDraftLength] = {}
@@ -161,15 +162,17 @@ class Engine:
         t1 = time.perf_counter()
         logits, hidden = self.verifier.verify(proposal, [s.tokens[-1] for s in batch], [s.slot for s in batch],
                                               max(s.cached for s in batch), hidden=self.wants_hidden)
-        raw_logits = logits  # the model's own (logprobs_mode "raw"); the masks below make copies
-        logits = self.grammars.apply(batch, proposal, self._hold_stops(batch, proposal, self._bias(batch, logits)),
-                                     raw_logits)
+        raw_logits = logits  # the model's own (logprobs_mode "raw"); the processors make copies
+        logits = process(self.processors, self._rows(batch), proposal, logits)
+        self._grammar_failures(batch)
         outcome = self.verifier.accept(proposal, logits, plan.ctx.sampling, self._generators(batch), plan.ctx.counts,
                                        hidden)
         logprobs = round_logprobs(batch, outcome, raw_logits, logits, plan.ctx.counts)  # rows that asked
         t2 = time.perf_counter()
         committed = self._commit(batch, outcome, logprobs)
-        self.grammars.advance(batch, committed)  # each grammar's matcher over its row's new tokens
+        for s, n in zip(batch, committed):  # each grammar's matcher over its row's new tokens
+            if s.grammar is not None and s.finish_reason is None and n > 0:
+                s.grammar.advance(s.tokens[len(s.tokens) - n :])
         self._observe(round_report(batch, outcome, committed, plan.predicted, draft_s=t1 - t0, verify_s=t2 - t1))
         for s, n in zip(batch, committed):  # after the observers: what a reader has got is counted already
             s.events.put(("tokens", s.tokens[len(s.tokens) - n:]))
@@ -410,46 +413,19 @@ class Engine:
         """Each sampled row's verification generator (None for greedy rows)."""
         return [None if s.sampling.greedy else s.generator(1, self.target.device) for s in batch]
 
-    def _bias(self, batch: list[Sequence], logits: torch.Tensor) -> torch.Tensor:
-        """``logit_bias``: each biased row's numbers added to its logits at every pass index, before
-        the masks and the sampling pipeline (penalties, temperature, filters), as plain decoding adds
-        them at each step: the target's distribution itself changes, so acceptance stays exact. In
-        float32 or wider (a bias is not rounded to bfloat16; the pipeline upcasts anyway). Returns
-        ``logits`` (a copy when some row is biased)."""
-        rows = [(b, s.logit_bias) for b, s in enumerate(batch) if s.logit_bias]
-        if not rows:
-            return logits
-        logits = logits.to(compute_dtype(logits.dtype), copy=True)
-        for b, bias in rows:
-            ids = torch.tensor(list(bias), device=logits.device)
-            logits[b, :, ids] += torch.tensor(list(bias.values()), dtype=logits.dtype, device=logits.device)
-        return logits
+    def _rows(self, batch: list[Sequence]) -> list[RowState]:
+        """What the logits processors read of each row."""
+        eos = self.target.eos_token_ids
+        return [RowState(produced=len(s.new_tokens), min_tokens=s.min_tokens, held=held, logit_bias=s.logit_bias,
+                         matcher=s.grammar, ends=frozenset(held))
+                for s, held in ((s, s.early_stops(eos)) for s in batch)]
 
-    def _hold_stops(self, batch: list[Sequence], proposal: Proposal, logits: torch.Tensor) -> torch.Tensor:
-        """``min_tokens``: EOS and the stop tokens (:meth:`Sequence.early_stops`) get logit -inf, so
-        probability 0 (greedy: never the argmax), at every pass index whose token would be one of a
-        row's first ``min_tokens`` outputs: index ``j`` of a chain predicts output ``n + j`` (``n``
-        the row's output so far), a tree node at depth ``d`` output ``n + d``. That is plain
-        decoding's distribution with the same mask, applied before acceptance, so drafts of those
-        tokens are rejected as any token the target gives 0 is, and the output stays exact.
-        Returns ``logits`` (a masked copy when some row is still short; the runner's own untouched)."""
-        rows = []
-        for b, s in enumerate(batch):
-            short = s.min_tokens - len(s.new_tokens)
-            if short > 0:
-                held = s.early_stops(self.target.eos_token_ids)
-                if held:
-                    rows.append((b, short, held))
-        if not rows:
-            return logits
-        logits = logits.clone()
-        offsets = proposal.pass_depths  # [batch, width + 1]
-        for b, short, held in rows:
-            banned = torch.zeros(logits.shape[-1], dtype=torch.bool, device=logits.device)
-            banned[torch.tensor(held, device=logits.device)] = True
-            early = (offsets[b] < short).to(logits.device)  # [width + 1]
-            logits[b] = logits[b].masked_fill(early[:, None] & banned, float("-inf"))
-        return logits
+    @staticmethod
+    def _grammar_failures(batch: list[Sequence]) -> None:
+        """A row whose grammar engine failed ends with its message (its masks allowed only its end)."""
+        for s in batch:
+            if s.grammar is not None and s.grammar.error is not None and s.error is None:
+                s.error = SpecdraftError(f"structured output failed (the grammar engine stopped): {s.grammar.error}")
 
     def _finish_reason(self, s: Sequence, token: int) -> str | None:
         """Why ``s`` ends after ``token`` (None: it goes on). Before ``min_tokens`` outputs only the

@@ -13,13 +13,13 @@ from typing import Sequence as Seq
 
 import torch
 
-from ..sampling import SamplingParams
+from ..settings import GenerationSettings
 from ..types import GenerationStats
 from ..verifier.prediction import MAX_PREDICTED, Prediction
 from .policy import AdaptiveDraftLength
 
 if TYPE_CHECKING:  # pragma: no cover
-    from .grammar import GrammarMatcher
+    from ..grammar import GrammarMatcher
 
 #: How likely a predicted token is taken to be accepted before the request has shown it.
 PREDICTION_PRIOR = 0.8
@@ -96,10 +96,11 @@ class Sequence:
     """
 
     tokens: list[int]
-    sampling: SamplingParams
-    max_new_tokens: int
+    #: what the request asked for (shared by the prompts and choices of one call; read through the
+    #: properties below)
+    settings: GenerationSettings
     max_len: int  # prompt + output may not exceed this (the model's context, or less)
-    stop: tuple[str, ...] = ()
+    #: this sequence's own seed (the request's mixed with its prompt and choice); None: random
     seed: int | None = None
     id: int = field(default_factory=lambda: next(_ids))
     prompt_len: int = 0
@@ -112,9 +113,6 @@ class Sequence:
     cached: int = 0
     #: the target's hidden states of the prompt's prefilled chunks, for a drafter that asks for them
     prefill_states: list = field(default_factory=list, repr=False)
-    #: token id -> a number added to its logit at every position before the sampling pipeline
-    #: (OpenAI's ``logit_bias``; -100 bans a token, 100 all but forces it); None: none
-    logit_bias: "dict[int, float] | None" = field(default=None, repr=False)
     #: the sequences of the same prompt (a request's ``n`` choices), which prefill it once; None: alone
     group: "PromptGroup | None" = field(default=None, repr=False)
     stats: GenerationStats = field(default_factory=GenerationStats)
@@ -129,21 +127,9 @@ class Sequence:
     #: the request's predicted output (token ids), drafted from instead of the drafter (see
     #: :mod:`specdraft.verifier.prediction`); None: none
     prediction: Prediction | None = None
-    #: EOS does not end the request (it is emitted like any other token)
-    ignore_eos: bool = False
-    #: the first ``min_tokens`` output tokens are never EOS or a stop token (the target's
-    #: distribution puts 0 on them there), and stop strings do not end the request before them
-    min_tokens: int = 0
-    #: tokens that end the request as EOS does (finish reason "stop"); kept in ``tokens``, not in the text
-    stop_token_ids: tuple[int, ...] = ()
-    #: structured output: the request's place in its grammar (see :mod:`specdraft.engine.grammar`),
+    #: structured output: the request's place in its grammar (see :mod:`specdraft.grammar`),
     #: which masks the target's distribution at every verified position; None: unconstrained
     grammar: "GrammarMatcher | None" = field(default=None, repr=False)
-    #: log-probabilities asked for: the most likely tokens to report at each output position
-    #: (0-20; 0: the output token's own only), None: none (see :mod:`specdraft.engine.logprobs`)
-    logprobs: int | None = None
-    #: "processed" (the distribution each token was drawn from) or "raw" (the model's logits)
-    logprobs_mode: str = "processed"
     #: a :class:`~specdraft.types.TokenLogprob` per output token when ``logprobs`` is set, appended
     #: with the tokens (before their ``("tokens", ...)`` event)
     output_logprobs: list = field(default_factory=list, repr=False)
@@ -157,6 +143,26 @@ class Sequence:
         self.stats.prompt_tokens = self.prompt_len
         self._seed = self.seed if self.seed is not None else random.SystemRandom().getrandbits(64)
         self._generators: dict = {}
+
+    # the request's settings, read through
+    sampling = property(lambda self: self.settings.sampling, doc="the sampling pipeline's settings")
+    max_new_tokens = property(lambda self: self.settings.max_new_tokens)
+    stop = property(lambda self: self.settings.stop, doc="stop strings")
+    #: EOS does not end the request (it is emitted like any other token)
+    ignore_eos = property(lambda self: self.settings.ignore_eos)
+    #: the first ``min_tokens`` output tokens are never EOS or a stop token (the target's
+    #: distribution puts 0 on them there), and stop strings do not end the request before them
+    min_tokens = property(lambda self: self.settings.min_tokens)
+    #: tokens that end the request as EOS does (finish reason "stop"); kept in ``tokens``, not in the text
+    stop_token_ids = property(lambda self: self.settings.stop_token_ids)
+    #: log-probabilities asked for: the most likely tokens to report at each output position
+    #: (0-20; 0: the output token's own only), None: none (see :mod:`specdraft.engine.logprobs`)
+    logprobs = property(lambda self: self.settings.logprobs)
+    #: "processed" (the distribution each token was drawn from) or "raw" (the model's logits)
+    logprobs_mode = property(lambda self: self.settings.logprobs_mode)
+    #: token id -> a number added to its logit at every position before the sampling pipeline
+    #: (OpenAI's ``logit_bias``; -100 bans a token, 100 all but forces it); None: none
+    logit_bias = property(lambda self: self.settings.token_bias)
 
     @property
     def new_tokens(self) -> list[int]:
@@ -198,33 +204,33 @@ class Sequence:
         self.events.put(("done", None))
 
 
-def sequences_for(prompts: Seq[Seq[int]], sampling: SamplingParams, max_new_tokens: int, max_context: int,
-                  stop: Seq[str] = (), seed: int | None = None,
-                  predictions: Seq[Seq[int] | None] | None = None, *, ignore_eos: bool = False,
-                  min_tokens: int = 0, stop_token_ids: Seq[int] = (), logprobs: int | None = None,
-                  logprobs_mode: str = "processed", n: int = 1, grammar=None,
-                  logit_bias: "dict[int, float] | None" = None) -> list[Sequence]:
-    """One :class:`Sequence` per prompt of a call; a call's seed gives each prompt its own (its
-    index mixed in), so the same call gives the same outputs however it is batched.
-    ``predictions[i]``: prompt ``i``'s predicted output, token ids (None or empty: none);
-    ``ignore_eos``, ``min_tokens``, ``stop_token_ids``, ``logprobs``, ``logprobs_mode``: see
-    :class:`Sequence` (checked already). ``n``: sequences per prompt (its choices, in a
-    :class:`PromptGroup`: prefilled once), prompt by prompt; choice ``j > 0`` of prompt ``i`` gets
-    the seed ``mix_seed(seed, i, j)`` (choice 0 what ``n=1`` gives). ``grammar``: a compiled
-    :class:`~specdraft.engine.grammar.Grammar` (structured output) each sequence gets a matcher of."""
+def sequences_for(prompts: Seq[Seq[int]], settings: "GenerationSettings | Seq[GenerationSettings]",
+                  max_context: int, *, predictions: "Seq[Seq[int] | None] | None" = None,
+                  grammars: Seq | None = None) -> list[Sequence]:
+    """The :class:`Sequence`\\ s of one call: prompt ``i`` with ``settings[i]`` (or the one
+    ``settings`` for every prompt), its ``n`` choices in a :class:`PromptGroup` (prefilled once),
+    prompt by prompt. A call's seed gives each prompt its own (its index mixed in), so the same
+    call gives the same outputs however it is batched; choice ``j > 0`` of prompt ``i`` gets the
+    seed ``mix_seed(seed, i, j)`` (choice 0 what ``n=1`` gives). ``predictions[i]``: prompt
+    ``i``'s predicted output, token ids (None or empty: none); ``grammars[i]``: its compiled
+    :class:`~specdraft.grammar.Grammar` (structured output; None: none), of which each
+    choice gets a matcher. Everything is checked already."""
+    each = [settings] * len(prompts) if isinstance(settings, GenerationSettings) else list(settings)
     predictions = predictions or [None] * len(prompts)
-    sequences = [Sequence(tokens=list(p), sampling=sampling, max_new_tokens=max_new_tokens,
-                          max_len=min(max_context, len(p) + max_new_tokens), stop=tuple(stop),
-                          seed=None if seed is None else mix_seed(seed, i, *([j] if j else [])),
-                          prediction=Prediction(list(predicted)) if predicted else None, ignore_eos=ignore_eos,
-                          min_tokens=min_tokens, stop_token_ids=tuple(stop_token_ids), logprobs=logprobs,
-                          logprobs_mode=logprobs_mode, grammar=None if grammar is None else grammar.matcher(),
-                          logit_bias=logit_bias)
-                 for i, (p, predicted) in enumerate(zip(prompts, predictions)) for j in range(n)]
-    if n > 1:
-        for i in range(0, len(sequences), n):
+    grammars = grammars or [None] * len(prompts)
+    sequences = []
+    for i, (prompt, request, predicted, grammar) in enumerate(zip(prompts, each, predictions, grammars)):
+        seed = request.seed
+        room = min(max_context, len(prompt) + request.max_new_tokens)
+        choices = [Sequence(tokens=list(prompt), settings=request, max_len=room,
+                            seed=None if seed is None else mix_seed(seed, i, *([j] if j else [])),
+                            prediction=Prediction(list(predicted)) if predicted else None,
+                            grammar=None if grammar is None else grammar.matcher())
+                   for j in range(request.n)]
+        if request.n > 1:
             group = PromptGroup()
-            group.members = sequences[i : i + n]
-            for seq in group.members:
+            group.members = choices
+            for seq in choices:
                 seq.group = group
+        sequences += choices
     return sequences

@@ -443,6 +443,15 @@ def start(world: int, device) -> Group:
     return _GROUP
 
 
+def follow_if_worker(tensor_parallel, device=None) -> None:
+    """Under torchrun, a rank other than 0 asked for a sharded target: follow rank 0 (no model
+    loaded here: rank 0 hands out the shards), then end the process (SystemExit(0))."""
+    if check_size(tensor_parallel) > 1 and launched_rank() not in (None, 0):
+        from ..models import resolve_device
+
+        start(tensor_parallel, resolve_device(device))
+
+
 def _first_line(exc: BaseException) -> str:
     text = str(exc)
     return text.splitlines()[0] if text else repr(exc)

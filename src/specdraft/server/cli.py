@@ -160,7 +160,7 @@ def serve(args) -> int:
     """Load the decoder ``args`` describe and serve it until SIGTERM or Ctrl-C, which drain it
     (:mod:`.process`): 0 after SIGTERM, 130 after Ctrl-C once the server has stopped."""
     _check_extra()
-    from ..decoder import check_spec_length
+    from ..limits import check_spec_length
     from ..plugins import get_registry
 
     # Cheap checks first, so a typo fails in a blink rather than after loading a model.

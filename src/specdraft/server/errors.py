@@ -4,7 +4,6 @@ and the parameter a 400 names."""
 from __future__ import annotations
 
 import logging
-import re
 from typing import Any, Mapping
 
 from fastapi.exceptions import RequestValidationError
@@ -102,19 +101,11 @@ def param_path(loc: tuple, data: Any) -> str:
     return ".".join(parts) or ".".join(str(p) for p in loc)
 
 
-def config_param(exc: ConfigError, body, prompt_param: str, max_tokens_param: str = "max_tokens") -> str | None:
-    """The request parameter the decoder's ConfigError is about (its message starts with its name)."""
-    message = str(exc).removeprefix("invalid sampling settings: ")
-    word = re.match(r"[A-Za-z_]*", message).group()
-    if word == "prompt":
-        return prompt_param
-    if word == "max_new_tokens":
-        return max_tokens_param
-    if word in type(body).model_fields:
-        return word
-    if message.startswith("stop strings"):
-        return "stop"
-    if "chat template" in message:
-        return "messages"
-    return None
+def config_param(exc: ConfigError, prompt_param: str, max_tokens_param: str = "max_tokens") -> str | None:
+    """The request field a ConfigError is about: its ``param`` (a setting's or an input's name; a
+    nested part by the field it is in), with the names the request gives the prompt and the limit."""
+    if exc.param is None:
+        return None
+    field = exc.param.split(".")[0]
+    return {"prompt": prompt_param, "max_new_tokens": max_tokens_param}.get(field, field)
 

@@ -19,6 +19,7 @@ from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field
 
+from ..settings import GenerationSettings
 from ..types import MAX_CHOICES, MAX_LOGPROBS
 
 #: chat requests without max_tokens / max_completion_tokens generate at most this many tokens
@@ -184,30 +185,32 @@ class SamplingRequest(RequestModel):
     # OpenAI parameters that are declared only to be refused when set (see ``unsupported``)
     logit_bias: dict[str, float] | None = None
 
-    def sampling(self) -> dict[str, Any]:
-        """The decoder's keyword arguments for the sampling settings, defaults filled in."""
+    def settings(self, max_new_tokens: int, logprobs_mode: str = "processed") -> GenerationSettings:
+        """The request's :class:`~specdraft.GenerationSettings` (OpenAI's defaults where unset; at
+        most ``max_new_tokens``): the one place a body becomes settings. ConfigError (its ``param``
+        a setting's name) for a value out of range."""
         top_k = self.top_k if self.top_k is not None else 0
-        return {
-            "temperature": 1.0 if self.temperature is None else self.temperature,
-            "top_p": 1.0 if self.top_p is None else self.top_p,
-            "top_k": 0 if top_k == -1 else top_k,
-            "min_p": self.min_p or 0.0,
-            "presence_penalty": self.presence_penalty or 0.0,
-            "frequency_penalty": self.frequency_penalty or 0.0,
-            "repetition_penalty": 1.0 if self.repetition_penalty is None else self.repetition_penalty,
-            "seed": self.seed,
-            "stop": self.stop,
-            "ignore_eos": bool(self.ignore_eos),
-            "min_tokens": 0 if self.min_tokens is None else self.min_tokens,
-            "stop_token_ids": self.stop_token_ids,
-            **({"response_format": grammar} if (grammar := self.grammar()) is not None else {}),
-            # JSON's keys are strings: token ids as ints, anything else left for the decoder to name
-            **({"logit_bias": {int(k) if k.strip().isdigit() else k: v for k, v in self.logit_bias.items()}}
-               if self.logit_bias else {}),
-        }
+        text = self.prediction.text if self.prediction is not None else ""
+        return GenerationSettings(
+            max_new_tokens=max_new_tokens,
+            temperature=1.0 if self.temperature is None else self.temperature,
+            top_p=1.0 if self.top_p is None else self.top_p,
+            top_k=0 if top_k == -1 else top_k,
+            min_p=self.min_p or 0.0,
+            presence_penalty=self.presence_penalty or 0.0,
+            frequency_penalty=self.frequency_penalty or 0.0,
+            repetition_penalty=1.0 if self.repetition_penalty is None else self.repetition_penalty,
+            seed=self.seed, stop=self.stop, ignore_eos=bool(self.ignore_eos),
+            min_tokens=0 if self.min_tokens is None else self.min_tokens, stop_token_ids=self.stop_token_ids,
+            n=1 if self.n is None else self.n, logprobs=self.requested_logprobs(), logprobs_mode=logprobs_mode,
+            response_format=self.grammar(), prediction=text or None,
+            # JSON's keys are strings: token ids as ints, anything else left for the settings to name
+            logit_bias={int(k) if k.strip().isdigit() else k: v for k, v in self.logit_bias.items()}
+            if self.logit_bias else None,
+        )
 
     def grammar(self):
-        """The grammar (a :class:`~specdraft.engine.grammar.GrammarSpec`) the request's structured
+        """The grammar (a :class:`~specdraft.grammar.GrammarSpec`) the request's structured
         output fields ask for, None for none; ConfigError naming the field at fault, or the second
         of two fields that both ask for one."""
         from ..structured import guided, one_of, response_format, structured_outputs

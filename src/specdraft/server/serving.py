@@ -13,12 +13,11 @@ from typing import AsyncIterator
 import anyio
 from fastapi import Request
 from fastapi.responses import Response, StreamingResponse
-from pydantic import ValidationError
 
 from ..errors import ConfigError
-from ..sampling import SamplingParams
+from ..settings import GenerationSettings
 from .bodies import parse
-from .errors import APIError, config_param, invalid
+from .errors import APIError, config_param
 from .logprobs import StreamedLogprobs, TokenTexts
 from .protocol import CompletionTokensDetails, OpenAIBaseModel, SamplingRequest, SpecDecodeInfo, UsageInfo, now, random_id
 
@@ -157,8 +156,8 @@ class GeneratingRoutes:
         try:
             body = await parse(request, kind.request, self.max_request_bytes)
             started = time.monotonic()
-            self.check_model(body)
-            streams = await self.submit(body, kind)
+            settings = self.check_model(body, kind)
+            streams = await self.submit(body, kind, settings)
             reply = kind(self.served, None if body.requested_logprobs() is None else self.token_texts)
             if body.stream:
                 return self.event_stream(streams, started, reply, body.include_usage)
@@ -174,23 +173,20 @@ class GeneratingRoutes:
         except Exception as exc:
             return self.error(exc).response()
 
-    def check_model(self, body: SamplingRequest) -> None:
-        """The served model, no parameter specdraft cannot honour, and sampling settings in range
-        (checked here, before the prompt is tokenized, so that the 400 names the parameter)."""
+    def check_model(self, body: SamplingRequest, kind: type[Reply]) -> GenerationSettings:
+        """The served model, no parameter specdraft cannot honour, and the request's settings (checked
+        here, before the prompt is tokenized, so that the 400 names the parameter)."""
         self.check_served(body)
         bad = body.unsupported()
         if bad is not None:
             raise APIError(400, f"{bad}: not supported by specdraft's server"
                                 + (" (only n=1)" if bad == "n" else ""), param=bad, code="unsupported_parameter")
-        try:
-            settings = body.sampling()
-        except ConfigError as exc:  # a structured output field (response_format, guided_json, ...)
-            raise APIError(400, str(exc), param=config_param(exc, body, "prompt")) from None
-        try:
-            SamplingParams(**{k: v for k, v in settings.items() if k in SamplingParams.model_fields})
-        except ValidationError as exc:
-            raise invalid(exc, "invalid sampling settings") from None
         self.check_logprobs(body)
+        requested, param = kind.max_tokens(body)
+        try:
+            return body.settings(requested or kind.default_max_tokens, self.logprobs_mode)
+        except ConfigError as exc:
+            raise APIError(400, str(exc), param=config_param(exc, kind.prompt_param, param)) from None
 
     def check_logprobs(self, body: SamplingRequest) -> None:
         """400 for chat's ``top_logprobs`` > 0 without ``logprobs: true`` (OpenAI's rule), and for
@@ -215,35 +211,25 @@ class GeneratingRoutes:
                            param=param)
         return requested
 
-    async def submit(self, body: SamplingRequest, kind: type[Reply]) -> list:
+    async def submit(self, body: SamplingRequest, kind: type[Reply], settings: GenerationSettings) -> list:
         """Check the prompt, then encode it and hand the request to the engine (a worker thread: both
         block); a stream per choice (``n``)."""
         encode = kind.encoder(body, self.decoder, self.check_length)
         requested, param = kind.max_tokens(body)
-        text = body.prediction.text if body.prediction is not None else ""
-        if text:
-            self.check_length(text, "prediction")
-
-        asked = body.requested_logprobs()  # passed only when asked for: any decoder takes the rest
-        logprobs = {} if asked is None else {"logprobs": asked, "logprobs_mode": self.logprobs_mode}
-        choices = {} if body.n in (None, 1) else {"n": body.n}  # passed only when asked for, as logprobs
+        if isinstance(settings.prediction, str):
+            self.check_length(settings.prediction, "prediction")
 
         def _submit():
             ids = encode()
             limit = self.max_new_tokens(requested, kind.default_max_tokens, len(ids), param)
-            streams = self.decoder.stream_ids(ids, max_new_tokens=limit, prediction=self.prediction(text),
-                                              **body.sampling(), **logprobs, **choices)
-            return streams if choices else [streams]
+            streams = self.decoder.stream_ids(ids, settings if limit == settings.max_new_tokens
+                                              else settings.replace(max_new_tokens=limit))
+            return streams if settings.n > 1 else [streams]
 
         try:
             return await self.blocking(_submit)
         except ConfigError as exc:  # the decoder's own checks: the 400 names the parameter at fault
-            raise APIError(400, str(exc), param=config_param(exc, body, kind.prompt_param, param)) from None
-
-    def prediction(self, text: str) -> list[int] | None:
-        """A request's predicted output as token ids (None: none, or empty); the decoder checks
-        them (too long for the context: its ConfigError, a 400)."""
-        return self.decoder.tokenizer(text, add_special_tokens=False).input_ids if text else None
+            raise APIError(400, str(exc), param=config_param(exc, kind.prompt_param, param)) from None
 
     async def bursts(self, stream, started: float) -> AsyncIterator:
         """The stream's bursts as the output loop reads them; the first with tokens is observed as

@@ -40,7 +40,7 @@ class TokenizeRoutes:
             try:
                 ids = await self.blocking(encode)
             except ConfigError as exc:
-                raise APIError(400, str(exc), param=config_param(exc, body, "messages")) from None
+                raise APIError(400, str(exc), param=config_param(exc, "messages")) from None
             return TokenizeResponse(count=len(ids), max_model_len=self.decoder.target.max_context,
                                     tokens=ids).model_dump()
         except Exception as exc:

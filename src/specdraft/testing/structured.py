@@ -1,6 +1,6 @@
 """A tiny tokenizer that grammar engines can read, and references for structured output written
 without specdraft's code: the tokens a grammar allows after an output (a fresh llguidance matcher
-per prefix, none of :mod:`specdraft.engine.grammar`), plain greedy decoding under it (a full
+per prefix, none of :mod:`specdraft.grammar`), plain greedy decoding under it (a full
 forward per token), and the exact distribution of plain sampling under it (enumerated)."""
 
 from __future__ import annotations
@@ -35,7 +35,7 @@ def tiny_bpe_tokenizer():
 def grammar_matcher(tokenizer, grammar: str, eos: int = EOS):
     """A fresh llguidance matcher of ``grammar`` (llguidance's grammar text, e.g.
     ``llguidance.grammar_from("choice", '["yes", "no"]')``) over ``tokenizer``, built with
-    llguidance's own API (none of :mod:`specdraft.engine.grammar`)."""
+    llguidance's own API (none of :mod:`specdraft.grammar`)."""
     import llguidance
 
     vocab = len(tokenizer)

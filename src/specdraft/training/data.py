@@ -114,7 +114,7 @@ def chat_sequences(tokenizer, examples: Sequence[tuple[str, str]], max_tokens: i
 
     Returns ``[{"ids": ..., "prompt_len": n}]`` like :func:`generate_sequences`, cut at ``max_tokens``.
     """
-    from ..decoder import encode_prompt
+    from ..models import encode_prompt
 
     out = []
     for prompt, answer in examples:

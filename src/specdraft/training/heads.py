@@ -28,7 +28,7 @@ import torch
 import torch.nn.functional as F
 
 from ..drafters.common.compact_draft import target_fingerprint
-from ..decoder import describe_target
+from ..types import describe_target
 from ..drafters.heads.formats import load_heads, save_heads
 from ..drafters.heads.modules import KINDS, SharedHead, build_heads, eagle3_default_layers
 from ..errors import ConfigError

@@ -1,9 +1,10 @@
-"""Structured output: a grammar masks the target's distribution at every verified position.
+"""Grammars for structured output: a :class:`GrammarSpec` (what a request asks for), compiled per
+tokenizer (:class:`GrammarCompiler`, llguidance's; the most recently used kept) into a
+:class:`Grammar`, of which each request gets a :class:`GrammarMatcher`: llguidance's matcher over
+the tokens it has committed. How users ask for one: :mod:`specdraft.structured`; how the engine
+masks the target's distribution with the matchers: :mod:`specdraft.engine.processors`.
 
-A request with a grammar (``response_format``, a regex, a choice; see :mod:`specdraft.structured`)
-holds a :class:`GrammarMatcher`: llguidance's matcher over the tokens committed so far. Each
-round, before acceptance, :class:`GrammarMasks` gives the logits at every pass index of the row
--inf wherever the grammar forbids the token that index predicts:
+A round's masks (:meth:`GrammarMatcher.fill`), one per pass index of the row:
 
 - index 0 (after the last committed token): the matcher's own state;
 - a chain's index ``j``: the state after ``d_1..d_j``, the matcher advanced along the draft and
@@ -17,14 +18,13 @@ round, before acceptance, :class:`GrammarMasks` gives the logits at every pass i
 That is plain decoding's distribution under the grammar at every position a draft can reach,
 so acceptance stays as it is: a forbidden draft has target probability 0 and is rejected
 (greedy: it is never the argmax), and the output is exactly what plain decoding under the
-grammar gives, greedy and sampled. After the round, :meth:`GrammarMasks.advance` moves each
+grammar gives, greedy and sampled. After the round, :meth:`GrammarMatcher.advance` moves each
 matcher over the committed tokens.
 
 The end of the output: where the grammar may end, the row's end tokens (EOS and its
 ``stop_token_ids``) are allowed; once it is complete, only they are. ``min_tokens`` holds the end
 tokens back only while the grammar allows some other token: where it allows nothing else, they
-come back (the request ends, as the engine's ``_finish_reason`` knows). Compiled grammars are
-cached per tokenizer (:class:`GrammarCompiler`, least recently used first out).
+come back (the request ends, as the engine's ``_finish_reason`` knows).
 
 llguidance was picked over xgrammar by measurement (docs/algorithm.md, "Structured output").
 """
@@ -35,16 +35,11 @@ import copy
 import threading
 from collections import OrderedDict
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import numpy as np
-import torch
 
-from ..errors import ConfigError, SpecdraftError
-
-if TYPE_CHECKING:  # pragma: no cover
-    from ..verifier import Proposal
-    from .sequence import Sequence
+from .errors import ConfigError
 
 #: what to install for structured output (the ``structured`` extra: llguidance)
 INSTALL_HINT = "pip install 'specdraft[structured]'"
@@ -67,9 +62,11 @@ class GrammarSpec:
 
     def __post_init__(self) -> None:
         if self.kind not in KINDS:
-            raise ConfigError(f"{self.field}: unknown grammar kind {self.kind!r}; one of {', '.join(KINDS)}")
+            raise ConfigError(f"{self.field}: unknown grammar kind {self.kind!r}; one of {', '.join(KINDS)}",
+                              param=self.field)
         if not isinstance(self.source, str):
-            raise ConfigError(f"{self.field}: the grammar must be text, got {type(self.source).__name__}")
+            raise ConfigError(f"{self.field}: the grammar must be text, got {type(self.source).__name__}",
+                              param=self.field)
 
 
 def _llguidance(what: str):
@@ -77,7 +74,7 @@ def _llguidance(what: str):
         import llguidance
     except ImportError:
         raise ConfigError(f"{what}: structured output needs the llguidance package, which is not installed: "
-                          f"{INSTALL_HINT}") from None
+                          f"{INSTALL_HINT}", param=what) from None
     return llguidance
 
 
@@ -96,7 +93,7 @@ def _ll_tokenizer(llguidance, tokenizer, vocab_size: int, eos_token_ids, what: s
     backend = getattr(tokenizer, "backend_tokenizer", None)
     if backend is None:
         raise ConfigError(f"{what}: structured output needs a fast (Rust) Hugging Face tokenizer; this model's is "
-                          f"{type(tokenizer).__name__}")
+                          f"{type(tokenizer).__name__}", param=what)
     backend = copy.copy(backend)
     backend.no_padding()
     backend.no_truncation()
@@ -105,7 +102,8 @@ def _ll_tokenizer(llguidance, tokenizer, vocab_size: int, eos_token_ids, what: s
         return llguidance.LLTokenizer(backend.to_str(), n_vocab=max(vocab_size, len(tokenizer)),
                                       eos_token=eos or None)
     except Exception as exc:  # noqa: BLE001 - llguidance's own complaint, in one line
-        raise ConfigError(f"{what}: llguidance cannot read this model's tokenizer: {_first_line(exc)}") from None
+        raise ConfigError(f"{what}: llguidance cannot read this model's tokenizer: {_first_line(exc)}",
+                          param=what) from None
 
 
 def _first_line(text) -> str:
@@ -130,7 +128,8 @@ def _grammar_text(llguidance, spec: GrammarSpec) -> str:
             return llguidance.grammar_from("choice", spec.source)
         return llguidance.grammar_from("grammar", spec.source)  # Lark, or GBNF (llama.cpp's, vLLM's EBNF)
     except Exception as exc:  # noqa: BLE001 - a malformed schema or grammar, in one line
-        raise ConfigError(f"{spec.field}: invalid {spec.kind.replace('_', ' ')}: {_first_line(exc)}") from None
+        raise ConfigError(f"{spec.field}: invalid {spec.kind.replace('_', ' ')}: {_first_line(exc)}",
+                          param=spec.field) from None
 
 
 def check_spec(spec: GrammarSpec) -> None:
@@ -139,7 +138,8 @@ def check_spec(spec: GrammarSpec) -> None:
     llguidance = _llguidance(spec.field)
     failed, messages = llguidance.LLMatcher.validate_grammar_with_warnings(_grammar_text(llguidance, spec))
     if failed:
-        raise ConfigError(f"{spec.field}: invalid {spec.kind.replace('_', ' ')}: {_first_line(messages[0])}")
+        raise ConfigError(f"{spec.field}: invalid {spec.kind.replace('_', ' ')}: {_first_line(messages[0])}",
+                          param=spec.field)
 
 
 class GrammarCompiler:
@@ -169,11 +169,12 @@ class GrammarCompiler:
         matcher_type = self._llg.LLMatcher
         failed, messages = matcher_type.validate_grammar_with_warnings(text, self.tokenizer)
         if failed:
-            raise ConfigError(f"{spec.field}: invalid {spec.kind.replace('_', ' ')}: {_first_line(messages[0])}")
+            raise ConfigError(f"{spec.field}: invalid {spec.kind.replace('_', ' ')}: {_first_line(messages[0])}",
+                              param=spec.field)
         template = matcher_type(self.tokenizer, text, log_level=0)
         if template.is_error():
             raise ConfigError(f"{spec.field}: invalid {spec.kind.replace('_', ' ')}: "
-                              f"{_first_line(template.get_error())}")
+                              f"{_first_line(template.get_error())}", param=spec.field)
         with self._lock:
             self._compiled[spec] = template
             self._compiled.move_to_end(spec)
@@ -297,62 +298,5 @@ class GrammarMatcher:
             self.error = _first_line(self._matcher.get_error())
 
 
-class GrammarMasks:
-    """The engine's side of structured output: masks a round's logits for the rows with a grammar
-    (:meth:`apply`), and moves their matchers on (:meth:`advance`). One bitmask buffer, reused
-    round after round; rows without a grammar cost nothing."""
-
-    def __init__(self, eos_token_ids=()) -> None:
-        self.eos_token_ids = tuple(eos_token_ids)
-        self._bits: np.ndarray | None = None  # [rows, words] uint32, grown when a round needs more
-
-    def _buffer(self, rows: int, words: int) -> np.ndarray:
-        if self._bits is None or self._bits.shape[0] < rows or self._bits.shape[1] != words:
-            self._bits = np.zeros((max(rows, 8), words), dtype=np.uint32)
-        return self._bits[:rows]
-
-    def apply(self, batch: "list[Sequence]", proposal: "Proposal", logits: torch.Tensor,
-              unheld: torch.Tensor | None = None) -> torch.Tensor:
-        """``logits # [batch, width + 1, vocab]`` with every constrained row's disallowed tokens at
-        -inf (a new tensor; ``logits`` itself is left alone; the same one when no row has a
-        grammar). ``unheld``: the logits before ``min_tokens`` held the end tokens back, read at an
-        index where the grammar allows nothing but end tokens."""
-        rows = [b for b, s in enumerate(batch) if getattr(s, "grammar", None) is not None]
-        if not rows:
-            return logits
-        vocab, width, tree = logits.shape[-1], proposal.width, proposal.tree
-        words = (max(batch[b].grammar.width for b in rows) + 31) // 32
-        bits = self._buffer(len(rows) * (width + 1), words).reshape(len(rows), width + 1, words)
-        for k, b in enumerate(rows):
-            s = batch[b]
-            if tree is None:
-                tokens, parents = proposal.token_ids[b, : int(proposal.lengths[b])].tolist(), None
-            else:  # an invalid node (parent -2) is unreachable
-                tokens = proposal.token_ids[b].tolist()
-                parents = [p if ok else -2 for p, ok in zip(tree.parents[b].tolist(), tree.valid[b].tolist())]
-            bits[k, len(tokens) + 1 :] = np.uint32(0xFFFFFFFF)  # a chain's padding: never read
-            if not s.grammar.fill(bits[k], tokens, parents, frozenset(s.early_stops(self.eos_token_ids))):
-                if s.error is None:
-                    s.error = SpecdraftError(f"structured output failed (the grammar engine stopped): "
-                                             f"{s.grammar.error}")
-        allowed = np.unpackbits(bits.view(np.uint8), axis=-1, bitorder="little")[..., :vocab]  # [rows, width+1, vocab]
-        forbidden = torch.zeros(logits.shape, dtype=torch.bool, device=logits.device)
-        forbidden[rows] = torch.from_numpy(allowed).to(logits.device) == 0
-        masked = logits.masked_fill(forbidden, float("-inf"))
-        for b in rows:  # where min_tokens held back the only tokens the grammar allows: those come back
-            if unheld is not None and batch[b].min_tokens > len(batch[b].new_tokens):
-                dead = torch.isneginf(masked[b]).all(-1)  # [width + 1]
-                if bool(dead.any()):
-                    masked[b, dead] = unheld[b, dead].to(masked.dtype).masked_fill(forbidden[b, dead], float("-inf"))
-        return masked
-
-    @staticmethod
-    def advance(batch: "list[Sequence]", committed: list[int]) -> None:
-        """Each constrained row still running consumes the ``committed[b]`` tokens it just appended."""
-        for s, n in zip(batch, committed):
-            if getattr(s, "grammar", None) is not None and s.finish_reason is None and n > 0:
-                s.grammar.advance(s.tokens[len(s.tokens) - n :])
-
-
-__all__ = ["CACHE_SIZE", "INSTALL_HINT", "KINDS", "Grammar", "GrammarCompiler", "GrammarMasks", "GrammarMatcher",
-           "GrammarSpec", "available", "check_spec"]
+__all__ = ["CACHE_SIZE", "INSTALL_HINT", "KINDS", "Grammar", "GrammarCompiler", "GrammarMatcher", "GrammarSpec",
+           "available", "check_spec"]
