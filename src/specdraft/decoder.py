@@ -272,8 +272,8 @@ class SpeculativeDecoder:
         (None: none)."""
         from .engine import GenerationInterrupted, Stream
 
-        prompts = self._check_prompt_ids(prompt_ids)
-        seqs = self._sequences(prompts, self._each_prompt(settings, options, len(prompts), text=False))
+        each = self._each_prompt(settings, options, self._prompt_count(prompt_ids), text=False)
+        seqs = self._sequences(self._check_prompt_ids(prompt_ids, each), each)
         streams = [Stream(self._loop, s, self.tokenizer) for s in seqs]
         self._loop.submit(seqs, limit=False)
         try:
@@ -330,7 +330,7 @@ class SpeculativeDecoder:
         from .engine import Stream
 
         settings = GenerationSettings.of(settings, **options)
-        seqs = self._sequences(self._check_prompt_ids([prompt_ids]), [settings])
+        seqs = self._sequences(self._check_prompt_ids([prompt_ids], [settings]), [settings])
         streams = [Stream(self._loop, seq, self.tokenizer) for seq in seqs]
         self._loop.submit(seqs)
         return streams[0] if settings.n == 1 else streams
@@ -423,20 +423,28 @@ class SpeculativeDecoder:
             prediction = self.tokenizer(prediction, add_special_tokens=False).input_ids
         return self._token_ids(prediction, "prediction", "prediction") or None
 
-    def _check_prompt_ids(self, prompt_ids) -> list[list[int]]:
+    @staticmethod
+    def _prompt_count(prompt_ids) -> int:
+        """How many prompts ``prompt_ids`` (a list of token-id lists) holds; ConfigError for another shape."""
         if isinstance(prompt_ids, (str, bytes)) or not hasattr(prompt_ids, "__len__") or len(prompt_ids) == 0:
             raise ConfigError("prompt_ids must be a non-empty list of token-id lists", param="prompt")
         if all(token_id(t) is not None for t in prompt_ids):
             raise ConfigError("prompt_ids must be a list of lists (one per sequence); wrap a single prompt: [ids]",
                               param="prompt")
+        return len(prompt_ids)
+
+    def _check_prompt_ids(self, prompt_ids, each: list[GenerationSettings]) -> list[list[int]]:
+        """The prompts' token ids, checked, prompt ``i`` cut to its last ``each[i].truncate_prompt_tokens``."""
+        self._prompt_count(prompt_ids)
         prompts = []
-        for i, ids in enumerate(prompt_ids):
-            ids = self._token_ids(ids, f"prompt {i}")
+        for i, (ids, settings) in enumerate(zip(prompt_ids, each)):
+            ids = self._token_ids(ids, f"prompt {i}", keep_last=settings.truncate_prompt_tokens)
             if not ids:
                 raise ConfigError(f"prompt {i} is empty; give at least one token", param="prompt")
             prompts.append(ids)
         return prompts
 
-    def _token_ids(self, ids, what: str, param: str = "prompt") -> list[int]:
-        """``ids`` (any iterable of integers) as a list, checked against the vocabulary and the context."""
-        return check_token_ids(ids, what, self.target.vocab_size, self.target.max_context, param)
+    def _token_ids(self, ids, what: str, param: str = "prompt", keep_last: int | None = None) -> list[int]:
+        """``ids`` (any iterable of integers) as a list (its last ``keep_last``), checked against the
+        vocabulary and the context."""
+        return check_token_ids(ids, what, self.target.vocab_size, self.target.max_context, param, keep_last)

@@ -69,6 +69,7 @@ class GenerationSettings:
     - ``response_format``: structured output (see :mod:`specdraft.structured`); kept as its
       :class:`~specdraft.grammar.GrammarSpec`.
     - ``prediction``: the output's expected text or token ids (Predicted Outputs); n=1 only.
+    - ``truncate_prompt_tokens``: keep only the prompt's last this many tokens (vLLM's; None: all).
     """
 
     max_new_tokens: int = 128
@@ -90,6 +91,7 @@ class GenerationSettings:
     logit_bias: Any = None
     response_format: Any = None
     prediction: Any = None
+    truncate_prompt_tokens: int | None = None
     #: the sampling pipeline's part (derived)
     sampling: SamplingParams = field(init=False, repr=False, compare=False)
 
@@ -114,6 +116,10 @@ class GenerationSettings:
                               param="prediction")
         if self.response_format is not None:
             self._set("response_format", _grammar_spec(self.response_format, self.ignore_eos))
+        cut = self.truncate_prompt_tokens
+        if cut is not None and (not is_int(cut) or cut < 1):
+            raise ConfigError(f"truncate_prompt_tokens must be an integer >= 1 (the prompt's last tokens to keep), "
+                              f"or None to keep it whole (got {cut!r})", param="truncate_prompt_tokens")
 
     def _set(self, name: str, value) -> None:
         object.__setattr__(self, name, value)
@@ -280,8 +286,10 @@ def check_prompts(prompts) -> list[str]:
     return texts
 
 
-def check_token_ids(ids, what: str, vocab_size: int, max_context: int, param: str = "prompt") -> list[int]:
-    """``ids`` (any iterable of integers) as a list, checked against the vocabulary and the context."""
+def check_token_ids(ids, what: str, vocab_size: int, max_context: int, param: str = "prompt",
+                    keep_last: int | None = None) -> list[int]:
+    """``ids`` (any iterable of integers) as a list, checked against the vocabulary, then cut to its
+    last ``keep_last`` (None: all) and checked against the context."""
     if isinstance(ids, (str, bytes)) or not hasattr(ids, "__iter__"):
         raise ConfigError(f"{what} must be a list of token ids (ints), got {type(ids).__name__}", param=param)
     ids = list(ids)  # any iterable of ids, read once
@@ -291,6 +299,8 @@ def check_token_ids(ids, what: str, vocab_size: int, max_context: int, param: st
         raise ConfigError(f"{what} holds {bad!r} ({type(bad).__name__}); token ids must be integers", param=param)
     if converted and (min(converted) < 0 or max(converted) >= vocab_size):
         raise ConfigError(f"{what} has token ids outside [0, {vocab_size})", param=param)
+    if keep_last is not None:
+        converted = converted[-keep_last:]
     if len(converted) >= max_context:
         raise ConfigError(f"{what} has {len(converted)} tokens but the model's context holds {max_context}; "
                           f"shorten it to at most {max_context - 1} tokens", param=param)

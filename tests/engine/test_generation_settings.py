@@ -17,7 +17,7 @@ import functools
 import pytest
 import torch
 
-from specdraft import SamplingParams, SpeculativeDecoder
+from specdraft import GenerationSettings, SamplingParams, SpeculativeDecoder
 from specdraft.errors import ConfigError
 from specdraft.testing import (SIGNIFICANCE, TargetDrafter, enumerate_plain_sampling, repetitive_prompts,
                                samples_needed, samples_pvalue, tiny_llama, tiny_tokenizer)
@@ -289,3 +289,27 @@ def test_cli_flags_fail_before_the_model_loads(monkeypatch, capsys, args, messag
     assert main(["generate", "hi", *args]) == 2
     err = [line for line in capsys.readouterr().err.splitlines() if line.strip()]
     assert err == [f"specdraft: error: {message}"]
+
+
+# -- truncate_prompt_tokens (vLLM's): the prompt's last tokens ----------------------------------------
+
+
+def test_truncate_prompt_tokens_decodes_the_prompts_last_tokens():
+    """A cut prompt decodes exactly as that tail given whole (greedy, speculative), reports its
+    own length, and may be longer than the context before the cut; a bad value is one ConfigError."""
+    dec = SpeculativeDecoder(_shared_model(None), None, drafter="ngram")
+    prompt = PROMPTS[0]
+    [cut] = dec.generate_ids([prompt], max_new_tokens=N, truncate_prompt_tokens=5)
+    [tail] = dec.generate_ids([prompt[-5:]], max_new_tokens=N)
+    assert cut.token_ids == tail.token_ids == expected(None, prompt[-5:], {})[0]
+    assert cut.stats.prompt_tokens == 5
+    too_long = prompt * (dec.target.max_context // len(prompt) + 1)
+    with pytest.raises(ConfigError, match="context holds"):
+        dec.generate_ids([too_long], max_new_tokens=4)
+    stream = dec.stream_ids(too_long, GenerationSettings(max_new_tokens=4, truncate_prompt_tokens=8))
+    assert [t for chunk in stream for t in chunk.token_ids] == expected(None, too_long[-8:], {})[0][:4]
+    for bad in (0, -1, 2.5, True):
+        with pytest.raises(ConfigError, match="truncate_prompt_tokens must be an integer >= 1") as caught:
+            dec.generate_ids([prompt], max_new_tokens=4, truncate_prompt_tokens=bad)
+        assert caught.value.param == "truncate_prompt_tokens"
+    dec.close()

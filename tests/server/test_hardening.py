@@ -463,6 +463,24 @@ def test_usage_has_prompt_tokens_details(server):
     assert chunks[-1].usage.prompt_tokens_details.cached_tokens == 0
 
 
+def test_truncate_prompt_tokens_keeps_the_prompts_last_tokens(real, real_decoder, smol_tokenizer):
+    """vLLM's truncate_prompt_tokens through the openai client: the answer is the cut prompt's, usage
+    counts the tokens kept, and a prompt longer than the context is taken once cut."""
+    client = openai.OpenAI(base_url=f"{real}/v1", api_key="x", max_retries=0)
+    text = "The days of the week are Monday, Tuesday, Wednesday, Thursday,"
+    tail = smol_tokenizer(text).input_ids[-6:]
+    settings = dict(model="tiny", max_tokens=5, temperature=0)
+    cut = client.completions.create(prompt=text, extra_body={"truncate_prompt_tokens": 6}, **settings)
+    whole = client.completions.create(prompt=tail, **settings)
+    assert cut.choices[0].text == whole.choices[0].text and cut.usage.prompt_tokens == 6
+    huge = text * 60  # about 900 tokens: more than the context (256) holds
+    assert error_of(post(real, "/v1/completions", {"prompt": huge, **settings}), 400)["param"] == "prompt"
+    r = client.completions.create(prompt=huge, extra_body={"truncate_prompt_tokens": 100}, **settings)
+    assert r.usage.prompt_tokens == 100 and r.choices[0].finish_reason == "length"
+    error = error_of(post(real, "/v1/completions", {"prompt": text, "truncate_prompt_tokens": 0, **settings}), 400)
+    assert error["param"] == "truncate_prompt_tokens" and "integer >= 1" in error["message"]
+
+
 # -- 8. HEAD /health; what the API key covers ------------------------------------------------------
 
 

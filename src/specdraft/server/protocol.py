@@ -168,6 +168,8 @@ class SamplingRequest(RequestModel):
     ignore_eos: bool | None = None
     min_tokens: int | None = None
     stop_token_ids: list[int] | None = None
+    #: vLLM's: keep only the prompt's last this many tokens (after the chat template)
+    truncate_prompt_tokens: int | None = None
     stream: bool | None = False
     stream_options: StreamOptions | None = None
     #: choices: the prompt prefilled once, each choice with its own random numbers
@@ -204,6 +206,7 @@ class SamplingRequest(RequestModel):
             min_tokens=0 if self.min_tokens is None else self.min_tokens, stop_token_ids=self.stop_token_ids,
             n=1 if self.n is None else self.n, logprobs=self.requested_logprobs(), logprobs_mode=logprobs_mode,
             response_format=self.grammar(), prediction=text or None,
+            truncate_prompt_tokens=self.truncate_prompt_tokens,
             # JSON's keys are strings: token ids as ints, anything else left for the settings to name
             logit_bias={int(k) if k.strip().isdigit() else k: v for k, v in self.logit_bias.items()}
             if self.logit_bias else None,

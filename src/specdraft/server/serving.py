@@ -214,14 +214,15 @@ class GeneratingRoutes:
     async def submit(self, body: SamplingRequest, kind: type[Reply], settings: GenerationSettings) -> list:
         """Check the prompt, then encode it and hand the request to the engine (a worker thread: both
         block); a stream per choice (``n``)."""
-        encode = kind.encoder(body, self.decoder, self.check_length)
+        cut = settings.truncate_prompt_tokens  # a prompt cut to its last tokens may be longer than the context
+        encode = kind.encoder(body, self.decoder, self.check_length if cut is None else lambda text, what: None)
         requested, param = kind.max_tokens(body)
         if isinstance(settings.prediction, str):
             self.check_length(settings.prediction, "prediction")
 
         def _submit():
             ids = encode()
-            limit = self.max_new_tokens(requested, kind.default_max_tokens, len(ids), param)
+            limit = self.max_new_tokens(requested, kind.default_max_tokens, min(len(ids), cut or len(ids)), param)
             streams = self.decoder.stream_ids(ids, settings if limit == settings.max_new_tokens
                                               else settings.replace(max_new_tokens=limit))
             return streams if settings.n > 1 else [streams]
