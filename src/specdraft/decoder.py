@@ -182,9 +182,7 @@ class SpeculativeDecoder:
     def close(self) -> None:
         """Stop every request and the engine's thread (a later call raises)."""
         self._loop.stop()
-        close = getattr(self.runner, "close", None)  # a sharded target's runner on the other ranks
-        if close is not None:
-            close()
+        self.runner.close()  # a sharded target's runner stops its other ranks
 
     def __enter__(self) -> "SpeculativeDecoder":
         return self
@@ -201,6 +199,26 @@ class SpeculativeDecoder:
     def num_waiting(self) -> int:
         """Sequences waiting for a free slot."""
         return self.engine.num_waiting
+
+    @property
+    def kv_cache_usage(self) -> float:
+        """The fraction (0..1) of the target cache's allocated token positions running sequences hold."""
+        from .engine.report import kv_cache_usage
+
+        return kv_cache_usage(self.engine)
+
+    def observe(self, observer: Callable[[Any], None]) -> Callable[[], None]:
+        """Call ``observer`` with each of the engine's reports as it steps (a round, a prefill, a
+        sequence's end: :class:`~specdraft.engine.report.StepReport`, on the engine's thread; keep it
+        quick: one that raises is logged and skipped). Returns a function that stops the calls."""
+        observers = self.engine.observers
+        observers.append(observer)
+
+        def stop() -> None:
+            if observer in observers:
+                observers.remove(observer)
+
+        return stop
 
     @property
     def runner_info(self) -> dict:

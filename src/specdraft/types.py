@@ -6,7 +6,7 @@ Nothing here imports torch at module level, so listing plugins stays instant.
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any, Sequence
+from typing import TYPE_CHECKING, Any, Protocol, Sequence
 
 if TYPE_CHECKING:  # pragma: no cover
     import torch
@@ -21,6 +21,32 @@ def default_services():
     from .services import DrafterServices
 
     return DrafterServices()
+
+
+class TargetRunner(Protocol):
+    """What the engine and the verifier use of a target's runner (``specdraft.runner``'s
+    :class:`~specdraft.runner.ModelRunner`, the transformers fallback, the tensor-parallel one):
+    its KV cache, its one forward pass, how it describes itself, and its lifetime."""
+
+    #: the KV cache the passes run over (:mod:`specdraft.cache`'s interface)
+    cache: Any
+    #: whether :meth:`forward` takes a tree (``tree_mask``, ``depths``)
+    supports_tree: bool
+
+    def forward(self, tokens, logits_at=None, hidden=False, advance=None, slots=None, tree_mask=None,
+                depths=None) -> tuple:
+        """``(logits, hidden)`` of ``tokens # [rows, W]`` after each row's stored tokens (see
+        :meth:`specdraft.runner.ModelRunner.forward`)."""
+
+    def warm_up(self, rows: int, widths) -> None:
+        """Compile (or capture) the passes of ``widths`` for ``rows`` rows now; free when eager."""
+
+    @property
+    def info(self) -> dict:
+        """``{"implementation", "compiled", "quantization", "dtype"}``."""
+
+    def close(self) -> None:
+        """Release what the runner holds beyond itself (a sharded runner's other ranks)."""
 
 
 @dataclass(frozen=True)

@@ -200,6 +200,8 @@ class FakeDecoder:
     being long enough; ``arrived`` is set when ``stream_ids`` has taken a request.
     """
 
+    tokenizer = None  # token ids only
+
     def __init__(self, max_batch: int = 4, max_waiting: int | None = 4, delay: float = 0.005) -> None:
         self.target, self.drafter = FakeTarget(), FakeDrafter()
         self.max_batch, self.max_waiting, self.delay = max_batch, max_waiting, delay

@@ -30,7 +30,7 @@ import torch
 
 from ..errors import DrafterError, SpecdraftError
 from ..sampling import RowSampling, TokenCounts
-from ..types import DraftContext, TargetInfo
+from ..types import DraftContext, TargetInfo, TargetRunner
 from ..verifier import Outcome, Proposal, Verifier
 from .processors import GrammarMasks, HoldStops, LogitBias, RowState, process
 from .logprobs import round_logprobs
@@ -86,7 +86,7 @@ class Engine:
     from one thread at a time (:class:`EngineLoop` does). A drafter of API version 1 runs through
     :class:`~specdraft.engine.waves.WaveDrafter`, in waves."""
 
-    def __init__(self, runner, drafter, target: TargetInfo, spec_length: int, adaptive: bool = True,
+    def __init__(self, runner: TargetRunner, drafter, target: TargetInfo, spec_length: int, adaptive: bool = True,
                  max_batch: int = 8, max_waiting: int | None = None,
                  prefill_chunk: int = DEFAULT_PREFILL_CHUNK) -> None:
         self.runner = runner  # specdraft.runner: ModelRunner or TransformersRunner

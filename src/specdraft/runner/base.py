@@ -20,12 +20,17 @@ def attention_backends(device: torch.device):
 
 
 class RunnerBase:
-    """What every runner says about itself (``model`` is the module it runs)."""
+    """What every runner says about itself (``model`` is the module it runs), and the defaults of
+    :class:`~specdraft.types.TargetRunner`'s interface."""
 
     implementation = ""
     compiled = False
     quantization: str | None = None
+    supports_tree = False
     model: Any
+
+    def close(self) -> None:
+        """Nothing to release beyond the runner itself (a sharded runner stops its other ranks)."""
 
     @property
     def device(self) -> torch.device:

@@ -18,6 +18,7 @@ its traceback).
 from __future__ import annotations
 
 import hmac
+from typing import Any, Protocol
 
 import anyio
 from fastapi import FastAPI, Request
@@ -29,7 +30,8 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 from .. import __version__
 from ..errors import ConfigError
 from ..limits import chars_per_token, check_fits
-from ..types import LOGPROBS_MODES
+from ..settings import GenerationSettings
+from ..types import LOGPROBS_MODES, TargetInfo
 from .bodies import DEFAULT_MAX_REQUEST_BYTES
 from .chat import ChatCompletion
 from .completions import Completion
@@ -69,19 +71,46 @@ class _APIKeyMiddleware:
         await self.app(scope, receive, send)
 
 
+class ServedDecoder(Protocol):
+    """What the server uses of its decoder (:class:`~specdraft.SpeculativeDecoder`; the tests' stand-in
+    has the same): the target's description, the tokenizer (None: token ids only), prompt encoding,
+    submitting a request, the queue's sizes and ending requests at shutdown. With ``observe`` and
+    ``kv_cache_usage`` too, the metrics count as the engine steps (:class:`.metrics.SteppingDecoder`)."""
+
+    target: TargetInfo
+    tokenizer: Any
+
+    @property
+    def num_running(self) -> int: ...
+
+    @property
+    def num_waiting(self) -> int: ...
+
+    def encode(self, prompt: str, raw: bool = False) -> list[int]: ...
+
+    def encode_chat(self, messages, chat_template_kwargs=None, *, add_special_tokens: bool = False,
+                    check_text=None) -> list[int]: ...
+
+    def stream_ids(self, prompt_ids, settings: GenerationSettings): ...
+
+    def end_requests(self, error: BaseException, *, running: bool = True) -> int: ...
+
+    def close(self) -> None: ...
+
+
 class _Server(GeneratingRoutes, TokenizeRoutes):
     """One app's state (the decoder, the name it is served as, the metrics) and its routes, which
     :meth:`register` adds to the app: the generating ones (:mod:`.serving`, with :mod:`.completions`
     and :mod:`.chat` shaping each route's request and answer), vLLM's ``/tokenize`` and
     ``/detokenize`` (:mod:`.tokenize`), and here ``/v1/models``, ``/health`` and ``/metrics``."""
 
-    def __init__(self, decoder, served: str, max_request_bytes: int = DEFAULT_MAX_REQUEST_BYTES,
+    def __init__(self, decoder: ServedDecoder, served: str, max_request_bytes: int = DEFAULT_MAX_REQUEST_BYTES,
                  logprobs_mode: str = "processed") -> None:
         self.decoder, self.served, self.metrics = decoder, served, ServerMetrics(decoder, served)
         self.max_request_bytes = max_request_bytes
         self.logprobs_mode = logprobs_mode  # what requests' log-probabilities are computed from
         # the most characters one token covers (None: no sound bound; see .limits), read once here
-        tokenizer = getattr(decoder, "tokenizer", None)
+        tokenizer = decoder.tokenizer
         self.chars_per_token = None if tokenizer is None else chars_per_token(tokenizer)
         self.token_texts = None if tokenizer is None else TokenTexts(tokenizer)  # tokens' texts, for logprobs
         self._limiter: anyio.CapacityLimiter | None = None  # made on first use, inside the event loop
@@ -135,7 +164,7 @@ class _Server(GeneratingRoutes, TokenizeRoutes):
 
     def tokenizer(self):
         """The decoder's tokenizer; APIError when it has none."""
-        tokenizer = getattr(self.decoder, "tokenizer", None)
+        tokenizer = self.decoder.tokenizer
         if tokenizer is None:
             raise APIError(400, "this server's decoder has no tokenizer: it takes and returns token ids only")
         return tokenizer
@@ -168,7 +197,7 @@ class _Server(GeneratingRoutes, TokenizeRoutes):
         return self.error(APIError(exc.status_code, str(message), code=code)).response()
 
 
-def create_app(decoder, *, model_name: str | None = None, api_key: str | None = None,
+def create_app(decoder: ServedDecoder, *, model_name: str | None = None, api_key: str | None = None,
                max_request_bytes: int = DEFAULT_MAX_REQUEST_BYTES, logprobs_mode: str = "processed") -> FastAPI:
     """An OpenAI-compatible app serving ``decoder`` as ``model_name`` (default: the target's name).
 

@@ -4,8 +4,8 @@ Every app has its own :class:`prometheus_client.CollectorRegistry` (never the gl
 several apps in one process (tests, embedding) count separately. prometheus_client appends
 ``_total`` to counters' names in the exposition (``specdraft:prompt_tokens_total``).
 
-Tokens, drafts and acceptances are counted as the engine steps: :class:`ServerMetrics` is one of
-its decoder's engine's observers (:mod:`specdraft.engine.report`), so a long stream's tokens show
+Tokens, drafts and acceptances are counted as the engine steps: :class:`ServerMetrics` observes
+its decoder (``SpeculativeDecoder.observe``, the engine's reports: :mod:`specdraft.engine.report`), so a long stream's tokens show
 in ``rate()`` while it runs, and a client that has received tokens finds them counted. Each
 sequence's timing histograms (queue, prefill, decode, time per output token) are observed when
 it leaves the engine; what the HTTP layer sees (a request's outcome, its end-to-end latency, its
@@ -16,6 +16,7 @@ test's stand-in) has its requests' tokens counted when they finish instead.
 from __future__ import annotations
 
 import weakref
+from typing import Any, Callable, Protocol, runtime_checkable
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
 
@@ -41,6 +42,17 @@ def build_1_2_5_buckets(max_value: int) -> list[int]:
         scale *= 10
 
 
+@runtime_checkable
+class SteppingDecoder(Protocol):
+    """A decoder that reports its engine's steps (:class:`~specdraft.SpeculativeDecoder`): what the
+    metrics read of it. A decoder without them (a test's stand-in) is counted as requests finish."""
+
+    @property
+    def kv_cache_usage(self) -> float: ...
+
+    def observe(self, observer: Callable[[Any], None]) -> Callable[[], None]: ...
+
+
 class ServerMetrics:
     """The counters, histograms and gauges of one app: it observes ``decoder``'s engine as it
     steps (:meth:`observe`); :meth:`record` adds a request the app has answered."""
@@ -58,17 +70,13 @@ class ServerMetrics:
             return Histogram(f"specdraft:{name}", doc, names, buckets=buckets, registry=registry)
 
         self._counters(counter)
-        self._histograms(histogram, getattr(decoder, "target", None))
+        self._histograms(histogram, decoder.target)
         kv = self._gauges(decoder, names)
-        engine = getattr(decoder, "engine", None)
-        #: counted as the engine steps (else, a decoder without an engine: when requests finish)
-        self.per_step = isinstance(getattr(engine, "observers", None), list)
+        #: counted as the engine steps (else, a decoder that reports no steps: when requests finish)
+        self.per_step = isinstance(decoder, SteppingDecoder)
         if self.per_step:
-            from ..engine.report import kv_cache_usage
-
-            engine_ref = weakref.ref(engine)
-            kv.labels(**labels).set_function(lambda: kv_cache_usage(engine_ref()) if engine_ref() is not None else 0.0)
-            _subscribe(self, engine.observers)
+            kv.labels(**labels).set_function(lambda: decoder.kv_cache_usage)
+            _subscribe(self, decoder)
         else:
             kv.labels(**labels).set(0.0)
         self._bind()
@@ -237,17 +245,16 @@ class ServerMetrics:
         return generate_latest(self.registry)
 
 
-def _subscribe(metrics: ServerMetrics, observers: list) -> None:
-    """Add ``metrics`` to an engine's ``observers`` by weak reference: a dropped app's metrics go
-    (and take their observer off the list) rather than being kept alive by the engine."""
+def _subscribe(metrics: ServerMetrics, decoder: "SteppingDecoder") -> None:
+    """Have ``decoder`` report its steps to ``metrics`` by weak reference: a dropped app's metrics
+    go (and stop their reports) rather than being kept alive by the engine."""
     ref = weakref.WeakMethod(metrics.observe)
 
     def observer(report) -> None:
         observe = ref()
         if observe is None:
-            if observer in observers:
-                observers.remove(observer)
+            stop()
             return
         observe(report)
 
-    observers.append(observer)
+    stop = decoder.observe(observer)

@@ -18,6 +18,7 @@ from dataclasses import dataclass
 import torch
 
 from ..sampling import RowSampling, TokenCounts, greedy_tokens, logits_to_probs
+from ..types import TargetRunner
 from .chain import greedy_accept, rejection_sample
 from .proposal import DEBUG, Proposal, empty_proposal, make_proposal
 from .tree import greedy_tree_accept, tree_rejection_sample
@@ -59,7 +60,8 @@ class Verifier:
     drafter in errors; ``full_checks`` validates every draft's values, not only its shapes (a
     device-to-host copy per round: the default on CPU, where it is free, and with ``SPECDRAFT_DEBUG=1``)."""
 
-    def __init__(self, runner, vocab_size: int, device, who: str = "", full_checks: bool | None = None) -> None:
+    def __init__(self, runner: TargetRunner, vocab_size: int, device, who: str = "",
+                 full_checks: bool | None = None) -> None:
         self.runner = runner
         self.vocab_size = vocab_size
         self.device = torch.device(device)
@@ -69,7 +71,7 @@ class Verifier:
     @property
     def trees(self) -> bool:
         """Whether the runner verifies trees (else a tree is verified as its first chain)."""
-        return bool(getattr(self.runner, "supports_tree", False))
+        return bool(self.runner.supports_tree)
 
     def proposal(self, draft, caps: list[int], predicted: dict[int, list[int]] | None = None) -> Proposal:
         """The :class:`Proposal` of ``draft`` (None: nothing drafted) for rows capped at ``caps``;
