@@ -200,13 +200,27 @@ class Registry:
         return drafter
 
 
+#: the registry last built, and the plugins (and load errors) it was built from
+_built: tuple[tuple, Registry] | None = None
+
+
 def get_registry() -> Registry:
-    """Call every ``register_drafters`` hook (each in isolation) and collect the drafters."""
+    """The drafters every registered plugin provides: built once (every ``register_drafters`` hook
+    called, each in isolation), and again only when the registered plugins change."""
+    global _built
+    load_plugins()
+    # the plugin objects themselves (not their ids, which a new plugin may reuse) and the errors' copy
+    key = (tuple(sorted(pm.get_plugins(), key=id)), tuple(load_errors))
+    if _built is None or _built[0] != key:
+        _built = (key, _build_registry())
+    return _built[1]
+
+
+def _build_registry() -> Registry:
     from pydantic import BaseModel
 
     from .drafters.api import Drafter
 
-    load_plugins()
     registry = Registry(errors=list(load_errors))
     for impl in pm.hook.register_drafters.get_hookimpls():
         plugin_name = pm.get_name(impl.plugin) or impl.plugin_name
