@@ -14,7 +14,7 @@ from typing import Sequence
 
 from . import __version__
 from .errors import ConfigError, SpecdraftError
-from .cli_args import decoder_args, device_args, parse_drafter_option, structured_args
+from .cli_args import decoder_args, device_args, parse_drafter_option, resolve_drafter, structured_args
 from .models import TRAIN_DTYPES
 
 
@@ -302,6 +302,7 @@ def _generate(args) -> int:
     from .settings import GenerationSettings
 
     # Cheap checks first, so a typo fails in a blink rather than after loading a model.
+    resolve_drafter(args)
     check_spec_length(args.spec_length)
     settings = GenerationSettings(
         max_new_tokens=args.max_new_tokens, seed=args.seed, stop=args.stop, prediction=prediction,

@@ -24,11 +24,15 @@ def decoder_args(p: argparse.ArgumentParser) -> None:
     """The target and its drafter: what every command that builds a decoder takes."""
     p.add_argument("--target", default=None,
                    help="hub id, local folder or .gguf file (default: SmolLM2-135M-Instruct, offline)")
-    p.add_argument("--drafter", default="ngram", help="drafter name (see `specdraft drafters`; default: ngram)")
+    p.add_argument("--drafter", default=None, help="drafter name (see `specdraft drafters`; default: ngram)")
     p.add_argument("--drafter-option", dest="drafter_options", action="append", type=parse_option, default=[],
                    metavar="KEY=VALUE", help="an option for the drafter (repeatable)")
-    p.add_argument("--spec-length", type=int, default=4, metavar="K",
+    p.add_argument("--spec-length", type=int, default=None, metavar="K",
                    help="most tokens drafted per round, 1 to 16 (default: 4)")
+    p.add_argument("--speculative-config", default=None, metavar="JSON",
+                   help="vLLM's speculative config instead of --drafter, --spec-length and --drafter-option: "
+                        "'{\"method\": \"eagle3\", \"model\": \"...\", \"num_speculative_tokens\": 3}' "
+                        "(docs/coming-from-vllm.md)")
     p.add_argument("--fixed-spec-length", action="store_true",
                    help="always draft K tokens instead of adapting to acceptance and verify cost")
 
@@ -63,3 +67,13 @@ def structured_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--json-schema", default=None, metavar="FILE",
                    help="the answer is JSON matching the JSON schema in FILE")
     p.add_argument("--regex", default=None, metavar="R", help="the answer matches the regular expression R")
+
+
+def resolve_drafter(args: argparse.Namespace) -> None:
+    """``args.drafter``, ``args.spec_length`` and ``args.drafter_options`` as asked for by
+    ``--speculative-config`` or by those flags (their defaults filled in); ConfigError for both."""
+    from .speculative_config import CLI_NAMES, choose_drafter
+
+    choice = choose_drafter(args.drafter, args.spec_length, dict(args.drafter_options) or None,
+                            args.speculative_config, CLI_NAMES)
+    args.drafter, args.spec_length, args.drafter_options = choice.drafter, choice.spec_length, list(choice.options.items())

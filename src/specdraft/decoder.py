@@ -8,6 +8,7 @@ from .errors import ConfigError
 from .limits import check_spec_length
 from .models import encode_prompt
 from .settings import GenerationSettings, check_prompts, check_token_ids, is_int, token_id
+from .speculative_config import choose_drafter
 from .types import GenerationResult, describe_target
 
 
@@ -29,10 +30,11 @@ class SpeculativeDecoder:
         self,
         model,
         tokenizer=None,
-        drafter: str | Any = "ngram",
-        spec_length: int = 4,
+        drafter: str | Any = None,
+        spec_length: int | None = None,
         drafter_options: Mapping[str, Any] | None = None,
         *,
+        speculative_config: str | Mapping[str, Any] | None = None,
         adaptive: bool = True,
         target_name: str = "",
         compile: bool | None = None,
@@ -49,6 +51,8 @@ class SpeculativeDecoder:
         from .runner import default_compile
         from .structured import Grammars
 
+        chosen = choose_drafter(drafter, spec_length, drafter_options, speculative_config)
+        drafter, spec_length, drafter_options = chosen.drafter, chosen.spec_length, chosen.options
         check_spec_length(spec_length)
         if not is_int(max_batch) or not 1 <= max_batch <= 1024:
             raise ConfigError(f"max_batch must be an integer from 1 to 1024 (got {max_batch!r})")
@@ -102,13 +106,14 @@ class SpeculativeDecoder:
     def from_pretrained(
         cls,
         target: str | None = None,
-        drafter: str | Any = "ngram",
-        spec_length: int = 4,
+        drafter: str | Any = None,
+        spec_length: int | None = None,
         drafter_options: Mapping[str, Any] | None = None,
         dtype: Any = None,
         device: Any = None,
         adaptive: bool = True,
         *,
+        speculative_config: str | Mapping[str, Any] | None = None,
         compile: bool | None = None,
         quantize: str | None = None,
         max_batch: int = 8,
@@ -117,6 +122,12 @@ class SpeculativeDecoder:
         tensor_parallel: int = 1,
     ) -> "SpeculativeDecoder":
         """Load ``target`` (None = SmolLM2-135M-Instruct, offline; else hub id, folder or .gguf).
+
+        ``drafter`` (a registered name, default ``"ngram"``, or a :class:`~specdraft.Drafter`) with
+        its ``drafter_options``; or ``speculative_config``, vLLM's (a dict or its JSON:
+        ``{"method": "eagle3", "model": ..., "num_speculative_tokens": 3}``; see
+        :mod:`specdraft.speculative_config`) in place of ``drafter``, ``spec_length`` and
+        ``drafter_options``.
 
         ``spec_length`` is the most tokens drafted per round; with ``adaptive`` (the default)
         each round drafts as many of those as pay off given the measured acceptance and
@@ -142,9 +153,11 @@ class SpeculativeDecoder:
         from .runner.tp import follow_if_worker
 
         follow_if_worker(tensor_parallel, device)
+        choose_drafter(drafter, spec_length, drafter_options, speculative_config)  # a bad one fails before loading
 
         model, tokenizer, name = load_target(target, dtype=dtype, device=device)
-        decoder = cls(model, tokenizer, drafter, spec_length, drafter_options, adaptive=adaptive, target_name=name,
+        decoder = cls(model, tokenizer, drafter, spec_length, drafter_options, speculative_config=speculative_config,
+                      adaptive=adaptive, target_name=name,
                       compile=compile, quantize=quantize, max_batch=max_batch, max_waiting=max_waiting,
                       prefill_chunk=prefill_chunk, tensor_parallel=tensor_parallel)
         decoder.dtype_reason = "asked for" if dtype is not None else default_dtype(resolve_device(device))[1]

@@ -160,10 +160,12 @@ def serve(args) -> int:
     """Load the decoder ``args`` describe and serve it until SIGTERM or Ctrl-C, which drain it
     (:mod:`.process`): 0 after SIGTERM, 130 after Ctrl-C once the server has stopped."""
     _check_extra()
+    from ..cli_args import resolve_drafter
     from ..limits import check_spec_length
     from ..plugins import get_registry
 
     # Cheap checks first, so a typo fails in a blink rather than after loading a model.
+    resolve_drafter(args)
     check_spec_length(args.spec_length)
     if args.max_batch < 1:
         raise ConfigError("--max-batch must be >= 1")
