@@ -77,13 +77,11 @@ def pass_timeout() -> datetime.timedelta:
 #: no practical time limit: a server with no requests sends nothing for as long as it is idle
 #: (a rank that dies is seen by the watchers, not by a timeout)
 IDLE = datetime.timedelta(days=365)
-_CONTROL = None  # that group
 
 
-def _open_control() -> None:
+def _control_group():
     """After init_process_group, on every rank: the group rank 0's messages travel on."""
-    global _CONTROL
-    _CONTROL = dist.new_group(backend="gloo", timeout=IDLE)
+    return dist.new_group(backend="gloo", timeout=IDLE)
 
 
 def shares(n: int, world: int) -> list[tuple[int, int]]:
@@ -185,10 +183,10 @@ def _tensors(obj, fn):
     return obj
 
 
-def _broadcast(msg=None):
-    """Rank 0 sends ``msg`` to every rank; the others return what it sent."""
+def _broadcast(control, msg=None):
+    """Rank 0 sends ``msg`` to every rank over the ``control`` group; the others return what it sent."""
     box = [_tensors(msg, torch.Tensor.cpu)]  # what crosses to the other ranks lives on the CPU
-    dist.broadcast_object_list(box, src=0, group=_CONTROL)
+    dist.broadcast_object_list(box, src=0, group=control)
     return box[0]
 
 
@@ -277,6 +275,7 @@ class Group:
 
     def __init__(self, world: int, device: torch.device, procs: list[subprocess.Popen]) -> None:
         self.world, self.device, self.procs = world, device, procs
+        self.control = None  # the group its messages travel on, once the process group has formed
         self.lock = threading.RLock()  # a message and the work it starts on rank 0 go together
         self.alive = True
         self._keys = itertools.count()
@@ -286,7 +285,7 @@ class Group:
     def send(self, msg) -> None:
         if not self.alive:
             raise ConfigError("the tensor-parallel ranks have been stopped")
-        _broadcast(msg)
+        _broadcast(self.control, msg)
 
     def runner(self, hf_model, quantize: str | None = None) -> TensorParallelRunner:
         """A target runner for ``hf_model`` sharded over the ranks (each model is sharded once)."""
@@ -304,7 +303,7 @@ class Group:
                 key = next(self._keys)
                 self.send(("model", key, model.args, quantize))
                 for rank in range(1, self.world):  # one rank's weights at a time: held (and pickled) once
-                    dist.send_object_list([shard_state(model, rank, self.world)], dst=rank, group=_CONTROL)
+                    dist.send_object_list([shard_state(model, rank, self.world)], dst=rank, group=self.control)
                 args, state = model.args, shard_state(model, 0, self.world)
                 del model  # the unsharded copy goes before rank 0's shard is built
                 shards[quantize] = (key, build_shard(args, 0, self.world, state, self.device, quantize))
@@ -342,7 +341,7 @@ class Group:
             if not self.alive:
                 return
             try:
-                _broadcast(None)
+                _broadcast(self.control, None)
             finally:
                 self.alive = False
         for proc in self.procs:
@@ -397,10 +396,10 @@ def start(world: int, device) -> Group:
             device = torch.device("cuda", int(os.environ.get("LOCAL_RANK", rank)))
             torch.cuda.set_device(device)
         dist.init_process_group(backend, rank=rank, world_size=world, timeout=timeout)
-        _open_control()
+        control = _control_group()
         if rank != 0:
             try:
-                follow(device)
+                follow(device, control)
             except Exception as exc:  # noqa: BLE001 - one line, as from a rank this process started
                 print(f"specdraft: error: tensor-parallel rank {rank}: {_first_line(exc)}", file=sys.stderr,
                       flush=True)
@@ -408,6 +407,7 @@ def start(world: int, device) -> Group:
             dist.destroy_process_group()
             raise SystemExit(0)
         _GROUP = Group(world, device, [])
+        _GROUP.control = control
     else:
         if device.type == "cuda":
             if device.index is None:
@@ -432,7 +432,7 @@ def start(world: int, device) -> Group:
         try:
             dist.init_process_group(backend, init_method=f"tcp://127.0.0.1:{port}", rank=0, world_size=world,
                                     timeout=timeout)
-            _open_control()
+            group.control = _control_group()
         except BaseException:
             group.alive = False
             for proc in procs:
@@ -479,15 +479,16 @@ def _stop_at_exit() -> None:
             pass
 
 
-def follow(device: torch.device) -> None:
-    """A rank other than 0: run what rank 0 sends (shards, runners, passes, cache changes) until it stops."""
+def follow(device: torch.device, control) -> None:
+    """A rank other than 0: run what rank 0 sends over ``control`` (shards, runners, passes, cache
+    changes) until it stops."""
     from .runner import ModelRunner
 
     shards: dict[int, SpecdraftModel] = {}
     runners: dict[int, ModelRunner] = {}
     with torch.inference_mode():
         while True:
-            msg = _broadcast()
+            msg = _broadcast(control)
             if msg is None:
                 return
             kind = msg[0]
@@ -497,7 +498,7 @@ def follow(device: torch.device) -> None:
             elif kind == "model":
                 _, key, args, quantize = msg
                 box = [None]
-                dist.recv_object_list(box, src=0, group=_CONTROL)
+                dist.recv_object_list(box, src=0, group=control)
                 shards[key] = (build_shard(args, dist.get_rank(), dist.get_world_size(), box[0], device, quantize), quantize)
             elif kind == "runner":
                 _, key, model_key = msg
@@ -529,8 +530,7 @@ def _main(argv: list[str]) -> int:
             torch.cuda.set_device(device)
         dist.init_process_group("nccl" if device.type == "cuda" else "gloo", init_method=f"tcp://127.0.0.1:{port}",
                                 rank=rank, world_size=world, timeout=pass_timeout())
-        _open_control()
-        follow(device)
+        follow(device, _control_group())
         dist.destroy_process_group()
     except Exception as exc:  # noqa: BLE001 - one line; rank 0 reports this rank's exit too
         if os.getppid() == parent:
