@@ -33,7 +33,7 @@ cat <<'MD'
 - `--drafter-option` values are strings coerced by the drafter's own options model, for
   example `--drafter-option max_order=3`.
 - `--speculative-config JSON` takes vLLM's speculative config in place of `--drafter`,
-  `--spec-length` and `--drafter-option` (`serve` too), for example
+  `--spec-length` and `--drafter-option` (`serve`, `bench` and `bench-serve` too), for example
   `--speculative-config '{"method": "ngram", "num_speculative_tokens": 4, "prompt_lookup_max": 3}'`;
   [coming from vLLM](coming-from-vllm.md) maps every key.
 - `--stop` may be given several times; generation ends at the first string that appears,

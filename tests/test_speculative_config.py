@@ -102,3 +102,25 @@ def test_the_python_api_takes_a_config(tiny_model):
         SpeculativeDecoder(tiny_model, None, "ngram", speculative_config=config)
     with pytest.raises(ConfigError, match="give it or spec_length, not both"):
         SpeculativeDecoder.from_pretrained(spec_length=4, speculative_config=config)
+
+
+def _methods(command: str, flags: list[str]) -> tuple:
+    """What ``bench`` / ``bench-serve`` will run for ``flags``: methods, draft length, options."""
+    from specdraft.bench.serve_load import PLAIN
+    from specdraft.cli_args import resolve_methods
+
+    args = build_parser().parse_args([command, "--questions", "q.jsonl", *flags])
+    resolve_methods(args, "ngram,prompt-lookup", always=PLAIN if command == "bench-serve" else "")
+    return args.drafters, args.spec_length, {(d, k, str(v)) for d, k, v in args.drafter_options}
+
+
+@pytest.mark.parametrize("command, flags", [
+    ("bench", ["--drafters", "prompt-lookup", "--spec-length", "3", "--drafter-option", "prompt-lookup:max_ngram=4"]),
+    ("bench-serve", ["--drafters", "none,prompt-lookup", "--spec-length", "3",
+                     "--drafter-option", "prompt-lookup:max_ngram=4"]),
+])
+def test_bench_and_bench_serve_run_what_a_config_configures(command, flags):
+    config = json.dumps({"method": "ngram", "num_speculative_tokens": 3, "prompt_lookup_max": 4})
+    assert _methods(command, ["--speculative-config", config]) == _methods(command, flags)
+    with pytest.raises(ConfigError, match="give it or --drafters, not both"):
+        _methods(command, ["--speculative-config", config, "--drafters", "ngram"])

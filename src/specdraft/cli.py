@@ -14,7 +14,8 @@ from typing import Sequence
 
 from . import __version__
 from .errors import ConfigError, SpecdraftError
-from .cli_args import decoder_args, device_args, parse_drafter_option, resolve_drafter, structured_args
+from .cli_args import (decoder_args, device_args, parse_drafter_option, resolve_drafter, resolve_methods,
+                       speculative_config_arg, structured_args)
 from .models import TRAIN_DTYPES
 
 
@@ -143,13 +144,15 @@ def build_parser() -> argparse.ArgumentParser:
                        help="Spec-Bench schema: question_id, category, turns (the first turn is used)")
     bench.add_argument("--categories", default=None, help="comma-separated categories (default: all)")
     bench.add_argument("--limit-per-category", type=int, default=5, metavar="N", help="default: 5")
-    bench.add_argument("--drafters", default="ngram,prompt-lookup",
+    bench.add_argument("--drafters", default=None,
                        help="comma-separated; LABEL=DRAFTER runs DRAFTER under its own label, so one drafter can run "
                             "twice with different --drafter-option LABEL:KEY=VALUE (default: ngram,prompt-lookup)")
     bench.add_argument("--drafter-option", dest="drafter_options", action="append", type=parse_drafter_option,
                        default=[], metavar="DRAFTER:KEY=VALUE",
                        help="an option for one of the drafters, e.g. draft-model:model=DIR (repeatable)")
-    bench.add_argument("--spec-length", type=int, default=4, metavar="K", help="default: 4")
+    bench.add_argument("--spec-length", type=int, default=None, metavar="K", help="default: 4")
+    speculative_config_arg(bench, "the one drafter to run (with plain decoding), in place of --drafters, "
+                                  "--spec-length and --drafter-option")
     bench.add_argument("--fixed-spec-length", action="store_true",
                        help="every drafter drafts K tokens every round instead of adapting to acceptance and "
                             "verify cost (to compare drafters' acceptance at one draft length)")
@@ -416,6 +419,7 @@ def _bench(args) -> int:
     from .settings import GenerationSettings
     from .plugins import get_registry
 
+    resolve_methods(args, "ngram,prompt-lookup")
     options: dict[str, dict[str, str]] = {}
     for drafter, key, value in args.drafter_options:
         options.setdefault(drafter, {})[key] = value

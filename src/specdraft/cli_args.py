@@ -77,3 +77,25 @@ def resolve_drafter(args: argparse.Namespace) -> None:
     choice = choose_drafter(args.drafter, args.spec_length, dict(args.drafter_options) or None,
                             args.speculative_config, CLI_NAMES)
     args.drafter, args.spec_length, args.drafter_options = choice.drafter, choice.spec_length, list(choice.options.items())
+
+
+def speculative_config_arg(p: argparse.ArgumentParser, what: str) -> None:
+    p.add_argument("--speculative-config", default=None, metavar="JSON",
+                   help=f"vLLM's speculative config: {what} (docs/coming-from-vllm.md)")
+
+
+def resolve_methods(args: argparse.Namespace, default_drafters: str, always: str = "") -> None:
+    """``bench`` and ``bench-serve``: ``args.drafters``, ``args.spec_length`` and
+    ``args.drafter_options`` as ``--speculative-config`` asks for (its drafter, after ``always``),
+    or as given (their defaults filled in); ConfigError when the config comes with any of them."""
+    from .speculative_config import choose_drafter
+
+    if args.speculative_config is None:
+        args.drafters = default_drafters if args.drafters is None else args.drafters
+        args.spec_length = 4 if args.spec_length is None else args.spec_length
+        return
+    choice = choose_drafter(args.drafters, args.spec_length, args.drafter_options or None, args.speculative_config,
+                            ("--speculative-config", "--drafters", "--spec-length", "--drafter-option"))
+    args.drafters = ",".join(name for name in (always, choice.drafter) if name)
+    args.spec_length = choice.spec_length
+    args.drafter_options = [(choice.drafter, key, value) for key, value in choice.options.items()]

@@ -58,7 +58,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Callable, Iterator
 
-from ..cli_args import device_args, parse_drafter_option
+from ..cli_args import device_args, parse_drafter_option, resolve_methods, speculative_config_arg
 from ..errors import ConfigError, SpecdraftError
 from .harness import load_questions, split_method
 
@@ -81,7 +81,7 @@ def add_bench_serve_parser(subparsers) -> argparse.ArgumentParser:
     p.add_argument("--questions", required=True, metavar="FILE.jsonl",
                    help="Spec-Bench schema: question_id, category, turns (the first turn is used), and an "
                         f"optional prediction, sent to the drafters' servers (not to '{PLAIN}')")
-    p.add_argument("--drafters", "--drafter", default=f"{PLAIN},prompt-lookup",
+    p.add_argument("--drafters", "--drafter", default=None,
                    help=f"comma-separated; '{PLAIN}' is plain decoding through the same engine; LABEL=DRAFTER "
                         f"as for bench (default: {PLAIN},prompt-lookup)")
     p.add_argument("--drafter-option", dest="drafter_options", action="append", type=parse_drafter_option, default=[],
@@ -90,7 +90,9 @@ def add_bench_serve_parser(subparsers) -> argparse.ArgumentParser:
                    default=[], metavar="LABEL:FLAG=VALUE",
                    help="`specdraft serve --FLAG VALUE` for one label's server (repeatable), e.g. "
                         "--drafters none,whole=none --server-option whole:chunked-prefill-size=0")
-    p.add_argument("--spec-length", type=int, default=4, metavar="K", help="default: 4")
+    p.add_argument("--spec-length", type=int, default=None, metavar="K", help="default: 4")
+    speculative_config_arg(p, f"the one drafter to serve (beside '{PLAIN}'), in place of --drafters, --spec-length "
+                              "and --drafter-option")
     p.add_argument("--concurrency", default="1,4,16", help="comma-separated client counts (default: 1,4,16)")
     p.add_argument("--num-prompts", type=int, default=None, metavar="N",
                    help="requests per concurrency level (default: 2 x concurrency, at least 8)")
@@ -529,6 +531,7 @@ def _check(args) -> tuple[dict[str, str], dict[str, dict[str, str]], list[dict]]
     missing = [m for m in ("fastapi", "uvicorn", "prometheus_client", "httpx") if importlib.util.find_spec(m) is None]
     if missing:
         raise SpecdraftError(f"bench-serve needs {', '.join(missing)}: pip install 'specdraft[serve]' httpx")
+    resolve_methods(args, f"{PLAIN},prompt-lookup", always="" if args.url else PLAIN)
     try:
         args.levels = [int(c) for c in args.concurrency.split(",") if c.strip()]
     except ValueError:
