@@ -308,6 +308,7 @@ class Group:
                 del model  # the unsharded copy goes before rank 0's shard is built
                 shards[quantize] = (key, build_shard(args, 0, self.world, state, self.device, quantize))
                 del state
+                release_freed_memory()
             model_key, shard = shards[quantize]
             key = next(self._keys)
             self.send(("runner", key, model_key))
@@ -452,6 +453,19 @@ def follow_if_worker(tensor_parallel, device=None) -> None:
         start(tensor_parallel, resolve_device(device))
 
 
+def release_freed_memory() -> None:
+    """Hand the heap's free pages back to the system (glibc's ``malloc_trim``; nothing elsewhere):
+    the unpickled weights a shard was built from are freed, but glibc would keep them resident."""
+    import ctypes
+    import gc
+
+    gc.collect()
+    try:
+        ctypes.CDLL("libc.so.6").malloc_trim(0)
+    except (OSError, AttributeError):
+        pass
+
+
 def _first_line(exc: BaseException) -> str:
     text = str(exc)
     return text.splitlines()[0] if text else repr(exc)
@@ -500,6 +514,8 @@ def follow(device: torch.device, control) -> None:
                 box = [None]
                 dist.recv_object_list(box, src=0, group=control)
                 shards[key] = (build_shard(args, dist.get_rank(), dist.get_world_size(), box[0], device, quantize), quantize)
+                del box
+                release_freed_memory()
             elif kind == "runner":
                 _, key, model_key = msg
                 shard, quantize = shards[model_key]
