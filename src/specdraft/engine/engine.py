@@ -415,10 +415,14 @@ class Engine:
 
     def _rows(self, batch: list[Sequence]) -> list[RowState]:
         """What the logits processors read of each row."""
-        eos = self.target.eos_token_ids
-        return [RowState(produced=len(s.new_tokens), min_tokens=s.min_tokens, held=held, logit_bias=s.logit_bias,
-                         matcher=s.grammar, ends=frozenset(held))
-                for s, held in ((s, s.early_stops(eos)) for s in batch)]
+        eos, rows = self.target.eos_token_ids, []
+        for s in batch:
+            produced = len(s.new_tokens)
+            # the end tokens matter to a row still short of min_tokens, or with a grammar
+            held = s.early_stops(eos) if s.grammar is not None or s.min_tokens > produced else ()
+            rows.append(RowState(produced=produced, min_tokens=s.min_tokens, held=held, logit_bias=s.logit_bias,
+                                 matcher=s.grammar, ends=frozenset(held)))
+        return rows
 
     @staticmethod
     def _grammar_failures(batch: list[Sequence]) -> None:
