@@ -43,7 +43,10 @@ class SpeculativeDecoder:
         max_waiting: int | None = None,
         prefill_chunk: int | None = None,
         tensor_parallel: int = 1,
+        prefix_caching: bool = True,
+        prefix_cache_memory: int | str | None = None,
     ) -> None:
+        from .cache.prefix import DEFAULT_MEMORY, parse_memory
         from .drafters.api import Drafter
         from .engine import Engine, EngineLoop
         from .engine.engine import DEFAULT_PREFILL_CHUNK, release_openmp_workers
@@ -63,6 +66,9 @@ class SpeculativeDecoder:
                               f"prompts; None: the default, 256), got {prefill_chunk!r}")
         if compile is not None and not isinstance(compile, bool):
             raise ConfigError(f"compile must be True, False or None (the device's default), got {compile!r}")
+        if not isinstance(prefix_caching, bool):
+            raise ConfigError(f"prefix_caching must be True or False, got {prefix_caching!r}")
+        memory = parse_memory(DEFAULT_MEMORY if prefix_cache_memory is None else prefix_cache_memory)
         self.model = model.eval()
         self.tokenizer = tokenizer
         #: why the target has its dtype (``from_pretrained`` says when it chose it)
@@ -80,7 +86,8 @@ class SpeculativeDecoder:
         self.spec_length = spec_length
         self.engine = Engine(self.runner, self.drafter, self.target, spec_length, adaptive=adaptive,
                              max_batch=max_batch, max_waiting=max_waiting,
-                             prefill_chunk=DEFAULT_PREFILL_CHUNK if prefill_chunk is None else prefill_chunk)
+                             prefill_chunk=DEFAULT_PREFILL_CHUNK if prefill_chunk is None else prefill_chunk,
+                             prefix_cache_memory=memory if prefix_caching else 0)
         self._loop = EngineLoop(self.engine)
         self._grammars = Grammars(tokenizer, self.target)  # response_format: compiled at first use, cached
         # this thread built the model (OpenMP workers of its own); a server submits from other threads
@@ -120,6 +127,8 @@ class SpeculativeDecoder:
         max_waiting: int | None = None,
         prefill_chunk: int | None = None,
         tensor_parallel: int = 1,
+        prefix_caching: bool = True,
+        prefix_cache_memory: int | str | None = None,
     ) -> "SpeculativeDecoder":
         """Load ``target`` (None = SmolLM2-135M-Instruct, offline; else hub id, folder or .gguf).
 
@@ -145,6 +154,12 @@ class SpeculativeDecoder:
         while others decode, a step prefills at most this many, so a long prompt joining delays
         the running requests' next round by one such pass (None: 256; 0: each prompt in one pass).
 
+        ``prefix_caching`` (on by default): prompt prefill passes are kept, at most
+        ``prefix_cache_memory`` bytes of them (an int, or a size such as ``"512MiB"``; None: 1 GiB),
+        and a later prompt that begins with the same passes copies them instead of computing them;
+        its output is the same bit for bit (see :mod:`specdraft.cache.prefix`). Results report
+        ``stats.cached_tokens``.
+
         ``tensor_parallel``: shard the target over this many ranks (processes started here, gloo
         on CPU, NCCL on GPUs ``device``, ``device + 1``, ...; or torchrun's, where ranks other
         than 0 follow rank 0 from this call and then exit): see docs/tensor-parallel.md.
@@ -159,7 +174,8 @@ class SpeculativeDecoder:
         decoder = cls(model, tokenizer, drafter, spec_length, drafter_options, speculative_config=speculative_config,
                       adaptive=adaptive, target_name=name,
                       compile=compile, quantize=quantize, max_batch=max_batch, max_waiting=max_waiting,
-                      prefill_chunk=prefill_chunk, tensor_parallel=tensor_parallel)
+                      prefill_chunk=prefill_chunk, tensor_parallel=tensor_parallel,
+                      prefix_caching=prefix_caching, prefix_cache_memory=prefix_cache_memory)
         decoder.dtype_reason = "asked for" if dtype is not None else default_dtype(resolve_device(device))[1]
         return decoder
 

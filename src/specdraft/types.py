@@ -214,6 +214,8 @@ class GenerationStats:
     """
 
     prompt_tokens: int = 0
+    #: prompt tokens read from the prefix cache instead of prefilled (OpenAI's ``cached_tokens``)
+    cached_tokens: int = 0
     new_tokens: int = 0
     drafts: int = 0  # rounds that drafted at least one token
     drafted_tokens: int = 0

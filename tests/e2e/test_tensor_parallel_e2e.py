@@ -41,8 +41,10 @@ def test_sharded_logits_equal_unsharded_ones_in_float64(checks):
 
 
 def test_greedy_speculation_on_a_sharded_target_equals_its_plain_decoding(checks):
-    greedy = checks["greedy"]
+    greedy = dict(checks["greedy"])
     assert greedy.pop("plain equals unsharded transformers")
+    cache = greedy.pop("prefix cache")  # the same prompts again: read from each rank's prefix cache
+    assert cache["equal"] and cache["cached"] == cache["prompt"]
     assert set(greedy) == {"prompt-lookup", "draft-model", "eagle", "eagle-tree"}
     for label, result in greedy.items():
         assert result["equal"], label
@@ -55,11 +57,11 @@ def test_greedy_speculation_on_the_sharded_default_model_in_bfloat16_equals_its_
     assert checks["default"]["bf16 accepted"] > 0
 
 
-@pytest.mark.parametrize("key", ["sampled", "sampled bf16"])
-def test_sampled_speculation_on_a_sharded_target_follows_its_distribution(checks, key):
-    """float64 and bfloat16, against the sharded target's distribution enumerated from its own
-    logits (in bfloat16 the all-reduce rounds differently from an unsharded target)."""
-    sampled = checks[key]
+def test_sampled_speculation_on_a_sharded_target_follows_its_distribution(checks):
+    """bfloat16, against the sharded target's distribution enumerated from its own logits (the
+    all-reduce rounds differently from an unsharded target). float64 is not run: its sharded
+    logits equal the unsharded ones (above), and sampling's arithmetic is float32 in every dtype."""
+    sampled = checks["sampled bf16"]
     assert sampled["pvalue"] > SIGNIFICANCE
     assert sampled["accepted"] > sampled["samples"] // 10
 

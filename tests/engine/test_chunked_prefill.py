@@ -111,7 +111,7 @@ def test_a_bad_chunk_size_is_one_config_error(tiny_model, bad):
 
 def test_choices_of_one_prompt_prefill_it_once(tiny_model, tmp_path):
     """``n`` sequences of one prompt (a request's choices): the first prefills it, the others copy
-    its cache row; greedy choices all equal plain decoding, seeded sampled ones are reproducible
+    its passes from the prefix cache; greedy choices all equal plain decoding, seeded sampled ones are reproducible
     and draw their own random numbers (distinct)."""
     from specdraft.engine.sequence import sequences_for
 
@@ -123,8 +123,9 @@ def test_choices_of_one_prompt_prefill_it_once(tiny_model, tmp_path):
     while dec.engine.has_work():
         dec.engine.step()
     # the first prefills (7 chunks of 16), the second copies; the third waits for a slot (2), by
-    # when its siblings have left, so it prefills on its own
-    assert [len(chunks.get(s.id, [])) for s in greedy] == [7, 0, 7]
+    # when its siblings have left: it copies from the prefix cache too
+    assert [len(chunks.get(s.id, [])) for s in greedy] == [7, 0, 0]
+    assert [s.stats.cached_tokens for s in greedy] == [0, 100, 100]
     plain = plain_greedy(tiny_model, long, 12)
     assert all(s.error is None and s.new_tokens == plain for s in greedy)
 

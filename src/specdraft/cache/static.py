@@ -2,7 +2,8 @@
 
 :class:`StaticCache` is the cache a runner is given (:mod:`specdraft.cache`'s interface): a row
 (slot) per sequence, grown when needed, rolled back by :meth:`StaticCache.set_lengths`, a tree's
-accepted path moved into place by :meth:`StaticCache.keep_paths`. :class:`KVCache` is its
+accepted path moved into place by :meth:`StaticCache.keep_paths`, prompt passes kept for later
+requests by :meth:`StaticCache.save_block` (the index: :mod:`.prefix`). :class:`KVCache` is its
 buffers, what a model's forward reads and writes.
 
 Layout per layer: ``keys[i]`` and ``values[i]`` of shape ``[slots, kv_heads, max_len, head_dim]``,
@@ -45,6 +46,7 @@ class StaticCache:
         self.kv: KVCache | None = None
         self.bounds: list[int] = []
         self.epoch = 0
+        self.saved: dict[int, torch.Tensor] = {}  # the prefix cache's blocks, by key
 
     def reset(self, rows: int, max_len: int) -> None:
         """An empty cache for ``rows`` sequences of up to ``max_len`` tokens (buffers kept when they fit)."""
@@ -121,12 +123,26 @@ class StaticCache:
         rows = None if slots is None else as_long([int(s) for s in slots], self.kv.device)
         self.kv.move(rows, src.to(self.kv.device), dst.to(self.kv.device))
 
-    def copy_prefix(self, src: int, dst: int, length: int) -> None:
-        """Row ``dst`` becomes row ``src``'s first ``length`` positions (a prompt prefilled once for
-        several sequences: a request's ``n`` choices), and its length ``length``."""
-        for buf in self.kv.keys + self.kv.values:
-            buf[dst, :, :length] = buf[src, :, :length]
-        self.set_lengths([length], slots=[dst])
+    # -- the prefix cache's blocks (see specdraft.cache.prefix): copies kept beside the rows ----
+
+    @property
+    def token_bytes(self) -> int:
+        """Bytes one position takes in every layer's keys and values (a saved block's size per token)."""
+        return sum(buf[0, :, 0].numel() * buf.element_size() for buf in self.kv.keys + self.kv.values)
+
+    def save_block(self, key: int, slot: int, start: int, end: int) -> None:
+        """Keep a copy of row ``slot``'s positions ``start .. end - 1`` under ``key``."""
+        self.saved[key] = torch.stack([buf[slot, :, start:end] for buf in self.kv.keys + self.kv.values])
+
+    def load_block(self, key: int, slot: int, start: int) -> None:
+        """Copy block ``key`` into row ``slot`` from position ``start`` (lengths unchanged:
+        :meth:`set_lengths` after)."""
+        block = self.saved[key]  # [2 * layers, kv_heads, tokens, head_dim]
+        for buf, part in zip(self.kv.keys + self.kv.values, block):
+            buf[slot, :, start : start + block.shape[2]] = part
+
+    def drop_block(self, key: int) -> None:
+        del self.saved[key]
 
     def keep_paths(self, paths: list[tuple[int, int, list[int]]]) -> None:
         """Move each tree's accepted path into place: ``(slot, start, nodes)``, node ``j`` stored at

@@ -28,6 +28,7 @@ from dataclasses import dataclass, field
 
 import torch
 
+from ..cache.prefix import DEFAULT_MEMORY, PrefixCache
 from ..errors import DrafterError, SpecdraftError
 from ..sampling import RowSampling, TokenCounts
 from ..types import DraftContext, TargetInfo, TargetRunner
@@ -88,7 +89,7 @@ class Engine:
 
     def __init__(self, runner: TargetRunner, drafter, target: TargetInfo, spec_length: int, adaptive: bool = True,
                  max_batch: int = 8, max_waiting: int | None = None,
-                 prefill_chunk: int = DEFAULT_PREFILL_CHUNK) -> None:
+                 prefill_chunk: int = DEFAULT_PREFILL_CHUNK, prefix_cache_memory: int = DEFAULT_MEMORY) -> None:
         self.runner = runner  # specdraft.runner: ModelRunner or TransformersRunner
         self.drafter = drafter
         self.target = target
@@ -112,9 +113,15 @@ class Engine:
         self.observers: list[Observer] = []
         self._failed_observers: set[int] = set()
         self.reset_cache()
+        cache = self.runner.cache
+        #: prompt passes kept across requests (:mod:`specdraft.cache.prefix`); None: off (asked, or
+        #: a cache that cannot keep them: transformers' fallback)
+        self.prefix: PrefixCache | None = None
+        if prefix_cache_memory > 0 and getattr(cache, "save_block", None) is not None:
+            self.prefix = PrefixCache(cache, prefix_cache_memory, cache.token_bytes)
 
     def reset_cache(self) -> None:
-        """An empty target cache with a row per slot (nothing may be running)."""
+        """An empty target cache with a row per slot (nothing may be running); the prefix cache keeps its blocks."""
         self.runner.cache.reset(self.scheduler.max_batch, 256)
 
     # -- requests (any thread) ------------------------------------------------------------
@@ -287,7 +294,9 @@ class Engine:
         self.runner.cache.set_lengths([0] * len(joined), slots=[s.slot for s in joined])
         for s in joined:
             self._call("on_join", s.id, list(s.tokens))
-            s.cached = 0
+            s.cached, s.prefix_block = 0, None
+            if self.prefix is not None:
+                self.prefix.stats.queries += s.prompt_len
             self._filling.append(s)
 
     def _prefill(self) -> None:
@@ -300,16 +309,17 @@ class Engine:
         a pass of its own, never padded together with another prompt: a padded batch would round
         a row's keys and values by its batchmates' shapes (the products' blocking and attention's
         reductions follow the shape), so a request's output would depend on who joined with it (in
-        bfloat16 it did: 2 of 4 greedy outputs changed)."""
+        bfloat16 it did: 2 of 4 greedy outputs changed). Passes the prefix cache holds are copied
+        into the row instead (:meth:`_from_prefix_cache`), free of the step's budget."""
         chunk = self.prefill_chunk or PREFILL_BUDGET
         budget = chunk if any(not s.prefilling for s in self.scheduler.running) else None
         done: list[Sequence] = []
         while self._filling:
             s = self._filling[0]
-            if s.prefilling and s.cached == 0:
-                self._guarded([s], self._from_sibling)
+            if s.prefilling and self.prefix is not None:
+                self._guarded([s], self._from_prefix_cache)
             if s.prefilling:
-                end = min(s.prompt_len - 1, (s.cached // chunk + 1) * chunk) if self.prefill_chunk else s.prompt_len - 1
+                end = self._pass_end(s)
                 size = end - s.cached
                 if budget is not None and (budget <= 0 or (size > budget and budget < chunk)):
                     break  # the rest of this step's budget is less than the next chunk
@@ -326,33 +336,47 @@ class Engine:
             states = {s.id: torch.cat(s.prefill_states) if s.prefill_states else None for s in done}
             for s in done:
                 s.prefill_states = []
-                if s.group is not None and s.group.states is None:
-                    s.group.states = states[s.id]
             self._hand_hidden(self._context(rows), [states.get(s.id) for s in rows])
 
-    def _from_sibling(self, sequences: list[Sequence]) -> None:
-        """A sequence whose prompt a sibling (same :class:`PromptGroup`) has prefilled and still
-        holds gets a copy of it instead of a prefill of its own."""
+    def _pass_end(self, s: Sequence) -> int:
+        """Where ``s``'s next prefill pass ends: the next chunk boundary (offsets fixed by the
+        prompt alone), or the prompt's end (all but its last token)."""
+        last = s.prompt_len - 1
+        return min(last, (s.cached // self.prefill_chunk + 1) * self.prefill_chunk) if self.prefill_chunk else last
+
+    def _from_prefix_cache(self, sequences: list[Sequence]) -> None:
+        """Copy into ``s``'s row the passes of its prompt the prefix cache holds, in order from
+        where it stands, up to the first it does not: each exactly the pass a prefill would run
+        next (same offsets, same tokens before), so what the row holds is what prefilling gives."""
         [s] = sequences
-        copy = getattr(self.runner.cache, "copy_prefix", None)
-        if s.group is None or copy is None:
-            return
-        for t in s.group.members:
-            if t is not s and t.status is Status.RUNNING and t.slot is not None and not t.prefilling:
-                copy(t.slot, s.slot, s.prompt_len - 1)
-                s.cached = s.prompt_len - 1
-                if s.group.states is not None:
-                    s.prefill_states = [s.group.states]
-                return
+        start, began = s.cached, time.perf_counter()
+        while s.prefilling and (s.cached == 0 or s.prefix_block is not None):
+            end = self._pass_end(s)
+            block = self.prefix.find(s.prefix_block, s.tokens[s.cached : end])
+            if block is None:
+                break
+            self.prefix.load(block, s.slot, s.cached)
+            if block.hidden is not None:
+                s.prefill_states.append(block.hidden)
+            s.prefix_block, s.cached = block, end
+        if s.cached > start:
+            self.runner.cache.set_lengths([s.cached], slots=[s.slot])
+            s.stats.cached_tokens += s.cached - start
+            s.stats.prefill_time_s += time.perf_counter() - began
+            self.prefix.stats.hits += s.cached - start
 
     def _prefill_chunk(self, s: Sequence, end: int) -> None:
-        """One pass of ``s``'s prompt tokens ``cached:end`` into its cache row."""
+        """One pass of ``s``'s prompt tokens ``cached:end`` into its cache row (and into the
+        prefix cache, when it keeps the pass before)."""
         start, device = time.perf_counter(), self.target.device
         _, hidden = self.runner.forward(torch.tensor([s.tokens[s.cached : end]], device=device),
                                         logits_at=torch.zeros((1, 1), dtype=torch.long, device=device),
                                         hidden=self.wants_hidden, advance=[end - s.cached], slots=[s.slot])
         if hidden is not None:
             s.prefill_states.append(hidden[0])  # [end - prefilled, hidden_size]
+        if self.prefix is not None and (s.cached == 0 or s.prefix_block is not None):
+            s.prefix_block = self.prefix.save(s.prefix_block, s.tokens[s.cached : end], s.slot, s.cached,
+                                              None if hidden is None else hidden[0])
         self._observe(prefill_report(s, end - s.cached, time.perf_counter() - start))
         s.cached = end
         s.stats.prefill_time_s += time.perf_counter() - start

@@ -19,6 +19,7 @@ from ..verifier.prediction import MAX_PREDICTED, Prediction
 from .policy import AdaptiveDraftLength
 
 if TYPE_CHECKING:  # pragma: no cover
+    from ..cache.prefix import Block
     from ..grammar import GrammarMatcher
 
 #: How likely a predicted token is taken to be accepted before the request has shown it.
@@ -36,17 +37,6 @@ def mix_seed(*values: int) -> int:
         z = (z ^ (z >> 27)) * 0x94D049BB133111EB & _MASK
         z ^= z >> 31
     return z
-
-
-class PromptGroup:
-    """Sequences of one prompt (a request's ``n`` choices): the first to be prefilled lends its
-    cache row's prompt to the others (a copy; a row's keys and values do not depend on its
-    batchmates, so the copy is what prefilling would give), and the prompt's hidden states to a
-    drafter that asks for them."""
-
-    def __init__(self) -> None:
-        self.members: list[Sequence] = []
-        self.states: torch.Tensor | None = None  # [prompt_len - 1, hidden_size]
 
 
 class Status(enum.Enum):
@@ -113,8 +103,9 @@ class Sequence:
     cached: int = 0
     #: the target's hidden states of the prompt's prefilled chunks, for a drafter that asks for them
     prefill_states: list = field(default_factory=list, repr=False)
-    #: the sequences of the same prompt (a request's ``n`` choices), which prefill it once; None: alone
-    group: "PromptGroup | None" = field(default=None, repr=False)
+    #: the prefix cache's block of the prompt pass that ends at ``cached`` while prefilling (the
+    #: next pass is looked up and kept after it); None: at the start, or the chain broke
+    prefix_block: "Block | None" = field(default=None, repr=False)
     stats: GenerationStats = field(default_factory=GenerationStats)
     events: Outbox = field(default_factory=Outbox)
     submitted: float = field(default_factory=time.perf_counter)
@@ -208,8 +199,8 @@ def sequences_for(prompts: Seq[Seq[int]], settings: "GenerationSettings | Seq[Ge
                   max_context: int, *, predictions: "Seq[Seq[int] | None] | None" = None,
                   grammars: Seq | None = None) -> list[Sequence]:
     """The :class:`Sequence`\\ s of one call: prompt ``i`` with ``settings[i]`` (or the one
-    ``settings`` for every prompt), its ``n`` choices in a :class:`PromptGroup` (prefilled once),
-    prompt by prompt. A call's seed gives each prompt its own (its index mixed in), so the same
+    ``settings`` for every prompt), its ``n`` choices one after another (the prefix cache
+    prefills their prompt once), prompt by prompt. A call's seed gives each prompt its own (its index mixed in), so the same
     call gives the same outputs however it is batched; choice ``j > 0`` of prompt ``i`` gets the
     seed ``mix_seed(seed, i, j)`` (choice 0 what ``n=1`` gives). ``predictions[i]``: prompt
     ``i``'s predicted output, token ids (None or empty: none); ``grammars[i]``: its compiled
@@ -222,15 +213,9 @@ def sequences_for(prompts: Seq[Seq[int]], settings: "GenerationSettings | Seq[Ge
     for i, (prompt, request, predicted, grammar) in enumerate(zip(prompts, each, predictions, grammars)):
         seed = request.seed
         room = min(max_context, len(prompt) + request.max_new_tokens)
-        choices = [Sequence(tokens=list(prompt), settings=request, max_len=room,
-                            seed=None if seed is None else mix_seed(seed, i, *([j] if j else [])),
-                            prediction=Prediction(list(predicted)) if predicted else None,
-                            grammar=None if grammar is None else grammar.matcher())
-                   for j in range(request.n)]
-        if request.n > 1:
-            group = PromptGroup()
-            group.members = choices
-            for seq in choices:
-                seq.group = group
-        sequences += choices
+        sequences += [Sequence(tokens=list(prompt), settings=request, max_len=room,
+                               seed=None if seed is None else mix_seed(seed, i, *([j] if j else [])),
+                               prediction=Prediction(list(predicted)) if predicted else None,
+                               grammar=None if grammar is None else grammar.matcher())
+                      for j in range(request.n)]
     return sequences
