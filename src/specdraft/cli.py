@@ -248,6 +248,7 @@ def format_stats(stats, drafter: str, spec_length: int, runner: dict | None = No
         f"acceptance by position (tree depth): {by_pos}",
         f"time split: prefill {stats.prefill_time_s:.2f} s, drafting {stats.draft_time_s:.2f} s, "
         f"verifying {stats.verify_time_s:.2f} s",
+        f"prompt tokens: {stats.prompt_tokens}  from the prefix cache: {stats.cached_tokens}",
     ])
 
 

@@ -61,7 +61,12 @@ def test_streamed_choices_add_up_to_the_whole_answer(client):
                 finished[choice.index] = choice.finish_reason
     assert texts == {c.index: c.message.content for c in whole.choices}
     assert finished == {c.index: c.finish_reason for c in whole.choices}
-    assert chunks[-1].usage.model_dump() == whole.usage.model_dump()
+    streamed = chunks[-1].usage.model_dump()
+    # the same prompt again: the stream read it from the prefix cache (all but its last token)
+    assert streamed["prompt_tokens_details"].pop("cached_tokens") == whole.usage.prompt_tokens - 1
+    usage = whole.usage.model_dump()
+    assert usage["prompt_tokens_details"].pop("cached_tokens") == 0  # the module's first request of this prompt
+    assert streamed == usage
 
 
 def test_each_choice_carries_its_own_logprobs(client):

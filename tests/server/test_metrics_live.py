@@ -27,7 +27,7 @@ HISTOGRAMS = ["time_to_first_token_seconds", "inter_token_latency_seconds", "req
               "request_generation_tokens", "request_params_max_tokens", "iteration_tokens_total"]
 COUNTERS = ["prompt_tokens", "generation_tokens", "request_success", "spec_decode_num_drafts",
             "spec_decode_num_draft_tokens", "spec_decode_num_accepted_tokens",
-            "spec_decode_num_accepted_tokens_per_pos"]
+            "spec_decode_num_accepted_tokens_per_pos", "prefix_cache_queries", "prefix_cache_hits"]
 GAUGES = ["num_requests_running", "num_requests_waiting", "kv_cache_usage_perc"]
 #: the per-sequence histograms observed when a sequence leaves the engine
 PER_SEQUENCE = ["request_time_per_output_token_seconds", "request_queue_time_seconds",
@@ -191,6 +191,10 @@ def test_concurrent_requests_add_up_to_their_usage(url, client):
     moved = Moved(before, scrape(url))
     assert moved("generation_tokens_total") == sum(r.usage.completion_tokens for r in results) == 17 + 9 + 23 + 23
     assert moved("prompt_tokens_total") == sum(r.usage.prompt_tokens for r in results)
+    # the two streams send the same prompt: the second reads its passes from the prefix cache
+    assert moved("prefix_cache_queries_total") == moved("prompt_tokens_total")
+    cached = [r.usage.prompt_tokens_details.cached_tokens for r in results]
+    assert moved("prefix_cache_hits_total") == sum(cached) and max(cached) > 0
     for metric, key in [("spec_decode_num_accepted_tokens_total", "accepted_tokens"),
                         ("spec_decode_num_draft_tokens_total", "drafted_tokens"),
                         ("spec_decode_num_drafts_total", "drafts")]:

@@ -111,6 +111,29 @@ def test_greedy_chat_equals_offline_generate(client, decoder, model):
     assert chunks[-1].choices[0].finish_reason == r.choices[0].finish_reason
 
 
+def test_a_resent_conversation_reads_its_beginning_from_the_prefix_cache(client, decoder, model):
+    """A chat's second turn resends the first (a system prompt of over 256 tokens): its usage
+    reports the whole passes read from the prefix cache, whole and streamed, and its answer is a
+    decoder's without the cache, token for token."""
+    system = " ".join(f"Rule {i}: answer in a few words, politely, and never repeat the question." for i in range(24))
+    first = [{"role": "system", "content": system}, {"role": "user", "content": "Name a colour."}]
+    r1 = client.chat.completions.create(model=model, messages=first, max_tokens=8, temperature=0)
+    second = first + [{"role": "assistant", "content": r1.choices[0].message.content},
+                      {"role": "user", "content": "Name another one."}]
+    r2 = client.chat.completions.create(model=model, messages=second, max_tokens=8, temperature=0)
+    chunks = list(client.chat.completions.create(model=model, messages=second, max_tokens=8, temperature=0,
+                                                 stream=True, stream_options={"include_usage": True}))
+    ids = decoder.encode_chat(second)
+    assert r2.usage.prompt_tokens == len(ids) > 300
+    assert r2.usage.prompt_tokens_details.cached_tokens >= 256  # the system prompt's whole passes at least
+    assert chunks[-1].usage.prompt_tokens_details.cached_tokens == len(ids) - 1  # every pass: sent before
+    with sibling(decoder, prefix_caching=False) as fresh:
+        expected = fresh.generate_ids([ids], max_new_tokens=8)[0]
+    assert expected.stats.cached_tokens == 0
+    assert r2.choices[0].message.content == "".join(c.choices[0].delta.content or "" for c in chunks if c.choices) \
+        == decoder.tokenizer.decode(expected.token_ids, skip_special_tokens=True)
+
+
 def test_a_prediction_drafts_and_leaves_the_answer_alone(client, decoder, model):
     """OpenAI's Predicted Outputs through the openai client: the answer equals offline greedy
     decoding whatever the prediction; usage reports the predicted tokens, streamed or not."""

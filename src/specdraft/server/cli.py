@@ -63,6 +63,15 @@ def add_serve_parser(subparsers) -> argparse.ArgumentParser:
                    help="prompt tokens per prefill pass: while others decode, a step prefills at most N, so a long "
                         "prompt joining delays the running streams' next tokens by one such pass, not its whole "
                         "prefill; 0 = each prompt in one pass (SGLang's name; default: %(default)s)")
+    p.add_argument("--prefix-caching", "--enable-prefix-caching", dest="prefix_caching",
+                   action=argparse.BooleanOptionalAction, default=True,
+                   help="keep prompts' prefill passes and copy them into later prompts that begin with the same "
+                        "tokens, output unchanged bit for bit (usage.prompt_tokens_details.cached_tokens; "
+                        "docs/serving.md); --no-prefix-caching (vLLM: --no-enable-prefix-caching) turns it off "
+                        "(default: on)")
+    p.add_argument("--prefix-cache-memory", default="1GiB", metavar="SIZE",
+                   help="the most memory the prefix cache's blocks take beside the running requests' KV cache, "
+                        "least recently used blocks evicted past it: bytes, or 512MiB, 2GB, ... (default: %(default)s)")
     p.add_argument("--api-key", default=os.environ.get("SPECDRAFT_API_KEY") or None, metavar="KEY",
                    help="require `Authorization: Bearer KEY` on every path but /health and /metrics (/v1, /tokenize, "
                         "/detokenize, /docs, /openapi.json) (default: $SPECDRAFT_API_KEY, else no key)")
@@ -173,6 +182,12 @@ def serve(args) -> int:
         raise ConfigError("--max-waiting must be >= 1: every request waits for the engine's next step")
     if args.chunked_prefill_size < 0:
         raise ConfigError("--chunked-prefill-size must be >= 0 (0: each prompt in one pass)")
+    from ..cache.prefix import parse_memory
+
+    try:
+        prefix_memory = parse_memory(args.prefix_cache_memory)
+    except ConfigError as exc:
+        raise ConfigError(f"--prefix-cache-memory: {exc}") from None
     _check_process_args(args)
     get_registry().validate_options(args.drafter, dict(args.drafter_options))
     sock = _bind(args.host, args.port)
@@ -187,7 +202,7 @@ def serve(args) -> int:
             drafter_options=dict(args.drafter_options), dtype=args.dtype, device=args.device,
             adaptive=not args.fixed_spec_length, compile=args.compile, quantize=args.quantize,
             max_batch=args.max_batch, max_waiting=args.max_waiting, prefill_chunk=args.chunked_prefill_size,
-            tensor_parallel=args.tensor_parallel,
+            tensor_parallel=args.tensor_parallel, prefix_caching=args.prefix_caching, prefix_cache_memory=prefix_memory,
         )
         import uvicorn
 

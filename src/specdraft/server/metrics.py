@@ -93,6 +93,10 @@ class ServerMetrics:
         self.prediction_tokens = counter("prediction_tokens", "Predicted tokens (Predicted Outputs) the target "
                                                               "verified, by outcome.", ["outcome"])
         self.prompt_tokens = counter("prompt_tokens", "Prompt tokens, counted when a prompt's prefill completes.")
+        self.prefix_cache_queries = counter("prefix_cache_queries", "Prompt tokens looked up in the prefix cache "
+                                                                    "(every prompt's, as its prefill completes).")
+        self.prefix_cache_hits = counter("prefix_cache_hits", "Prompt tokens the prefix cache held (copied, not "
+                                                              "prefilled).")
         self.generation_tokens = counter("generation_tokens", "Generated tokens, counted as each step commits them.")
         self.request_success = counter("request_success", "Finished requests by finish reason (abort: the "
                                                           "client went away first).", ["finished_reason"])
@@ -146,6 +150,8 @@ class ServerMetrics:
         labels = self._labels
         self._generation = self.generation_tokens.labels(**labels)
         self._prompt = self.prompt_tokens.labels(**labels)
+        self._queries = self.prefix_cache_queries.labels(**labels)
+        self._hits = self.prefix_cache_hits.labels(**labels)
         self._drafts = self.num_drafts.labels(**labels)
         self._draft_tokens = self.num_draft_tokens.labels(**labels)
         self._accepted = self.num_accepted_tokens.labels(**labels)
@@ -177,6 +183,8 @@ class ServerMetrics:
             generated += row.committed
             if row.gap is None:  # its first tokens: its prompt is prefilled (counted here, as vLLM)
                 self._prompt.inc(row.seq.prompt_len)
+                self._queries.inc(row.seq.prompt_len)
+                self._hits.inc(row.seq.stats.cached_tokens)
             else:
                 self._itl.observe(row.gap)
             self._passes.inc()
@@ -231,6 +239,8 @@ class ServerMetrics:
             return
         stats = result.stats
         self.prompt_tokens.labels(**labels).inc(stats.prompt_tokens)
+        self.prefix_cache_queries.labels(**labels).inc(stats.prompt_tokens)
+        self.prefix_cache_hits.labels(**labels).inc(stats.cached_tokens)
         self.generation_tokens.labels(**labels).inc(stats.new_tokens)
         self.num_drafts.labels(**labels).inc(stats.drafts)
         self.num_draft_tokens.labels(**labels).inc(stats.drafted_tokens)

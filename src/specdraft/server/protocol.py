@@ -96,8 +96,7 @@ class CompletionTokensDetails(OpenAIBaseModel):
 
 
 class PromptTokensDetails(OpenAIBaseModel):
-    # specdraft has no prefix cache: every prompt token is computed, none is read from a cache
-    cached_tokens: int = 0
+    cached_tokens: int = 0  # prompt tokens the prefix cache held (the first choice's, as vLLM)
 
 
 class UsageInfo(OpenAIBaseModel):

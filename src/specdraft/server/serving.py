@@ -19,7 +19,8 @@ from ..settings import GenerationSettings
 from .bodies import parse
 from .errors import APIError, config_param
 from .logprobs import StreamedLogprobs, TokenTexts
-from .protocol import CompletionTokensDetails, OpenAIBaseModel, SamplingRequest, SpecDecodeInfo, UsageInfo, now, random_id
+from .protocol import (CompletionTokensDetails, OpenAIBaseModel, PromptTokensDetails, SamplingRequest, SpecDecodeInfo,
+                       UsageInfo, now, random_id)
 
 #: the engine's finish reasons as OpenAI's
 FINISH_REASONS = {"eos": "stop", "stop": "stop", "length": "length"}
@@ -70,7 +71,9 @@ def request_usage(streams: list, results: list) -> UsageInfo:
         stats = result.stats if result is not None else stream.seq.stats
         details = CompletionTokensDetails(accepted_prediction_tokens=stats.accepted_prediction_tokens,
                                           rejected_prediction_tokens=stats.rejected_prediction_tokens)
+    cached = (result.stats if result is not None else stream.seq.stats).cached_tokens
     return UsageInfo(prompt_tokens=prompt, completion_tokens=completion, total_tokens=prompt + completion,
+                     prompt_tokens_details=PromptTokensDetails(cached_tokens=cached),
                      completion_tokens_details=details)
 
 
