@@ -7,8 +7,8 @@ import json
 
 import pytest
 
-from specdraft.bench.serve_load import (Request, compare_with_plain, inter_token_latencies, markdown, request_body,
-                                        requests_for, summarize_level)
+from specdraft.bench.serve_load import (Request, compare_with_plain, conversations, inter_token_latencies, markdown,
+                                        request_body, requests_for, summarize_level)
 from specdraft.cli import main
 
 
@@ -140,3 +140,53 @@ def test_bench_serve_end_to_end(tmp_path, capsys):
     assert results["environment"]["predictions"].startswith("1 of 2 prompts carry a prediction")
     assert "| prompt-lookup | 2 | 2/2 |" in (out / "results.md").read_text()
     assert "| none | 1 | 2/2 |" in capsys.readouterr().out
+
+
+def test_multi_turn_requests_are_a_conversation_per_question():
+    questions = [{"question_id": 7, "prompt": "a", "turns": ["a", "b", "c"], "system": "S"},
+                 {"question_id": 8, "prompt": "d", "turns": ["d", "e"]}]
+    requests = requests_for("none", questions, 2, 16, multi_turn=True)
+    assert [(r.index, r.question_id, r.turn, r.prompt, r.system) for r in requests] == [
+        (0, 7, 0, "a", "S"), (1, 7, 1, "b", "S"), (2, 7, 2, "c", "S"), (3, 8, 0, "d", None), (4, 8, 1, "e", None)]
+    assert [[r.index for r in c] for c in conversations(requests)] == [[0, 1, 2], [3, 4]]
+    done = [Request(i, 7, "p", 8, sent=0.0, chunks=[(0.1 * (i + 1), "x")], done=1.0, completion_tokens=1,
+                    finish_reason="stop", turn=i, prompt_tokens=100, cached_tokens=[0, 90, 60][i]) for i in range(3)]
+    row = summarize_level("none", 1, done, 1.0, len)
+    assert row["hit_rate"] == pytest.approx(150 / 200)  # from the second turn on
+    assert row["first_turn_ttft_ms"]["p50"] == pytest.approx(100.0)
+    assert row["later_turns_ttft_ms"]["p50"] == pytest.approx(250.0)
+    assert "| none | 1 | 75.0% | 100 / 100 | 250 / 290 |" in markdown({"environment": {}, "load": [row]})
+
+
+@pytest.mark.e2e
+@pytest.mark.server
+def test_bench_serve_multi_turn_with_and_without_the_prefix_cache(tmp_path):
+    """Two turns after a system prompt of over 256 tokens: the second turn reads the first's whole
+    passes from the cache (none's server), or not at all (the server with the cache off); the
+    answers are the same."""
+    pytest.importorskip("fastapi", reason="bench-serve starts `specdraft serve`: pip install 'specdraft[serve]'")
+    questions = tmp_path / "q.jsonl"
+    system = " ".join(f"Rule {i}: answer in a few words." for i in range(50))
+    questions.write_text(json.dumps({"question_id": 1, "category": "multi-turn", "system": system,
+                                     "turns": ["Name a colour.", "Name another one."]}) + "\n")
+    out = tmp_path / "out"
+    assert main(["bench-serve", "--questions", str(questions), "--drafters", "none,off=none", "--multi-turn",
+                 "--server-option", "off:prefix-cache-memory=0", "--concurrency", "1", "--num-prompts", "1",
+                 "--max-tokens", "4", "--output", str(out)]) == 0
+    rows = {r["drafter"]: r for r in json.loads((out / "results.json").read_text())["load"]}
+    for label, row in rows.items():
+        records = sorted(row["records"], key=lambda rec: rec["index"])
+        assert [rec["turn"] for rec in records] == [0, 1] and row["finished"] == 2, label
+        assert records[1]["prompt_tokens"] > records[0]["prompt_tokens"] > 256  # the conversation, resent
+    assert rows["none"]["hit_rate"] >= 256 / rows["none"]["records"][1]["prompt_tokens"]
+    assert rows["off"]["hit_rate"] == 0.0 and rows["off"]["mismatches"] == 0
+    assert "## Multi-turn conversations: the prefix cache" in (out / "results.md").read_text()
+
+
+def test_multi_turn_levels_get_conversations_of_their_own(tmp_path, capsys):
+    questions = tmp_path / "q.jsonl"
+    questions.write_text("".join(json.dumps({"question_id": i, "category": "multi-turn", "turns": ["a", "b"]}) + "\n"
+                                 for i in range(5)))
+    assert main(["bench-serve", "--questions", str(questions), "--multi-turn", "--concurrency", "1,4",
+                 "--num-prompts", "3", "--output", str(tmp_path / "o")]) == 2
+    assert "conversations of its own: 6 for levels 1,4 (3, 3), but --questions has 5" in capsys.readouterr().err

@@ -12,8 +12,9 @@ from pathlib import Path
 import pytest
 
 from specdraft.bench import load_questions
-from specdraft.bench.workloads import (EDIT_KINDS, REFINE_TURNS, REPEATED_KINDS, WORD_SWAPS, build_edits,
-                                       build_long_mix, build_repeated, clean_gsm8k_answer, default_data_dir, main)
+from specdraft.bench.workloads import (CHAT_TURNS, EDIT_KINDS, REFINE_TURNS, REPEATED_KINDS, WORD_SWAPS, build_edits,
+                                       build_long_mix, build_multi_turn, build_repeated, clean_gsm8k_answer,
+                                       default_data_dir, main)
 
 SHARED = default_data_dir()
 needs_shared = pytest.mark.skipif(not (SHARED / "gsm8k" / "train.jsonl").is_file()
@@ -135,9 +136,24 @@ def test_long_mix_rows(data):
     assert max(len(p) for p in short) < min(len(p) for p in long)
 
 
+def test_multi_turn_rows(data, tmp_path):
+    rows = build_multi_turn(data, 4)
+    assert build_multi_turn(data, 4) == rows and build_multi_turn(data, 4, seed=1) != rows
+    assert len({r["system"] for r in rows}) == 1 and rows[0]["system"].count("Example ") >= 2
+    assert all(len(r["turns"]) == CHAT_TURNS and r["category"] == "multi-turn" for r in rows)
+    assert len({t for r in rows for t in r["turns"]}) == 4 * CHAT_TURNS  # every request once
+    with pytest.raises(ValueError, match="need 40 short Self-Instruct requests"):
+        build_multi_turn(data, 10)
+    assert main(["--out", str(tmp_path), "--data", str(data), "--edits", "0", "--repeated", "0", "--long-mix", "0",
+                 "--multi-turn", "2"]) == 0
+    read = load_questions(tmp_path / "multi_turn.jsonl")
+    assert [(q["system"], q["turns"]) for q in read] == [(r["system"], r["turns"]) for r in rows[:2]]
+
+
 def test_cli_writes_files_the_bench_reads(data, tmp_path, capsys):
     out = tmp_path / "wl"
-    assert main(["--out", str(out), "--data", str(data), "--edits", "9", "--repeated", "6", "--long-mix", "0"]) == 0
+    assert main(["--out", str(out), "--data", str(data), "--edits", "9", "--repeated", "6", "--long-mix", "0",
+                 "--multi-turn", "0"]) == 0
     assert "edits.jsonl (9 rows)" in capsys.readouterr().out
     edits = load_questions(out / "edits.jsonl")
     assert len(edits) == 9 and all(q["prediction"] and q["prompt"].endswith(q["prediction"]) for q in edits)

@@ -54,7 +54,8 @@ def split_method(entry: str) -> tuple[str, str]:
 
 def load_questions(path: str | os.PathLike, categories: Sequence[str] | None = None,
                    limit_per_category: int | None = None) -> list[dict]:
-    """Spec-Bench schema (``question_id``, ``category``, ``turns``); the first turn is the prompt.
+    """Spec-Bench schema (``question_id``, ``category``, ``turns``); the first turn is the prompt
+    (``turns`` and an optional ``system`` prompt are kept for ``bench-serve --multi-turn``).
     An optional ``prediction`` (text the answer is expected to mostly repeat, e.g. the original of
     an edit; ``null`` for none) is kept as the row's ``prediction``: see :class:`_Methods`."""
     path = Path(path)
@@ -74,6 +75,9 @@ def load_questions(path: str | os.PathLike, categories: Sequence[str] | None = N
             raise ConfigError(f"{path}:{n}: 'prediction' must be a string or null, not {type(prediction).__name__}")
         if prediction:  # "" predicts nothing, like null
             row["prediction"] = prediction
+        row["turns"] = [str(t) for t in q["turns"]]  # bench-serve --multi-turn sends them all, in one conversation
+        if q.get("system"):
+            row["system"] = str(q["system"])
         if categories and row["category"] not in categories:
             continue
         if limit_per_category is not None and seen.get(row["category"], 0) >= limit_per_category:

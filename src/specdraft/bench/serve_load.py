@@ -97,6 +97,12 @@ def add_bench_serve_parser(subparsers) -> argparse.ArgumentParser:
     p.add_argument("--num-prompts", type=int, default=None, metavar="N",
                    help="requests per concurrency level (default: 2 x concurrency, at least 8)")
     p.add_argument("--max-tokens", type=int, default=128, metavar="N", help="per request (default: 128)")
+    p.add_argument("--multi-turn", action="store_true",
+                   help="send each question's turns as one conversation (after its 'system' prompt, if any), each "
+                        "turn resending the conversation so far with the answers; a client sends a conversation's "
+                        "turns in order; --num-prompts counts conversations. Reports the prefix cache's hit rate "
+                        "(cached_tokens over prompt_tokens, from the second turn on). The workload: "
+                        "python -m specdraft.bench.workloads --multi-turn N")
     p.add_argument("--max-batch", type=int, default=8, metavar="N",
                    help="the server's --max-batch, and the wave size of --fixed-batch (default: 8)")
     p.add_argument("--fixed-batch", type=int, default=0, metavar="N",
@@ -123,6 +129,13 @@ class Request:
     prompt: str
     max_tokens: int
     prediction: str | None = None  # sent as OpenAI's Predicted Outputs
+    #: --multi-turn: the conversation's system prompt (None: none) and this request's turn (0: the first);
+    #: ``messages`` is filled in when the turns before have been answered
+    system: str | None = None
+    turn: int = 0
+    messages: list | None = None
+    prompt_tokens: int = 0
+    cached_tokens: int = 0
     sent: float = 0.0
     chunks: list[tuple[float, str]] = field(default_factory=list)  # (arrival, text) of chunks with text
     done: float = 0.0
@@ -144,7 +157,8 @@ class Request:
 
 def request_body(req: Request) -> dict:
     """The chat completion ``req`` sends: streamed, temperature 0, usage included, and its prediction."""
-    body = {"messages": [{"role": "user", "content": req.prompt}], "max_tokens": req.max_tokens,
+    messages = req.messages if req.messages is not None else [{"role": "user", "content": req.prompt}]
+    body = {"messages": messages, "max_tokens": req.max_tokens,
             "temperature": 0, "stream": True, "stream_options": {"include_usage": True}}
     if req.prediction is not None:
         body["prediction"] = {"type": "content", "content": req.prediction}
@@ -174,6 +188,8 @@ def send(client, url: str, req: Request) -> None:
                     req.finish_reason = choice.get("finish_reason") or req.finish_reason
                 if event.get("usage"):
                     req.completion_tokens = event["usage"]["completion_tokens"]
+                    req.prompt_tokens = event["usage"].get("prompt_tokens") or 0
+                    req.cached_tokens = (event["usage"].get("prompt_tokens_details") or {}).get("cached_tokens") or 0
                     req.target_passes = (event.get("spec_decode") or {}).get("target_passes", 0)
                     details = event["usage"].get("completion_tokens_details") or {}
                     req.accepted_prediction_tokens = details.get("accepted_prediction_tokens") or 0
@@ -186,21 +202,30 @@ def send(client, url: str, req: Request) -> None:
 
 def run_level(url: str, requests: list[Request], concurrency: int) -> float:
     """Send ``requests`` from ``concurrency`` client threads (each sends its next one when its answer
-    has ended); returns the wall time from the first request sent to the last answer."""
+    has ended; a conversation's turns, :func:`conversations`, one after another by one client);
+    returns the wall time from the first request sent to the last answer."""
     import httpx
 
     jobs: queue.SimpleQueue = queue.SimpleQueue()
-    for req in requests:
-        jobs.put(req)
+    for turns in conversations(requests):
+        jobs.put(turns)
 
     def client_loop() -> None:
         with httpx.Client(timeout=REQUEST_TIMEOUT_S) as client:
             while True:
                 try:
-                    req = jobs.get_nowait()
+                    turns = jobs.get_nowait()
                 except queue.Empty:
                     return
-                send(client, url, req)
+                history = [{"role": "system", "content": turns[0].system}] if turns[0].system else []
+                for req in turns:
+                    if len(turns) > 1 or req.system:
+                        history.append({"role": "user", "content": req.prompt})
+                        req.messages = list(history)
+                    send(client, url, req)
+                    if not req.finished:
+                        break  # the conversation cannot go on without the answer
+                    history.append({"role": "assistant", "content": req.text})
 
     threads = [threading.Thread(target=client_loop, daemon=True) for _ in range(concurrency)]
     for t in threads:
@@ -208,6 +233,14 @@ def run_level(url: str, requests: list[Request], concurrency: int) -> float:
     for t in threads:
         t.join()
     return max(r.done for r in requests) - min(r.sent for r in requests)
+
+
+def conversations(requests: list[Request]) -> list[list[Request]]:
+    """The requests grouped by conversation (a question's turns, in order); one each without --multi-turn."""
+    groups: dict[int, list[Request]] = {}
+    for req in requests:
+        groups.setdefault(req.index - req.turn, []).append(req)
+    return list(groups.values())
 
 
 # -- metrics ----------------------------------------------------------------------------------
@@ -267,15 +300,25 @@ def summarize_level(drafter: str, concurrency: int, requests: list[Request], wal
         "accepted_prediction_tokens": sum(r.accepted_prediction_tokens for r in ok),
         "rejected_prediction_tokens": sum(r.rejected_prediction_tokens for r in ok),
         "mismatches": None,  # filled in against none's row
+        # the prefix cache: prompt tokens it held over prompt tokens, from each conversation's second turn on
+        "hit_rate": _hit_rate([r for r in ok if r.turn > 0]),
+        "first_turn_ttft_ms": _percentiles([r.chunks[0][0] - r.sent for r in ok if r.chunks and r.turn == 0], 1e3),
+        "later_turns_ttft_ms": _percentiles([r.chunks[0][0] - r.sent for r in ok if r.chunks and r.turn > 0], 1e3),
         "errors": sorted({r.error for r in requests if r.error}),
         "records": [{"index": r.index, "question_id": r.question_id, "max_tokens": r.max_tokens,
-                     "completion_tokens": r.completion_tokens, "target_passes": r.target_passes,
+                     "completion_tokens": r.completion_tokens, "target_passes": r.target_passes, "turn": r.turn,
+                     "prompt_tokens": r.prompt_tokens, "cached_tokens": r.cached_tokens,
                      "accepted_prediction_tokens": r.accepted_prediction_tokens,
                      "rejected_prediction_tokens": r.rejected_prediction_tokens,
                      "chunks": len(r.chunks), "ttft_s": r.chunks[0][0] - r.sent if r.chunks else None,
                      "e2e_s": r.done - r.sent, "finish_reason": r.finish_reason, "error": r.error, "text": r.text}
                     for r in requests],
     }
+
+
+def _hit_rate(requests: list[Request]) -> float | None:
+    prompt = sum(r.prompt_tokens for r in requests)
+    return sum(r.cached_tokens for r in requests) / prompt if prompt else None
 
 
 def compare_with_plain(rows: list[dict]) -> None:
@@ -452,6 +495,16 @@ def markdown(results: dict) -> str:
                      f"| {r['tokens_per_second']:.1f} | {speedup} | {_pair(r['ttft_ms'], '.0f')} "
                      f"| {_pair(r['itl_ms'], '.1f')} | {_gap_pair(r.get('gap_ms'))} | {_pair(r['e2e_s'], '.2f')} | {_fmt(r['tokens_per_pass'], '.2f')} "
                      f"| {_prediction(r)} | {_fmt(r['mismatches'], 'd')} |")
+    turns = [r for r in results["load"] if r.get("hit_rate") is not None or r.get("later_turns_ttft_ms", {}).get("p50")]
+    if turns:
+        lines += ["", "## Multi-turn conversations: the prefix cache", "",
+                  "| drafter | concurrency | hit rate, turns 2+ | TTFT p50 / p90, first turns (ms) "
+                  "| TTFT p50 / p90, later turns (ms) | tokens/s | mismatches |", "|---|---|---|---|---|---|---|"]
+        for r in turns:
+            rate = "-" if r["hit_rate"] is None else f"{100 * r['hit_rate']:.1f}%"
+            lines.append(f"| {r['drafter']} | {r['concurrency']} | {rate} | {_pair(r['first_turn_ttft_ms'], '.0f')} "
+                         f"| {_pair(r['later_turns_ttft_ms'], '.0f')} | {r['tokens_per_second']:.1f} "
+                         f"| {_fmt(r['mismatches'], 'd')} |")
     fixed = results.get("fixed_batch")
     if fixed:
         low, high = fixed["max_tokens_range"]
@@ -509,11 +562,19 @@ def _round_robin(questions: list[dict]) -> list[dict]:
     return [col[i] for i in range(max(map(len, columns))) for col in columns if i < len(col)]
 
 
-def requests_for(label: str, questions: list[dict], n: int, max_tokens: int) -> list[Request]:
-    """The first ``n`` questions as ``label``'s requests: with their predictions, except for ``none``."""
-    return [Request(i, q["question_id"], q["prompt"], max_tokens,
-                    prediction=None if label == PLAIN else q.get("prediction"))
-            for i, q in enumerate(questions[:n])]
+def requests_for(label: str, questions: list[dict], n: int, max_tokens: int, multi_turn: bool = False) -> list[Request]:
+    """The first ``n`` questions as ``label``'s requests: with their predictions, except for ``none``;
+    with ``multi_turn``, a request per turn of each (indexes numbered on across conversations)."""
+    if not multi_turn:
+        return [Request(i, q["question_id"], q["prompt"], max_tokens,
+                        prediction=None if label == PLAIN else q.get("prediction"))
+                for i, q in enumerate(questions[:n])]
+    requests: list[Request] = []
+    for q in questions[:n]:
+        first = len(requests)
+        requests += [Request(first + t, q["question_id"], turn, max_tokens, system=q.get("system"), turn=t)
+                     for t, turn in enumerate(q["turns"])]
+    return requests
 
 
 def _token_counter(target: str | None) -> Callable[[str], int]:
@@ -565,7 +626,23 @@ def _check(args) -> tuple[dict[str, str], dict[str, dict[str, str]], list[dict]]
 
     for label, drafter in methods.items():
         get_registry().validate_options(drafter, options.get(label))
-    return methods, options, _round_robin(load_questions(args.questions))
+    questions = _round_robin(load_questions(args.questions))
+    _level_starts(args, len(questions))  # enough conversations for every level, before any server starts
+    return methods, options, questions
+
+
+def _level_starts(args, available: int) -> list[int]:
+    """Where each level's questions start: at 0 for every level, or with --multi-turn after the
+    conversations of the levels before (a conversation sent again would find its every turn in
+    the prefix cache, which no client does); ConfigError when the file has too few."""
+    counts = [args.num_prompts or max(8, 2 * level) for level in args.levels]
+    if not args.multi_turn:
+        return [0] * len(counts)
+    if sum(counts) > available:
+        raise ConfigError(f"--multi-turn sends each level conversations of its own: {sum(counts)} for levels "
+                          f"{args.concurrency} ({', '.join(map(str, counts))}), but --questions has {available}; "
+                          "write more (python -m specdraft.bench.workloads --multi-turn N) or lower --num-prompts")
+    return [sum(counts[:i]) for i in range(len(counts))]
 
 
 def bench_serve(args) -> int:
@@ -589,17 +666,18 @@ def bench_serve(args) -> int:
             run_level(url, [Request(i, q["question_id"], q["prompt"], 8)
                             for i, q in enumerate(questions[:min(args.max_batch, max(args.levels))])],
                       min(args.max_batch, max(args.levels)))
-        for level in args.levels:
+        for level, first in zip(args.levels, _level_starts(args, len(questions))):
             n = args.num_prompts or max(8, 2 * level)
             for label, url in urls.items():
-                requests = requests_for(label, questions, n, args.max_tokens)
+                requests = requests_for(label, questions[first:], n, args.max_tokens, args.multi_turn)
                 wall = run_level(url, requests, level)
                 rows.append(summarize_level(label, level, requests, wall, count_tokens))
                 r = rows[-1]
                 print(f"bench-serve: {label} at concurrency {level}: {r['finished']}/{r['requests']} finished, "
                       f"{r['tokens_per_second']:.1f} tokens/s", file=sys.stderr)
     compare_with_plain(rows)
-    sent = questions[:max(args.num_prompts or max(8, 2 * level) for level in args.levels)]
+    sent = questions[:max(first + (args.num_prompts or max(8, 2 * level))
+                          for level, first in zip(args.levels, _level_starts(args, len(questions))))]
     results = {"environment": environment(args, model, sent), "load": rows}
     if args.fixed_batch:
         print(f"bench-serve: fixed-batch waves against continuous batching, {args.fixed_batch} requests",

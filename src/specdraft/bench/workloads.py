@@ -23,8 +23,14 @@ the bench ignores: ``reference`` (the expected answer, where there is one) and `
   a question about it: for ``specdraft bench-serve``, where long prompts join while short answers
   stream (chunked prefill).
 
-``python -m specdraft.bench.workloads --out DIR [--edits N] [--repeated N] [--long-mix N] [--data DIR] [--seed S]``
-writes ``DIR/edits.jsonl``, ``DIR/repeated.jsonl`` and ``DIR/long_mix.jsonl`` for ``specdraft bench --questions``.
+* **multi-turn** (``multi-turn``): conversations of :data:`CHAT_TURNS` short Self-Instruct requests
+  after one shared system prompt of about :data:`SYSTEM_WORDS` words (a tutoring service's
+  instructions and worked GSM8K problems as its reference material), for ``specdraft
+  bench-serve --multi-turn``: each turn resends the whole conversation (prefix caching).
+
+``python -m specdraft.bench.workloads --out DIR [--edits N] [--repeated N] [--long-mix N] [--multi-turn N] [--data DIR] [--seed S]``
+writes ``DIR/edits.jsonl``, ``DIR/repeated.jsonl``, ``DIR/long_mix.jsonl`` and ``DIR/multi_turn.jsonl``
+for ``specdraft bench --questions`` and ``specdraft bench-serve --questions``.
 """
 
 from __future__ import annotations
@@ -315,6 +321,44 @@ def build_long_mix(data: Path, n: int = 24, seed: int = 0) -> list[dict]:
     return rows
 
 
+#: words of the multi-turn workload's shared system prompt (about 1,000 tokens), and turns per conversation
+SYSTEM_WORDS = 700
+CHAT_TURNS = 4
+MULTI_TURN_ID_BASE = 500_000
+
+
+def build_multi_turn(data: Path, n: int = 8, seed: int = 0) -> list[dict]:
+    """``n`` conversations (rows with ``system`` and :data:`CHAT_TURNS` ``turns``), all after the
+    same system prompt: instructions and worked GSM8K problems (:data:`SYSTEM_WORDS` words), then
+    short Self-Instruct requests, each used once."""
+    rng = random.Random(seed + 3)
+    problems, tasks = gsm8k_problems(data), self_instruct_tasks(data)
+    picked, words = [], 0
+    for j in rng.sample(range(len(problems)), len(problems)):
+        if words >= SYSTEM_WORDS:
+            break
+        text = f"{problems[j]['question'].strip()}\n{clean_gsm8k_answer(problems[j]['answer'])}"
+        picked.append((j, text))
+        words += _words(text)
+    system = ("You are the assistant of a tutoring service. Answer briefly and clearly; when a question is about "
+              "arithmetic, show the steps the way the worked examples below do.\n\nWorked examples:\n\n"
+              + "\n\n".join(f"Example {k + 1}. {text}" for k, (_, text) in enumerate(picked)))
+    short = list({_request(t): t for t in tasks if not t.get("is_classification") and _words(_request(t)) <= 40}
+                 .values())
+    rng.shuffle(short)
+    if len(short) < n * CHAT_TURNS:
+        raise ValueError(f"{n} conversations of {CHAT_TURNS} turns need {n * CHAT_TURNS} short Self-Instruct "
+                         f"requests; the data has {len(short)}")
+    rows = []
+    for i in range(n):
+        turns = [short.pop() for _ in range(CHAT_TURNS)]
+        rows.append({"question_id": MULTI_TURN_ID_BASE + i, "category": "multi-turn", "system": system,
+                     "turns": [_request(t) for t in turns], "prediction": None,
+                     "source": "gsm8k/train.jsonl:" + ",".join(str(j) for j, _ in picked) + "; "
+                               + ", ".join(t["source"] for t in turns)})
+    return rows
+
+
 # -- files -----------------------------------------------------------------------------------------
 
 def write_jsonl(path: Path, rows: Iterable[dict]) -> Path:
@@ -325,8 +369,9 @@ def write_jsonl(path: Path, rows: Iterable[dict]) -> Path:
 
 
 def write_workloads(out: Path, data: Path | None = None, edits: int = 60, repeated: int = 60,
-                    seed: int = 0, long_mix: int = 0) -> list[Path]:
-    """``out/edits.jsonl``, ``out/repeated.jsonl`` and ``out/long_mix.jsonl`` (a count of 0 skips its file)."""
+                    seed: int = 0, long_mix: int = 0, multi_turn: int = 0) -> list[Path]:
+    """``out/edits.jsonl``, ``out/repeated.jsonl``, ``out/long_mix.jsonl`` and ``out/multi_turn.jsonl``
+    (a count of 0 skips its file)."""
     data = Path(data) if data is not None else default_data_dir()
     out = Path(out)
     written = []
@@ -336,6 +381,8 @@ def write_workloads(out: Path, data: Path | None = None, edits: int = 60, repeat
         written.append(write_jsonl(out / "repeated.jsonl", build_repeated(data, repeated, seed)))
     if long_mix:
         written.append(write_jsonl(out / "long_mix.jsonl", build_long_mix(data, long_mix, seed)))
+    if multi_turn:
+        written.append(write_jsonl(out / "multi_turn.jsonl", build_multi_turn(data, multi_turn, seed)))
     return written
 
 
@@ -349,14 +396,18 @@ def main(argv: Sequence[str] | None = None) -> int:
                    help="repeated-work rows (default: 60; 0 skips the file)")
     p.add_argument("--long-mix", type=int, default=24, metavar="N",
                    help="rows of the long-prompt mix, long_mix.jsonl, for bench-serve (default: 24; 0 skips it)")
+    p.add_argument("--multi-turn", type=int, default=8, metavar="N",
+                   help="conversations after one shared system prompt, multi_turn.jsonl, for bench-serve "
+                        "--multi-turn (default: 8; 0 skips it)")
     p.add_argument("--data", default=None, metavar="DIR",
                    help="the shared data folder, holding gsm8k/ and self_instruct/ (default: ../shared/data)")
     p.add_argument("--seed", type=int, default=0, help="default: 0")
     args = p.parse_args(argv)
-    if args.edits < 0 or args.repeated < 0 or args.long_mix < 0:
-        p.error("--edits, --repeated and --long-mix must be >= 0")
+    if min(args.edits, args.repeated, args.long_mix, args.multi_turn) < 0:
+        p.error("--edits, --repeated, --long-mix and --multi-turn must be >= 0")
     try:
-        paths = write_workloads(Path(args.out), args.data, args.edits, args.repeated, args.seed, args.long_mix)
+        paths = write_workloads(Path(args.out), args.data, args.edits, args.repeated, args.seed, args.long_mix,
+                                args.multi_turn)
     except (FileNotFoundError, ValueError) as exc:
         print(f"specdraft: error: {exc}", file=sys.stderr)
         return 2
