@@ -46,7 +46,7 @@ class SpeculativeDecoder:
         prefix_caching: bool = True,
         prefix_cache_memory: int | str | None = None,
     ) -> None:
-        from .cache.prefix import DEFAULT_MEMORY, parse_memory
+        from .engine.prefix import DEFAULT_MEMORY, parse_memory
         from .drafters.api import Drafter
         from .engine import Engine, EngineLoop
         from .engine.engine import DEFAULT_PREFILL_CHUNK, release_openmp_workers
@@ -157,7 +157,7 @@ class SpeculativeDecoder:
         ``prefix_caching`` (on by default): prompt prefill passes are kept, at most
         ``prefix_cache_memory`` bytes of them (an int, or a size such as ``"512MiB"``; None: 1 GiB),
         and a later prompt that begins with the same passes copies them instead of computing them;
-        its output is the same bit for bit (see :mod:`specdraft.cache.prefix`). Results report
+        its output is the same bit for bit (see :mod:`specdraft.engine.prefix`). Results report
         ``stats.cached_tokens``.
 
         ``tensor_parallel``: shard the target over this many ranks (processes started here, gloo

@@ -58,7 +58,7 @@ def test_generate_prints_plain_text_and_the_apis_stats(cli, monkeypatch, days, d
     assert stats.new_tokens == len(days.plain.token_ids) and 0 < stats.accepted_tokens <= stats.drafted_tokens
     by_position = " ".join(f"{a:.2f}" for a in stats.acceptance_by_position)
     lines = err.splitlines()
-    assert len(lines) == 7, err
+    assert len(lines) == 8, err
     assert lines[0] == (f"drafter: {decoder.drafter.name or drafter}  spec_length: 4  target: specdraft model code, "
                         "eager, unquantized weights, float64 (asked for)")
     assert lines[1].startswith(f"new tokens: {stats.new_tokens}  time: ")
@@ -68,6 +68,7 @@ def test_generate_prints_plain_text_and_the_apis_stats(cli, monkeypatch, days, d
     assert lines[4].startswith(f"rounds that drafted: {stats.drafts}  draft nodes per round: "
                                f"{stats.nodes_per_draft:.2f} ")
     assert lines[5] == f"acceptance by position (tree depth): {by_position}"
+    assert lines[7] == f"prompt tokens: {stats.prompt_tokens}  from the prefix cache: 0"  # a fresh decoder
 
 
 def test_generate_reads_stdin_and_honours_raw(cli, default_f64):

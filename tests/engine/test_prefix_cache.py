@@ -1,4 +1,4 @@
-"""Prefix caching (:mod:`specdraft.cache.prefix`): prompt passes kept across requests, outputs unchanged.
+"""Prefix caching (:mod:`specdraft.engine.prefix`): prompt passes kept across requests, outputs unchanged.
 
 Every decoder here is compared with one that has no prefix cache: greedy outputs token for token
 (float64, and bfloat16 on a model wide enough that a pass starting at another offset rounds
@@ -13,7 +13,7 @@ import pytest
 import torch
 
 from specdraft import ConfigError, SamplingParams, SpeculativeDecoder
-from specdraft.cache.prefix import PrefixCache, parse_memory
+from specdraft.engine.prefix import PrefixCache, parse_memory
 from specdraft.testing import SIGNIFICANCE, random_heads, tiny_llama
 from specdraft.testing.stats import sampled_joint_pvalue
 

@@ -8,7 +8,7 @@ runner of their own talk to it, the runner only reads and writes it in its passe
     cache.lengths                         # [rows] long: tokens each row holds
     cache.set_lengths(lengths, bound=None, slots=None)   # rollback: rows keep their first ``lengths``
     cache.keep_paths([(slot, start, nodes)])             # a tree's accepted path moved into place
-    cache.save_block(key, slot, start, end)               # optional: prefix caching (see .prefix)
+    cache.save_block(key, slot, start, end)               # optional: prefix caching (specdraft.engine.prefix)
     cache.load_block(key, slot, start); cache.drop_block(key); cache.token_bytes
 
 - :class:`StaticCache` (:mod:`.static`): specdraft's own, over :class:`KVCache` buffers
@@ -16,13 +16,11 @@ runner of their own talk to it, the runner only reads and writes it in its passe
   :class:`~specdraft.runner.ModelRunner` and :class:`~specdraft.runner.layers.LayerRunner`;
 - :class:`HFCache` (:mod:`.hf`): the same over buffers transformers' attention writes into, for
   the transformers fallback (chains only: no ``keep_paths``; no prefix caching).
-- :class:`PrefixCache` (:mod:`.prefix`): the index of prompt passes kept across requests.
 """
 
-from .prefix import PrefixCache
 from .static import KVCache, StaticCache, attention_mask
 
-__all__ = ["HFCache", "KVCache", "PrefixCache", "StaticCache", "attention_mask"]
+__all__ = ["HFCache", "KVCache", "StaticCache", "attention_mask"]
 
 
 def __getattr__(name: str):  # HFCache imports transformers: only when asked for

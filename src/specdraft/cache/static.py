@@ -3,7 +3,7 @@
 :class:`StaticCache` is the cache a runner is given (:mod:`specdraft.cache`'s interface): a row
 (slot) per sequence, grown when needed, rolled back by :meth:`StaticCache.set_lengths`, a tree's
 accepted path moved into place by :meth:`StaticCache.keep_paths`, prompt passes kept for later
-requests by :meth:`StaticCache.save_block` (the index: :mod:`.prefix`). :class:`KVCache` is its
+requests by :meth:`StaticCache.save_block` (the index: :mod:`specdraft.engine.prefix`). :class:`KVCache` is its
 buffers, what a model's forward reads and writes.
 
 Layout per layer: ``keys[i]`` and ``values[i]`` of shape ``[slots, kv_heads, max_len, head_dim]``,
@@ -123,7 +123,7 @@ class StaticCache:
         rows = None if slots is None else as_long([int(s) for s in slots], self.kv.device)
         self.kv.move(rows, src.to(self.kv.device), dst.to(self.kv.device))
 
-    # -- the prefix cache's blocks (see specdraft.cache.prefix): copies kept beside the rows ----
+    # -- the prefix cache's blocks (see specdraft.engine.prefix): copies kept beside the rows ----
 
     @property
     def token_bytes(self) -> int:

@@ -28,7 +28,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from ..cache.prefix import DEFAULT_MEMORY, PrefixCache
+from .prefix import DEFAULT_MEMORY, PrefixCache
 from ..errors import DrafterError, SpecdraftError
 from ..sampling import RowSampling, TokenCounts
 from ..types import DraftContext, TargetInfo, TargetRunner
@@ -114,7 +114,7 @@ class Engine:
         self._failed_observers: set[int] = set()
         self.reset_cache()
         cache = self.runner.cache
-        #: prompt passes kept across requests (:mod:`specdraft.cache.prefix`); None: off (asked, or
+        #: prompt passes kept across requests (:mod:`.prefix`); None: off (asked, or
         #: a cache that cannot keep them: transformers' fallback)
         self.prefix: PrefixCache | None = None
         if prefix_cache_memory > 0 and getattr(cache, "save_block", None) is not None:

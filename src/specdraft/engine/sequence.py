@@ -19,7 +19,7 @@ from ..verifier.prediction import MAX_PREDICTED, Prediction
 from .policy import AdaptiveDraftLength
 
 if TYPE_CHECKING:  # pragma: no cover
-    from ..cache.prefix import Block
+    from .prefix import Block
     from ..grammar import GrammarMatcher
 
 #: How likely a predicted token is taken to be accepted before the request has shown it.

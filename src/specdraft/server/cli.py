@@ -182,7 +182,7 @@ def serve(args) -> int:
         raise ConfigError("--max-waiting must be >= 1: every request waits for the engine's next step")
     if args.chunked_prefill_size < 0:
         raise ConfigError("--chunked-prefill-size must be >= 0 (0: each prompt in one pass)")
-    from ..cache.prefix import parse_memory
+    from ..engine.prefix import parse_memory
 
     try:
         prefix_memory = parse_memory(args.prefix_cache_memory)
