@@ -288,6 +288,19 @@ def build_repeated(data: Path, n: int = 60, seed: int = 0) -> list[dict]:
     return rows
 
 
+def _worked_problems(problems: list[dict], words: int, rng: random.Random) -> list[tuple[int, str]]:
+    """GSM8K problems with their worked solutions, ``(index, text)``, in a random order until
+    they hold ``words`` words."""
+    picked, total = [], 0
+    for j in rng.sample(range(len(problems)), len(problems)):
+        if total >= words:
+            break
+        text = f"{problems[j]['question'].strip()}\n{clean_gsm8k_answer(problems[j]['answer'])}"
+        picked.append((j, text))
+        total += _words(text)
+    return picked
+
+
 def build_long_mix(data: Path, n: int = 24, seed: int = 0) -> list[dict]:
     """``n`` rows, one in :data:`LONG_EVERY` a long prompt (``long-document``: about
     :data:`LONG_WORDS` words of worked GSM8K problems, then a question about one of them) and
@@ -301,13 +314,7 @@ def build_long_mix(data: Path, n: int = 24, seed: int = 0) -> list[dict]:
     rows: list[dict] = []
     for i in range(n):
         if i % LONG_EVERY == LONG_EVERY - 1:
-            picked, words = [], 0
-            for j in rng.sample(range(len(problems)), len(problems)):
-                if words >= LONG_WORDS:
-                    break
-                text = f"{problems[j]['question'].strip()}\n{clean_gsm8k_answer(problems[j]['answer'])}"
-                picked.append((j, text))
-                words += _words(text)
+            picked = _worked_problems(problems, LONG_WORDS, rng)
             asked = rng.randrange(len(picked))
             document = "\n\n".join(f"Problem {k + 1}. {text}" for k, (_, text) in enumerate(picked))
             prompt = (f"{document}\n\nIn one sentence: what does problem {asked + 1} above ask, and what is its "
@@ -333,13 +340,7 @@ def build_multi_turn(data: Path, n: int = 8, seed: int = 0) -> list[dict]:
     short Self-Instruct requests, each used once."""
     rng = random.Random(seed + 3)
     problems, tasks = gsm8k_problems(data), self_instruct_tasks(data)
-    picked, words = [], 0
-    for j in rng.sample(range(len(problems)), len(problems)):
-        if words >= SYSTEM_WORDS:
-            break
-        text = f"{problems[j]['question'].strip()}\n{clean_gsm8k_answer(problems[j]['answer'])}"
-        picked.append((j, text))
-        words += _words(text)
+    picked = _worked_problems(problems, SYSTEM_WORDS, rng)
     system = ("You are the assistant of a tutoring service. Answer briefly and clearly; when a question is about "
               "arithmetic, show the steps the way the worked examples below do.\n\nWorked examples:\n\n"
               + "\n\n".join(f"Example {k + 1}. {text}" for k, (_, text) in enumerate(picked)))
