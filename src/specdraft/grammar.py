@@ -49,6 +49,11 @@ KINDS = ("json_schema", "regex", "choice", "grammar")
 CACHE_SIZE = 64
 
 
+#: the longest grammar text (a schema as JSON, a regex, a choice list, a grammar) a request may send:
+#: its compile and its masks grow with it, and a round waits for every row's masks
+MAX_GRAMMAR_CHARS = 100_000
+
+
 @dataclass(frozen=True)
 class GrammarSpec:
     """The output a request must match: ``kind`` (one of :data:`KINDS`) and ``source``, its text
@@ -67,6 +72,9 @@ class GrammarSpec:
         if not isinstance(self.source, str):
             raise ConfigError(f"{self.field}: the grammar must be text, got {type(self.source).__name__}",
                               param=self.field)
+        if len(self.source) > MAX_GRAMMAR_CHARS:
+            raise ConfigError(f"{self.field}: the {self.kind.replace('_', ' ')} has {len(self.source)} characters; "
+                              f"at most {MAX_GRAMMAR_CHARS} are served", param=self.field)
 
 
 def _llguidance(what: str):
@@ -152,6 +160,8 @@ class GrammarCompiler:
     def __init__(self, tokenizer, vocab_size: int, eos_token_ids=(), cache_size: int = CACHE_SIZE) -> None:
         self._llg = _llguidance("response_format")
         self.tokenizer = _ll_tokenizer(self._llg, tokenizer, vocab_size, eos_token_ids, "response_format")
+        #: the special tokens' texts (``<|im_end|>``): a grammar that spells one is refused
+        self.specials = special_texts(tokenizer)
         self.vocab_size = self.tokenizer.vocab_size  # the masks' width (>= the logits')
         self.cache_size = cache_size
         self._compiled: OrderedDict[GrammarSpec, Any] = OrderedDict()
@@ -165,6 +175,7 @@ class GrammarCompiler:
             if template is not None:
                 self._compiled.move_to_end(spec)
                 return Grammar(spec, template, self)
+        self._check_specials(spec)
         text = _grammar_text(self._llg, spec)
         matcher_type = self._llg.LLMatcher
         failed, messages = matcher_type.validate_grammar_with_warnings(text, self.tokenizer)
@@ -175,12 +186,47 @@ class GrammarCompiler:
         if template.is_error():
             raise ConfigError(f"{spec.field}: invalid {spec.kind.replace('_', ' ')}: "
                               f"{_first_line(template.get_error())}", param=spec.field)
+        self._check_start(spec, template)
         with self._lock:
             self._compiled[spec] = template
             self._compiled.move_to_end(spec)
             while len(self._compiled) > self.cache_size:
                 self._compiled.popitem(last=False)
         return Grammar(spec, template, self)
+
+    def _check_specials(self, spec: GrammarSpec) -> None:
+        """A grammar whose text spells a special token (``<|im_end|>``, escaped or not) is
+        refused: llguidance reads it as the token, which ends the answer (a choice of
+        "<|im_end|>" answered ""), not as text."""
+        if spec.kind == "json_schema":  # a schema's text is mostly descriptions, not output
+            return
+        source = spec.source.replace("\\", "")
+        for text in self.specials:
+            if text in source:
+                raise ConfigError(f"{spec.field}: the {spec.kind.replace('_', ' ')} spells the special token "
+                                  f"{text!r}, which the model emits as a token, not as text; leave it out",
+                                  param=spec.field)
+
+    def _check_start(self, spec: GrammarSpec, template) -> None:
+        """The first mask, computed now (on a copy): a grammar past llguidance's limits fails
+        there, and one that allows no token at its start accepts no string at all; either is a
+        ConfigError naming ``spec.field``, and is never cached."""
+        trial = template.deep_copy()
+        words = np.zeros((self.vocab_size + 31) // 32, dtype=np.uint32)
+        trial.unsafe_compute_mask_ptr(words.ctypes.data, words.nbytes)
+        kind = spec.kind.replace("_", " ")
+        if trial.is_error():
+            raise ConfigError(f"{spec.field}: this {kind} is past what the grammar engine can serve: "
+                              f"{_first_line(trial.get_error())}", param=spec.field)
+        if not words.any():
+            raise ConfigError(f"{spec.field}: this {kind} accepts no text at all (nothing can start it); "
+                              "check its references and alternatives", param=spec.field)
+
+    def forget(self, spec: GrammarSpec) -> None:
+        """Drop ``spec``'s compiled grammar from the cache (a request's matcher failed on it: the
+        next request compiles it afresh rather than sharing whatever state failed)."""
+        with self._lock:
+            self._compiled.pop(spec, None)
 
     def copy_of(self, template):
         with self._lock:
@@ -197,7 +243,21 @@ class Grammar:
 
     def matcher(self) -> "GrammarMatcher":
         return GrammarMatcher(self.compiler.copy_of(self.template), self.compiler.tokenizer.eos_token,
-                              self.compiler.vocab_size)
+                              self.compiler.vocab_size, on_error=lambda: self.compiler.forget(self.spec))
+
+
+def special_texts(tokenizer) -> tuple[str, ...]:
+    """The texts of ``tokenizer``'s control tokens: its BOS and EOS, and special tokens shaped
+    ``<|...|>`` (ChatML's, Llama 3's). Special tokens that read as words (``<filename>``) are left
+    out: a schema's description may well say them."""
+    texts = {getattr(tokenizer, name, None) for name in ("bos_token", "eos_token")}
+    texts |= set(getattr(tokenizer, "all_special_tokens", ()) or ())
+    for added in (getattr(tokenizer, "added_tokens_decoder", None) or {}).values():
+        if getattr(added, "special", False):
+            texts.add(str(added.content))
+    control = {getattr(tokenizer, "bos_token", None), getattr(tokenizer, "eos_token", None)}
+    return tuple(sorted(t for t in texts if isinstance(t, str) and len(t) >= 2
+                        and (t in control or (t.startswith("<|") and t.endswith("|>")))))
 
 
 def _bit(words: np.ndarray, token: int) -> bool:
@@ -217,11 +277,12 @@ class GrammarMatcher:
     once it failed (a grammar too complex for its limits, say); its masks then allow only the end
     tokens, so the request ends."""
 
-    def __init__(self, matcher, eos_token: int, width: int) -> None:
+    def __init__(self, matcher, eos_token: int, width: int, on_error=None) -> None:
         self._matcher = matcher
         self._eos = eos_token  # llguidance's EOS: its bit says whether the grammar may end here
         self.width = width  # token ids its masks cover: (width + 31) // 32 words
         self.error: str | None = None
+        self._on_error = on_error  # called once, when the matcher fails
 
     @property
     def done(self) -> bool:
@@ -242,8 +303,11 @@ class GrammarMatcher:
             try:
                 self._fill(bits, tokens, parents, ends)
                 return True
-            except RuntimeError as exc:  # the matcher refused a token its own mask allowed
+            except RuntimeError as exc:  # the matcher refused a token its own mask allowed, or a mask was empty
                 self.error = _first_line(exc)
+        if self._on_error is not None:
+            self._on_error()
+            self._on_error = None
         bits[0] = 0
         for t in ends:
             _set_bit(bits[0], t)
@@ -286,9 +350,15 @@ class GrammarMatcher:
                 m.rollback(len(stack))
 
     def _mask(self, words: np.ndarray, ends) -> None:
-        """The mask of the matcher's state into ``words``, the end tokens allowed where the grammar may end."""
+        """The mask of the matcher's state into ``words``, the end tokens allowed where the grammar
+        may end. A mask that allows nothing (the grammar cannot go on, nor end) raises: the request
+        then ends with an error, never with an end token the grammar did not allow."""
         self._matcher.unsafe_compute_mask_ptr(words.ctypes.data, words.nbytes)
-        if _bit(words, self._eos) or not words.any():  # the grammar may end here (or allows nothing else)
+        if self._matcher.is_error():
+            raise RuntimeError(self._matcher.get_error())
+        if not words.any():
+            raise RuntimeError("the grammar allows no token here and cannot end here either")
+        if _bit(words, self._eos):  # the grammar may end here
             for t in ends:
                 _set_bit(words, t)
 
@@ -296,6 +366,9 @@ class GrammarMatcher:
         """Consume ``tokens`` (a round's committed ones); a failure is kept in ``error``."""
         if self.error is None and not self._matcher.consume_tokens(list(tokens)):
             self.error = _first_line(self._matcher.get_error())
+            if self._on_error is not None:
+                self._on_error()
+                self._on_error = None
 
 
 __all__ = ["CACHE_SIZE", "INSTALL_HINT", "KINDS", "Grammar", "GrammarCompiler", "GrammarMatcher", "GrammarSpec",

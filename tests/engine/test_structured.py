@@ -11,6 +11,7 @@ test_structured_e2e.py; the server: tests/server/test_structured_server.py.
 
 from __future__ import annotations
 
+import ctypes
 import json
 import random
 import re
@@ -297,6 +298,57 @@ def test_refused_settings_and_bad_grammars(model, bpe, monkeypatch):
         dec.generate_ids([[3, 4]], response_format={"type": "json_object"})
 
 
+def test_a_grammar_that_accepts_nothing_is_refused_before_it_runs(model, bpe):
+    """``{"$ref": "#"}`` accepts no JSON at all: it answered "" with finish "stop" (the empty
+    mask let the end through); now a ConfigError naming the field, and not cached."""
+    dec = SpeculativeDecoder(model, bpe, drafter="ngram")
+    endless = {"type": "json_schema", "json_schema": {"name": "x", "schema": {"$ref": "#"}}}
+    for _ in range(2):  # refused again: nothing failed was cached
+        with pytest.raises(ConfigError, match=r"^response_format: this json schema") as caught:
+            dec.generate_ids([[3, 4]], response_format=endless)
+        assert caught.value.param == "response_format"
+
+
+class _EmptyAfter:
+    """An llguidance matcher whose masks come out empty after ``ok`` of them (a grammar that runs
+    into a dead end, or llguidance failing without saying so)."""
+
+    def __init__(self, matcher, ok: int) -> None:
+        self._matcher, self.ok = matcher, ok
+
+    def unsafe_compute_mask_ptr(self, ptr, size):
+        self._matcher.unsafe_compute_mask_ptr(ptr, size)
+        self.ok -= 1
+        if self.ok < 0:
+            ctypes.memset(ptr, 0, size)
+
+    def __getattr__(self, name):
+        return getattr(self._matcher, name)
+
+
+def test_an_empty_mask_ends_the_request_with_an_error_never_an_end_token(model, bpe, prompts, monkeypatch):
+    """No path lets the end tokens through because a mask allowed nothing: the request fails,
+    naming the grammar engine, and the grammar leaves the compile cache."""
+    from specdraft import grammar as grammar_module
+    from specdraft.errors import SpecdraftError
+
+    forgotten = []
+    real_matcher, real_forget = grammar_module.Grammar.matcher, grammar_module.GrammarCompiler.forget
+
+    def planted(self):
+        m = real_matcher(self)
+        m._matcher = _EmptyAfter(m._matcher, ok=1)
+        return m
+
+    monkeypatch.setattr(grammar_module.Grammar, "matcher", planted)
+    monkeypatch.setattr(grammar_module.GrammarCompiler, "forget",
+                        lambda self, spec: (forgotten.append(spec), real_forget(self, spec)))
+    dec = SpeculativeDecoder(model, bpe, drafter="ngram", spec_length=3, adaptive=False)
+    with pytest.raises(SpecdraftError, match="structured output failed.*allows no token here"):
+        dec.generate_ids(prompts[:1], max_new_tokens=12, response_format=FORMATS["regex"][0])
+    assert len(forgotten) == 1 and forgotten[0].kind == "regex"
+
+
 # -- reading the options ------------------------------------------------------------------------
 
 
@@ -326,6 +378,8 @@ def test_response_format_forms():
     ({"type": "json_object", "schema": {}}, "^response_format: unknown key 'schema'"),
     ({"type": "choice", "choice": []}, r"^response_format\.choice: must be a non-empty list"),
     ({"type": "regex", "regex": ""}, r"^response_format\.regex: a regular expression must be a non-empty string"),
+    ({"type": "regex", "regex": "a" * 100_001}, r"^response_format\.regex: the regex has 100001 characters; at most "
+                                                r"100000 are served$"),
 ])
 def test_bad_response_formats_name_the_field(value, says):
     with pytest.raises(ConfigError, match=says):

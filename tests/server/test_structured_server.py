@@ -85,6 +85,13 @@ def test_a_streamed_answer_equals_the_whole_one(client):
     ("completions", {"response_format": {"type": "json_object"}, "guided_regex": "a"}, "guided_regex",
      "cannot be combined with response_format"),
     ("completions", {"guided_choice": CHOICES, "ignore_eos": True}, "ignore_eos", "ignore_eos cannot be combined"),
+    # issue 47: served before as "" with finish "stop" (the end let through by an empty mask, or
+    # the special token generated), now refused before the request is queued
+    ("chat", {"response_format": {"type": "json_schema", "json_schema": {"name": "x", "schema": {"$ref": "#"}}}},
+     "response_format", "response_format: this json schema"),
+    ("completions", {"guided_choice": ["</s>", "yes"]}, "guided_choice", "spells the special token '</s>'"),
+    ("completions", {"guided_regex": "yes<\\/s>"}, "guided_regex", "spells the special token '</s>'"),
+    ("completions", {"guided_regex": "a" * 100_001}, "guided_regex", "at most 100000 are served"),
 ])
 def test_bad_structured_output_fields_are_a_400_naming_them(tiny, route, extra, param, says):
     url, _ = tiny
@@ -97,6 +104,32 @@ def test_bad_structured_output_fields_are_a_400_naming_them(tiny, route, extra, 
     error = r.json()["error"]
     assert r.status_code == 400 and error["param"] == param and says in error["message"], error
     assert "\n" not in error["message"]
+
+
+def test_a_grammar_that_fails_while_it_runs_is_an_error_and_is_compiled_afresh(client, monkeypatch):
+    """A grammar whose masks fail partway (planted: llguidance's limits are met only by grammars
+    too big to run here) ends its request with an error naming the grammar engine, not an empty
+    "stop" answer; and the next identical request is not handed the failed grammar."""
+    from specdraft import grammar as grammar_module
+
+    compiles = []  # grammars compiled, not found in the compile cache
+    real_check = grammar_module.GrammarCompiler._check_start
+    monkeypatch.setattr(grammar_module.GrammarCompiler, "_check_start",
+                        lambda self, spec, template: (compiles.append(spec), real_check(self, spec, template)))
+    real_matcher = grammar_module.Grammar.matcher
+
+    def failing(self):
+        m = real_matcher(self)
+        m.error = "planted failure"  # what a matcher says once llguidance failed
+        return m
+
+    monkeypatch.setattr(grammar_module.Grammar, "matcher", failing)
+    for _ in range(2):
+        with pytest.raises(openai.APIError) as caught:
+            client.completions.create(model="tiny", prompt="yes", max_tokens=6, temperature=0,
+                                      extra_body={"guided_regex": "(yes|no)( red)*"})
+        assert "structured output failed" in str(caught.value) and "planted failure" in str(caught.value)
+    assert len(compiles) == 2  # the failed grammar left the cache: compiled again
 
 
 def test_the_openai_client_sees_a_bad_schema_as_bad_request(client):
