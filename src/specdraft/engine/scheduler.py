@@ -28,9 +28,12 @@ class Scheduler:
     def add(self, sequences: list[Sequence], limit: bool = True) -> None:
         """Queue ``sequences``; QueueFull (none queued) when ``limit`` and the waiting queue is full."""
         with self.lock:
-            # requests a free slot will take at the next step do not count as waiting
+            # requests a free slot will take at the next step do not count as waiting; when nothing
+            # else waits, a request comes in whatever its size (its n choices may outnumber the
+            # queue: refused then, it would be refused on an idle server forever)
             queued = len(self.waiting) + len(sequences) - len(self.free_slots)
-            if limit and self.max_waiting is not None and queued > self.max_waiting:
+            others = len(self.waiting) - len(self.free_slots)
+            if limit and self.max_waiting is not None and queued > self.max_waiting and others > 0:
                 # (len(self.waiting) would mislead: it counts requests a free slot takes at the next step)
                 raise QueueFull(f"the server is busy: its queue of {self.max_waiting} waiting requests is full; "
                                 "retry later")

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 import re
+import sys
 from typing import Any
 
 from fastapi import Request
@@ -57,19 +58,34 @@ async def read_json(request: Request, limit: int) -> dict:
         raise APIError(400, "the request body is empty; send the parameters as a JSON object")
     try:
         # strict UTF-8: json.loads(bytes) would let encoded surrogates (b"\xed\xa0\x80") through
-        data = json.loads(raw.decode("utf-8"))
+        data = json.loads(raw.decode("utf-8"), parse_constant=_not_json)
     except json.JSONDecodeError as exc:
         raise APIError(400, f"the request body is not valid JSON: {exc.msg} (at character {exc.pos})") from None
+    except _NotJSON as exc:
+        raise APIError(400, f"the request body is not valid JSON: {exc} is not a JSON number; send a number "
+                            "or null") from None
     except UnicodeDecodeError as exc:
         raise APIError(400, f"the request body is not valid JSON: it is not UTF-8 text (byte {exc.start}); "
                             "send the JSON encoded as UTF-8") from None
     except RecursionError:
         raise _too_deep() from None
+    except ValueError:  # Python's bound on converting a long digit string to an int
+        raise APIError(400, f"the request body has a number of more than {sys.get_int_max_str_digits()} digits; "
+                            "no parameter takes one that long") from None
     if not isinstance(data, dict):
         kind = {list: "an array", str: "a string", type(None): "null"}.get(type(data), "a number or boolean")
         raise APIError(400, f"the request body must be a JSON object of parameters, got {kind}")
     _check_json(raw, data)
     return data
+
+
+class _NotJSON(ValueError):
+    pass
+
+
+def _not_json(constant: str):
+    """``json.loads`` accepts NaN, Infinity and -Infinity, which JSON does not have: refused."""
+    raise _NotJSON(constant)
 
 
 def _too_deep() -> APIError:

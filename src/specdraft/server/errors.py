@@ -4,6 +4,7 @@ and the parameter a 400 names."""
 from __future__ import annotations
 
 import logging
+import re
 from typing import Any, Mapping
 
 from fastapi.exceptions import RequestValidationError
@@ -59,6 +60,16 @@ def as_api_error(exc: BaseException) -> APIError:
                     type="server_error", code="internal_error")
 
 
+class _Errors:
+    """pydantic's errors, as a ValidationError's ``errors()`` gives them."""
+
+    def __init__(self, errors: list[dict]) -> None:
+        self._errors = errors
+
+    def errors(self) -> list[dict]:
+        return self._errors
+
+
 class BodyErrors:
     """A RequestValidationError's errors with the leading ``body`` dropped from each location."""
 
@@ -75,14 +86,30 @@ def invalid(exc, what: str = "invalid request", data: Any = None) -> APIError:
     """A 400 from pydantic's errors (``exc.errors()``), naming the first parameter at fault (an
     unknown one first: ``unknown parameter 'X'``). With ``data`` (the request's JSON), the name
     stops where the body does (pydantic adds a union member's type to the location)."""
-    errors = [e for e in exc.errors() if e["loc"]]
+    everything = _Errors([dict(e, loc=client_loc(e.get("loc", ()))) for e in exc.errors()])
+    errors = [e for e in everything.errors() if e["loc"]]
     unknown = [e for e in errors if e.get("type") == "extra_forbidden"]
     if unknown:
         param = ".".join(str(p) for p in unknown[0]["loc"])
         return APIError(400, f"unknown parameter {param!r}: specdraft's server does not take it; remove it "
                              "(docs/serving.md lists the parameters it takes)", param=param, code="unknown_parameter")
-    param = param_path(errors[0]["loc"], None if errors[0].get("type") == "missing" else data) if errors else None
-    return APIError(400, f"{what}: {describe_validation_error(exc)}", param=param)
+    # of the errors about the first one's field, the deepest: a union's members each add one, and
+    # the member the body's shape matches goes furthest into it (content.0.text, not content)
+    paths = [param_path(e["loc"], None if e.get("type") == "missing" else data)
+             for e in errors if e["loc"][:1] == errors[0]["loc"][:1]]
+    param = max(paths, key=lambda path: path.count(".")) if paths else None
+    return APIError(400, f"{what}: {describe_validation_error(everything)}", param=param)
+
+
+#: what pydantic adds to an error's location for the member of a union it tried (``list[TextPart]``,
+#: ``str``, ``TextPart``, ``function-after[...]``): not a field a client wrote
+_TYPE_LABEL = re.compile(r"^(str|int|float|bool|none|[A-Z]\w*|[\w-]+\[.*\])$")
+
+
+def client_loc(loc) -> tuple:
+    """An error's location as the client wrote the body: pydantic's union labels dropped
+    (``prediction.content.list[TextPart].0.image_url`` -> ``prediction.content.0.image_url``)."""
+    return tuple(p for p in loc if not (isinstance(p, str) and _TYPE_LABEL.match(p)))
 
 
 def param_path(loc: tuple, data: Any) -> str:
