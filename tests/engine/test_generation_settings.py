@@ -252,6 +252,11 @@ def test_sampling_with_min_tokens_follows_the_masked_target(drafter):
     ({"stop_token_ids": [1.5]}, r"stop_token_ids holds 1.5 \(float\); token ids must be integers"),
     ({"stop_token_ids": 5}, r"stop_token_ids must be a list of token ids \(ints\), got int"),
     ({"stop_token_ids": "5"}, r"stop_token_ids must be a list of token ids \(ints\), got str"),
+    # what one request may cost the others (issue 47): documented bounds, each naming its field
+    ({"stop": [f"s{i}" for i in range(65)]}, r"^stop has 65 strings; at most 64 are served$"),
+    ({"stop": ["x" * 1001]}, r"^a stop string has 1001 characters; at most 1000 are served$"),
+    ({"logit_bias": {str(i % 64): 1 for i in range(1025)} | {f"0{i}": 1 for i in range(1025)}},
+     r"^logit_bias has 1089 entries; at most 1024 are served$"),
 ])
 def test_bad_values_give_one_line_errors(settings, message):
     dec = SpeculativeDecoder(_shared_model(None), None, drafter="none")
