@@ -77,21 +77,56 @@ def test_a_long_prompt_joins_in_chunks_while_the_running_sequence_decodes_every_
     dec.close()
 
 
-def test_a_prompt_alone_is_prefilled_at_the_same_offsets_in_one_step(tiny_model, tmp_path):
-    """Nobody decoding: the whole prompt in the step that admits it, chunked all the same (the
+def test_a_prompt_alone_is_prefilled_at_the_same_offsets_a_chunk_a_step(tiny_model, tmp_path):
+    """Nobody decoding: still one chunk a step (a newcomer may come), at the same offsets (the
     chunks, and so the numbers, do not depend on whether anyone else was running)."""
     long = (repetitive_prompts(64)[3] * 20)[:101]
     dec = _decoder(tiny_model, "ngram", tmp_path)
     chunks = _record_chunks(dec.engine)
     seq = Sequence(tokens=list(long), settings=GenerationSettings(max_new_tokens=8), max_len=256, seed=0)
     dec.engine.add([seq])
-    dec.engine.steps = 1
-    dec.engine.step()
+    while seq.prefilling:
+        dec.engine.steps += 1
+        dec.engine.step()
     assert [(a, b) for _, a, b in chunks[seq.id]] == [(i, min(i + CHUNK, 100)) for i in range(0, 100, CHUNK)]
-    assert {step for step, _, _ in chunks[seq.id]} == {1} and not seq.prefilling and len(seq.new_tokens) >= 1
+    assert [step for step, _, _ in chunks[seq.id]] == list(range(1, 8)) and len(seq.new_tokens) >= 1
     while dec.engine.has_work():
         dec.engine.step()
     assert seq.new_tokens == plain_greedy(tiny_model, long, 8)
+
+
+def test_a_request_arriving_during_a_long_prefill_waits_one_chunk_not_the_rest(tiny_model, tmp_path):
+    """A long prompt on an idle engine; a short request arrives during its first pass (issue 47:
+    the short one waited for all of the long prefill, 30 s on the default model for 8,150
+    tokens). Counted, not timed: between its arrival and its first token the engine runs no
+    more of the long prompt than the pass it was in, and then the short prompt's own; both
+    outputs are plain decoding's."""
+    long = (repetitive_prompts(64)[3] * 20)[:101]
+    short = repetitive_prompts(64)[1][:9]
+    dec = _decoder(tiny_model, "ngram", tmp_path)
+    engine = dec.engine
+    passes: list[tuple[str, int, int]] = []
+    first = Sequence(tokens=list(long), settings=GenerationSettings(max_new_tokens=8), max_len=256, seed=0)
+    second = Sequence(tokens=list(short), settings=GenerationSettings(max_new_tokens=8), max_len=256, seed=1)
+    original = engine._prefill_chunk
+
+    def recording(s, end):
+        passes.append(("long" if s is first else "short", s.cached, end))
+        original(s, end)
+        if len(passes) == 1:  # arrives while the long prompt's first pass runs
+            engine.add([second])
+            passes.append(("arrived", 0, 0))
+
+    engine._prefill_chunk = recording
+    engine.add([first])
+    while not second.new_tokens:
+        engine.step()
+    arrived = passes.index(("arrived", 0, 0))
+    assert passes[arrived + 1 :] == [("short", 0, 8)]  # nothing of the long prompt in between
+    while engine.has_work():
+        engine.step()
+    assert first.new_tokens == plain_greedy(tiny_model, long, 8)
+    assert second.new_tokens == plain_greedy(tiny_model, short, 8)
 
 
 def test_chunking_off_prefills_each_prompt_in_one_pass(tiny_model, tmp_path):

@@ -46,7 +46,7 @@ from .waves import WaveDrafter
 #: round by one such pass at most (see :meth:`Engine._prefill`).
 DEFAULT_PREFILL_CHUNK = 256
 #: Prompt tokens one step prefills at most when chunking is off (``prefill_chunk=0``; a prompt
-#: longer than this still goes in one pass).
+#: longer than this still goes in one pass, in a step of its own).
 PREFILL_BUDGET = 4096
 
 
@@ -300,10 +300,13 @@ class Engine:
             self._filling.append(s)
 
     def _prefill(self) -> None:
-        """Prefill the newcomers' prompts (all but each one's last token), first come first, in
-        chunks of ``prefill_chunk`` tokens: while others decode, at most one chunk's worth of
-        tokens per step (so a long prompt delays their next round by one chunk's pass, not by its
-        whole prefill); when nobody decodes, every prompt to its end.
+        """Prefill the newcomers' prompts (all but each one's last token) in chunks of
+        ``prefill_chunk`` tokens, at most one chunk's worth of tokens per step, the prompt with the
+        fewest tokens left first (first come first among equals): a long prompt delays the running
+        requests' next round by one chunk's pass, not by its whole prefill, and a request that
+        arrives while it prefills waits one chunk's pass, not the rest of it, before its own
+        prefill (a long prompt on an idle engine made short requests arriving after it wait 30 s
+        for their first token).
 
         A chunk is ``prompt[i * chunk : (i + 1) * chunk]`` (offsets fixed by the prompt alone) in
         a pass of its own, never padded together with another prompt: a padded batch would round
@@ -312,24 +315,23 @@ class Engine:
         bfloat16 it did: 2 of 4 greedy outputs changed). Passes the prefix cache holds are copied
         into the row instead (:meth:`_from_prefix_cache`), free of the step's budget."""
         chunk = self.prefill_chunk or PREFILL_BUDGET
-        budget = chunk if any(not s.prefilling for s in self.scheduler.running) else None
+        budget = chunk
         done: list[Sequence] = []
         while self._filling:
-            s = self._filling[0]
+            s = min(self._filling, key=lambda t: t.prompt_len - 1 - t.cached)  # the first of the shortest
             if s.prefilling and self.prefix is not None:
                 self._guarded([s], self._from_prefix_cache)
             if s.prefilling:
                 end = self._pass_end(s)
                 size = end - s.cached
-                if budget is not None and (budget <= 0 or (size > budget and budget < chunk)):
+                if budget <= 0 or (size > budget and budget < chunk):
                     break  # the rest of this step's budget is less than the next chunk
                 self._guarded([s], lambda _: self._prefill_chunk(s, end))
-                if budget is not None:
-                    budget -= size
+                budget -= size
             if s.status is not Status.RUNNING:
                 continue  # it failed, and left (and left the queue)
             if not s.prefilling:
-                self._filling.pop(0)
+                self._filling.remove(s)
                 done.append(s)
         if done and self.wants_hidden:
             rows = [s for s in self.scheduler.running if not s.prefilling]
