@@ -32,6 +32,8 @@ llguidance was picked over xgrammar by measurement (docs/algorithm.md, "Structur
 from __future__ import annotations
 
 import copy
+import json
+import re
 import threading
 from collections import OrderedDict
 from dataclasses import dataclass, field
@@ -52,6 +54,13 @@ CACHE_SIZE = 64
 #: the longest grammar text (a schema as JSON, a regex, a choice list, a grammar) a request may send:
 #: its compile and its masks grow with it, and a round waits for every row's masks
 MAX_GRAMMAR_CHARS = 100_000
+#: llguidance's parser holds at most 2,000 items in a row: 2,100 choices sharing a beginning failed
+#: after a few tokens ("Current row has 2101 items"), which no check at compile sees
+MAX_CHOICES = 1000
+#: a regex's counted repetition (``{n}``, ``{n,m}``): ``b{1000000}`` failed after a few tokens
+#: ("too many expressions constructed")
+MAX_REGEX_REPEAT = 10_000
+_REPEAT = re.compile(r"(?<!\\)\{\s*(\d+)\s*(?:,\s*(\d*)\s*)?\}")
 
 
 @dataclass(frozen=True)
@@ -75,6 +84,20 @@ class GrammarSpec:
         if len(self.source) > MAX_GRAMMAR_CHARS:
             raise ConfigError(f"{self.field}: the {self.kind.replace('_', ' ')} has {len(self.source)} characters; "
                               f"at most {MAX_GRAMMAR_CHARS} are served", param=self.field)
+        if self.kind == "choice":
+            try:
+                items = len(json.loads(self.source))
+            except (ValueError, TypeError):
+                items = 0  # not a list: the compile says so
+            if items > MAX_CHOICES:
+                raise ConfigError(f"{self.field}: {items} choices; at most {MAX_CHOICES} are served (the grammar "
+                                  "engine fails on more partway through an answer)", param=self.field)
+        if self.kind == "regex":
+            counts = [int(n) for m in _REPEAT.finditer(self.source) for n in m.groups() if n]
+            if counts and max(counts) > MAX_REGEX_REPEAT:
+                raise ConfigError(f"{self.field}: the regex repeats {max(counts)} times; at most {MAX_REGEX_REPEAT} "
+                                  "are served (the grammar engine fails on more partway through an answer)",
+                                  param=self.field)
 
 
 def _llguidance(what: str):

@@ -380,6 +380,11 @@ def test_response_format_forms():
     ({"type": "regex", "regex": ""}, r"^response_format\.regex: a regular expression must be a non-empty string"),
     ({"type": "regex", "regex": "a" * 100_001}, r"^response_format\.regex: the regex has 100001 characters; at most "
                                                 r"100000 are served$"),
+    # past llguidance's limits only partway through an answer (issue 47: a 500 after a few tokens)
+    ({"type": "regex", "regex": "b{1000000}"}, r"^response_format\.regex: the regex repeats 1000000 times; at most "
+                                               r"10000 are served"),
+    ({"type": "choice", "choice": [f"option {i}" for i in range(2100)]},
+     r"^response_format\.choice: 2100 choices; at most 1000 are served"),
 ])
 def test_bad_response_formats_name_the_field(value, says):
     with pytest.raises(ConfigError, match=says):
