@@ -317,6 +317,10 @@ class Engine:
         chunk = self.prefill_chunk or PREFILL_BUDGET
         budget = chunk
         done: list[Sequence] = []
+        if self.prefix is not None:  # what the cache holds first: the order below counts what is left to compute
+            for s in list(self._filling):
+                if s.prefilling:
+                    self._guarded([s], self._from_prefix_cache)
         while self._filling:
             s = min(self._filling, key=lambda t: t.prompt_len - 1 - t.cached)  # the first of the shortest
             if s.prefilling and self.prefix is not None:
