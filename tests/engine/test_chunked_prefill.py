@@ -129,6 +129,29 @@ def test_a_request_arriving_during_a_long_prefill_waits_one_chunk_not_the_rest(t
     assert second.new_tokens == plain_greedy(tiny_model, short, 8)
 
 
+def test_a_long_prompt_is_not_starved_by_short_ones_arriving_every_step(tiny_model, tmp_path):
+    """Short prompts go first, but a long prompt ages: with a new short request every step (each
+    filling the step's budget with its own pass), the long one still finishes its prefill in a
+    bounded number of steps (about twice its chunks), not never."""
+    long = (repetitive_prompts(64)[3] * 20)[:101]  # 7 chunks of 16
+    short = repetitive_prompts(64)[1][:9]
+    dec = SpeculativeDecoder(tiny_model, None, drafter="ngram", spec_length=3, adaptive=False, max_batch=8,
+                             prefill_chunk=CHUNK, prefix_caching=False)
+    engine = dec.engine
+    first = Sequence(tokens=list(long), settings=GenerationSettings(max_new_tokens=4), max_len=256, seed=0)
+    engine.add([first])
+    steps = 0
+    while first.prefilling:
+        engine.add([Sequence(tokens=list(short), settings=GenerationSettings(max_new_tokens=1), max_len=256,
+                             seed=steps + 1)])
+        engine.step()
+        steps += 1
+        assert steps <= 16, "the long prompt is starved"
+    while engine.has_work():
+        engine.step()
+    assert first.new_tokens == plain_greedy(tiny_model, long, 4)
+
+
 def test_chunking_off_prefills_each_prompt_in_one_pass(tiny_model, tmp_path):
     long = (repetitive_prompts(64)[0] * 60)[:101]
     dec = _decoder(tiny_model, "ngram", tmp_path, chunk=0)

@@ -98,6 +98,8 @@ class Engine:
         #: prompt tokens per prefill pass, and at most per step while others decode (0: whole prompts)
         self.prefill_chunk = prefill_chunk
         self._filling: list[Sequence] = []  # admitted sequences still prefilling, first come first
+        self._prefill_steps = 0  # steps that prefilled: how long a prompt has waited (see _prefill_order)
+        self._filling_since: dict[int, int] = {}  # sequence id -> _prefill_steps when it joined
         waves = getattr(drafter, "api_version", 1) < 2
         self.scheduler = Scheduler(max_batch, max_waiting, waves=waves)
         self.verifier = Verifier(runner, target.vocab_size, target.device, who=drafter_label(drafter))
@@ -298,11 +300,12 @@ class Engine:
             if self.prefix is not None:
                 self.prefix.stats.queries += s.prompt_len
             self._filling.append(s)
+            self._filling_since[s.id] = self._prefill_steps
 
     def _prefill(self) -> None:
         """Prefill the newcomers' prompts (all but each one's last token) in chunks of
         ``prefill_chunk`` tokens, at most one chunk's worth of tokens per step, the prompt with the
-        fewest tokens left first (first come first among equals): a long prompt delays the running
+        fewest tokens left first, aged by how long it has waited (:meth:`_prefill_order`): a long prompt delays the running
         requests' next round by one chunk's pass, not by its whole prefill, and a request that
         arrives while it prefills waits one chunk's pass, not the rest of it, before its own
         prefill (a long prompt on an idle engine made short requests arriving after it wait 30 s
@@ -321,8 +324,9 @@ class Engine:
             for s in list(self._filling):
                 if s.prefilling:
                     self._guarded([s], self._from_prefix_cache)
+        self._prefill_steps += 1
         while self._filling:
-            s = min(self._filling, key=lambda t: t.prompt_len - 1 - t.cached)  # the first of the shortest
+            s = min(self._filling, key=self._prefill_order)
             if s.prefilling and self.prefix is not None:
                 self._guarded([s], self._from_prefix_cache)
             if s.prefilling:
@@ -336,6 +340,7 @@ class Engine:
                 continue  # it failed, and left (and left the queue)
             if not s.prefilling:
                 self._filling.remove(s)
+                self._filling_since.pop(s.id, None)
                 done.append(s)
         if done and self.wants_hidden:
             rows = [s for s in self.scheduler.running if not s.prefilling]
@@ -343,6 +348,15 @@ class Engine:
             for s in done:
                 s.prefill_states = []
             self._hand_hidden(self._context(rows), [states.get(s.id) for s in rows])
+
+    def _prefill_order(self, s: Sequence) -> int:
+        """Whose pass runs first (the least): the prompt tokens ``s`` has left to compute, less a
+        chunk for every step it has waited, so a newcomer's short prompt goes before a long one's
+        rest, and a long prompt that short ones keep overtaking still comes first in time (after
+        about as many steps as it has chunks left). Ties: first come first (``min`` keeps the
+        first)."""
+        waited = self._prefill_steps - self._filling_since.get(s.id, self._prefill_steps)
+        return (s.prompt_len - 1 - s.cached) - waited * (self.prefill_chunk or PREFILL_BUDGET)
 
     def _pass_end(self, s: Sequence) -> int:
         """Where ``s``'s next prefill pass ends: the next chunk boundary (offsets fixed by the
@@ -413,6 +427,7 @@ class Engine:
         """``s`` leaves the batch: its slot is free for the next newcomer, the drafter forgets it."""
         if s in self._filling:
             self._filling.remove(s)
+            self._filling_since.pop(s.id, None)
         if self.scheduler.release(s):
             try:
                 self._call("on_leave", s.id)
