@@ -46,10 +46,10 @@ class SpeculativeDecoder:
         prefix_caching: bool = True,
         prefix_cache_memory: int | str | None = None,
     ) -> None:
-        from .engine.prefix import DEFAULT_MEMORY, parse_memory
         from .drafters.api import Drafter
         from .engine import Engine, EngineLoop
         from .engine.engine import DEFAULT_PREFILL_CHUNK, release_openmp_workers
+        from .engine.prefix import DEFAULT_MEMORY, parse_memory
         from .plugins import get_registry
         from .runner import default_compile
         from .structured import Grammars

@@ -273,12 +273,10 @@ def special_texts(tokenizer) -> tuple[str, ...]:
     """The texts of ``tokenizer``'s control tokens: its BOS and EOS, and special tokens shaped
     ``<|...|>`` (ChatML's, Llama 3's). Special tokens that read as words (``<filename>``) are left
     out: a schema's description may well say them."""
-    texts = {getattr(tokenizer, name, None) for name in ("bos_token", "eos_token")}
-    texts |= set(getattr(tokenizer, "all_special_tokens", ()) or ())
-    for added in (getattr(tokenizer, "added_tokens_decoder", None) or {}).values():
-        if getattr(added, "special", False):
-            texts.add(str(added.content))
-    control = {getattr(tokenizer, "bos_token", None), getattr(tokenizer, "eos_token", None)}
+    control = {getattr(tokenizer, name, None) for name in ("bos_token", "eos_token")}
+    texts = control | set(getattr(tokenizer, "all_special_tokens", ()) or ())
+    texts |= {str(added.content) for added in (getattr(tokenizer, "added_tokens_decoder", None) or {}).values()
+              if getattr(added, "special", False)}
     return tuple(sorted(t for t in texts if isinstance(t, str) and len(t) >= 2
                         and (t in control or (t.startswith("<|") and t.endswith("|>")))))
 

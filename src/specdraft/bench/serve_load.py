@@ -219,9 +219,8 @@ def run_level(url: str, requests: list[Request], concurrency: int) -> float:
                     return
                 history = [{"role": "system", "content": turns[0].system}] if turns[0].system else []
                 for req in turns:
-                    if len(turns) > 1 or req.system:
-                        history.append({"role": "user", "content": req.prompt})
-                        req.messages = list(history)
+                    history.append({"role": "user", "content": req.prompt})
+                    req.messages = list(history)
                     send(client, url, req)
                     if not req.finished:
                         break  # the conversation cannot go on without the answer
@@ -495,7 +494,7 @@ def markdown(results: dict) -> str:
                      f"| {r['tokens_per_second']:.1f} | {speedup} | {_pair(r['ttft_ms'], '.0f')} "
                      f"| {_pair(r['itl_ms'], '.1f')} | {_gap_pair(r.get('gap_ms'))} | {_pair(r['e2e_s'], '.2f')} | {_fmt(r['tokens_per_pass'], '.2f')} "
                      f"| {_prediction(r)} | {_fmt(r['mismatches'], 'd')} |")
-    turns = [r for r in results["load"] if r.get("hit_rate") is not None or r.get("later_turns_ttft_ms", {}).get("p50")]
+    turns = [r for r in results["load"] if r.get("later_turns_ttft_ms", {}).get("p50") is not None]
     if turns:
         lines += ["", "## Multi-turn conversations: the prefix cache", "",
                   "| drafter | concurrency | hit rate, turns 2+ | TTFT p50 / p90, first turns (ms) "
@@ -587,8 +586,9 @@ def _token_counter(target: str | None) -> Callable[[str], int]:
     return lambda text: len(tokenizer.encode(text, add_special_tokens=False))
 
 
-def _check(args) -> tuple[dict[str, str], dict[str, dict[str, str]], list[dict]]:
-    """Everything that can fail before a model loads: ``(methods, options, questions)``."""
+def _check(args) -> tuple[dict[str, str], dict[str, dict[str, str]], list[dict], list[int]]:
+    """Everything that can fail before a model loads: ``(methods, options, questions, where each
+    level's questions start)``."""
     missing = [m for m in ("fastapi", "uvicorn", "prometheus_client", "httpx") if importlib.util.find_spec(m) is None]
     if missing:
         raise SpecdraftError(f"bench-serve needs {', '.join(missing)}: pip install 'specdraft[serve]' httpx")
@@ -627,15 +627,19 @@ def _check(args) -> tuple[dict[str, str], dict[str, dict[str, str]], list[dict]]
     for label, drafter in methods.items():
         get_registry().validate_options(drafter, options.get(label))
     questions = _round_robin(load_questions(args.questions))
-    _level_starts(args, len(questions))  # enough conversations for every level, before any server starts
-    return methods, options, questions
+    return methods, options, questions, _level_starts(args, len(questions))
+
+
+def _per_level(args, level: int) -> int:
+    """Requests (conversations, with --multi-turn) sent at concurrency ``level``."""
+    return args.num_prompts or max(8, 2 * level)
 
 
 def _level_starts(args, available: int) -> list[int]:
     """Where each level's questions start: at 0 for every level, or with --multi-turn after the
     conversations of the levels before (a conversation sent again would find its every turn in
     the prefix cache, which no client does); ConfigError when the file has too few."""
-    counts = [args.num_prompts or max(8, 2 * level) for level in args.levels]
+    counts = [_per_level(args, level) for level in args.levels]
     if not args.multi_turn:
         return [0] * len(counts)
     if sum(counts) > available:
@@ -646,7 +650,7 @@ def _level_starts(args, available: int) -> list[int]:
 
 
 def bench_serve(args) -> int:
-    methods, options, questions = _check(args)
+    methods, options, questions, starts = _check(args)
     out = Path(args.output)
     out.mkdir(parents=True, exist_ok=True)
     count_tokens = _token_counter(args.target)
@@ -666,18 +670,17 @@ def bench_serve(args) -> int:
             run_level(url, [Request(i, q["question_id"], q["prompt"], 8)
                             for i, q in enumerate(questions[:min(args.max_batch, max(args.levels))])],
                       min(args.max_batch, max(args.levels)))
-        for level, first in zip(args.levels, _level_starts(args, len(questions))):
-            n = args.num_prompts or max(8, 2 * level)
+        for level, first in zip(args.levels, starts):
             for label, url in urls.items():
-                requests = requests_for(label, questions[first:], n, args.max_tokens, args.multi_turn)
+                requests = requests_for(label, questions[first:], _per_level(args, level), args.max_tokens,
+                                        args.multi_turn)
                 wall = run_level(url, requests, level)
                 rows.append(summarize_level(label, level, requests, wall, count_tokens))
                 r = rows[-1]
                 print(f"bench-serve: {label} at concurrency {level}: {r['finished']}/{r['requests']} finished, "
                       f"{r['tokens_per_second']:.1f} tokens/s", file=sys.stderr)
     compare_with_plain(rows)
-    sent = questions[:max(first + (args.num_prompts or max(8, 2 * level))
-                          for level, first in zip(args.levels, _level_starts(args, len(questions))))]
+    sent = questions[:max(first + _per_level(args, level) for level, first in zip(args.levels, starts))]
     results = {"environment": environment(args, model, sent), "load": rows}
     if args.fixed_batch:
         print(f"bench-serve: fixed-batch waves against continuous batching, {args.fixed_batch} requests",

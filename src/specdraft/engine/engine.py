@@ -28,7 +28,6 @@ from dataclasses import dataclass, field
 
 import torch
 
-from .prefix import DEFAULT_MEMORY, PrefixCache
 from ..errors import DrafterError, SpecdraftError
 from ..sampling import RowSampling, TokenCounts
 from ..types import DraftContext, TargetInfo, TargetRunner
@@ -37,6 +36,7 @@ from .processors import GrammarMasks, HoldStops, LogitBias, RowState, process
 from .logprobs import round_logprobs
 from .output import first_stop, stop_floor
 from .policy import AdaptiveDraftLength
+from .prefix import DEFAULT_MEMORY, PrefixCache
 from .report import Observer, StepReport, finish_report, notify, prefill_report, round_report
 from .scheduler import Scheduler
 from .sequence import Sequence, Status, mix_seed
@@ -99,7 +99,6 @@ class Engine:
         self.prefill_chunk = prefill_chunk
         self._filling: list[Sequence] = []  # admitted sequences still prefilling, first come first
         self._prefill_steps = 0  # steps that prefilled: how long a prompt has waited (see _prefill_order)
-        self._filling_since: dict[int, int] = {}  # sequence id -> _prefill_steps when it joined
         waves = getattr(drafter, "api_version", 1) < 2
         self.scheduler = Scheduler(max_batch, max_waiting, waves=waves)
         self.verifier = Verifier(runner, target.vocab_size, target.device, who=drafter_label(drafter))
@@ -296,11 +295,8 @@ class Engine:
         self.runner.cache.set_lengths([0] * len(joined), slots=[s.slot for s in joined])
         for s in joined:
             self._call("on_join", s.id, list(s.tokens))
-            s.cached, s.prefix_block = 0, None
-            if self.prefix is not None:
-                self.prefix.stats.queries += s.prompt_len
+            s.cached, s.prefix_block, s.filling_since = 0, None, self._prefill_steps
             self._filling.append(s)
-            self._filling_since[s.id] = self._prefill_steps
 
     def _prefill(self) -> None:
         """Prefill the newcomers' prompts (all but each one's last token) in chunks of
@@ -327,7 +323,7 @@ class Engine:
         self._prefill_steps += 1
         while self._filling:
             s = min(self._filling, key=self._prefill_order)
-            if s.prefilling and self.prefix is not None:
+            if s.prefilling and self.prefix is not None and budget < chunk:  # a pass this step may have kept its next
                 self._guarded([s], self._from_prefix_cache)
             if s.prefilling:
                 end = self._pass_end(s)
@@ -340,7 +336,6 @@ class Engine:
                 continue  # it failed, and left (and left the queue)
             if not s.prefilling:
                 self._filling.remove(s)
-                self._filling_since.pop(s.id, None)
                 done.append(s)
         if done and self.wants_hidden:
             rows = [s for s in self.scheduler.running if not s.prefilling]
@@ -355,7 +350,7 @@ class Engine:
         rest, and a long prompt that short ones keep overtaking still comes first in time (after
         about as many steps as it has chunks left). Ties: first come first (``min`` keeps the
         first)."""
-        waited = self._prefill_steps - self._filling_since.get(s.id, self._prefill_steps)
+        waited = self._prefill_steps - s.filling_since
         return (s.prompt_len - 1 - s.cached) - waited * (self.prefill_chunk or PREFILL_BUDGET)
 
     def _pass_end(self, s: Sequence) -> int:
@@ -383,7 +378,6 @@ class Engine:
             self.runner.cache.set_lengths([s.cached], slots=[s.slot])
             s.stats.cached_tokens += s.cached - start
             s.stats.prefill_time_s += time.perf_counter() - began
-            self.prefix.stats.hits += s.cached - start
 
     def _prefill_chunk(self, s: Sequence, end: int) -> None:
         """One pass of ``s``'s prompt tokens ``cached:end`` into its cache row (and into the
@@ -427,7 +421,6 @@ class Engine:
         """``s`` leaves the batch: its slot is free for the next newcomer, the drafter forgets it."""
         if s in self._filling:
             self._filling.remove(s)
-            self._filling_since.pop(s.id, None)
         if self.scheduler.release(s):
             try:
                 self._call("on_leave", s.id)

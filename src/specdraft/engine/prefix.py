@@ -65,10 +65,9 @@ class Block:
 
 @dataclass
 class PrefixStats:
-    """What the cache has done since it was made (tokens; vLLM's ``prefix_cache_queries`` and ``_hits``)."""
+    """Blocks the cache has stored and evicted since it was made (the requests' hits are their
+    own ``stats.cached_tokens``, which the server's metrics count)."""
 
-    queries: int = 0
-    hits: int = 0
     stored_blocks: int = 0
     evicted_blocks: int = 0
 
@@ -113,8 +112,10 @@ class PrefixCache:
         if not self.alive(parent):
             return None
         key = self._key(parent, tokens)
-        if key in self.blocks:
-            return self.find(parent, tokens)
+        block = self.blocks.get(key)
+        if block is not None:  # kept already (by a request with the same beginning)
+            self.blocks.move_to_end(key)
+            return block
         nbytes = len(key[1]) * self.token_bytes + (0 if hidden is None else hidden.numel() * hidden.element_size())
         while self.used + nbytes > self.memory:
             if not self._evict_one(keep=parent):
@@ -141,12 +142,6 @@ class PrefixCache:
                     block.parent.children -= 1
                 return True
         return False
-
-    def clear(self) -> None:
-        while self.blocks:
-            key, block = self.blocks.popitem()
-            self.store.drop_block(block.id)
-        self.used = 0
 
 
 __all__ = ["DEFAULT_MEMORY", "Block", "PrefixCache", "PrefixStats", "parse_memory"]

@@ -106,6 +106,8 @@ class Sequence:
     #: the prefix cache's block of the prompt pass that ends at ``cached`` while prefilling (the
     #: next pass is looked up and kept after it); None: at the start, or the chain broke
     prefix_block: "Block | None" = field(default=None, repr=False)
+    #: the engine's prefill step count when it joined: how long its prompt has waited (the prefill order)
+    filling_since: int = 0
     stats: GenerationStats = field(default_factory=GenerationStats)
     events: Outbox = field(default_factory=Outbox)
     submitted: float = field(default_factory=time.perf_counter)

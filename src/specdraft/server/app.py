@@ -35,7 +35,7 @@ from ..types import LOGPROBS_MODES, TargetInfo
 from .bodies import DEFAULT_MAX_REQUEST_BYTES
 from .chat import ChatCompletion
 from .completions import Completion
-from .errors import APIError, BodyErrors, as_api_error, invalid
+from .errors import APIError, as_api_error, body_errors, invalid
 from .logprobs import TokenTexts
 from .metrics import ServerMetrics
 from .outputs import OutputLoop
@@ -189,7 +189,7 @@ class _Server(GeneratingRoutes, TokenizeRoutes):
         return self.error(exc).response()
 
     async def _on_invalid_body(self, request: Request, exc: RequestValidationError) -> JSONResponse:
-        return self.error(invalid(BodyErrors(exc))).response()
+        return self.error(invalid(body_errors(exc))).response()
 
     async def _on_http_error(self, request: Request, exc: StarletteHTTPException) -> JSONResponse:
         code = {404: "not_found", 405: "method_not_allowed"}.get(exc.status_code)

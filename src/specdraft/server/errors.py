@@ -60,25 +60,20 @@ def as_api_error(exc: BaseException) -> APIError:
                     type="server_error", code="internal_error")
 
 
-class _Errors:
-    """pydantic's errors, as a ValidationError's ``errors()`` gives them."""
+class ValidationErrors:
+    """pydantic's errors, with ``errors()`` as a ValidationError has it (what :func:`invalid` reads)."""
 
-    def __init__(self, errors: list[dict]) -> None:
-        self._errors = errors
+    def __init__(self, errors) -> None:
+        self._errors = list(errors)
 
     def errors(self) -> list[dict]:
         return self._errors
 
 
-class BodyErrors:
+def body_errors(exc: RequestValidationError) -> ValidationErrors:
     """A RequestValidationError's errors with the leading ``body`` dropped from each location."""
-
-    def __init__(self, exc: RequestValidationError) -> None:
-        self._errors = [dict(e, loc=tuple(e.get("loc", ()))[1:] if tuple(e.get("loc", ()))[:1] == ("body",)
-                             else tuple(e.get("loc", ()))) for e in exc.errors()]
-
-    def errors(self) -> list[dict]:
-        return self._errors
+    return ValidationErrors(dict(e, loc=tuple(e.get("loc", ()))[1:] if tuple(e.get("loc", ()))[:1] == ("body",)
+                                 else tuple(e.get("loc", ()))) for e in exc.errors())
 
 
 
@@ -86,7 +81,7 @@ def invalid(exc, what: str = "invalid request", data: Any = None) -> APIError:
     """A 400 from pydantic's errors (``exc.errors()``), naming the first parameter at fault (an
     unknown one first: ``unknown parameter 'X'``). With ``data`` (the request's JSON), the name
     stops where the body does (pydantic adds a union member's type to the location)."""
-    everything = _Errors([dict(e, loc=client_loc(e.get("loc", ()))) for e in exc.errors()])
+    everything = ValidationErrors(dict(e, loc=client_loc(e.get("loc", ()))) for e in exc.errors())
     errors = [e for e in everything.errors() if e["loc"]]
     unknown = [e for e in errors if e.get("type") == "extra_forbidden"]
     if unknown:

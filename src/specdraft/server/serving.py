@@ -64,16 +64,15 @@ def request_usage(streams: list, results: list) -> UsageInfo:
     """The usage of a request's choices (``streams``, their ``results``): the prompt once, the
     completions summed."""
     stream, result = streams[0], results[0]
+    stats = result.stats if result is not None else stream.seq.stats
     prompt = result.stats.prompt_tokens if result is not None else stream.prompt_tokens
     completion = sum(len(r.token_ids) for r in results if r is not None)
     details = None
     if stream.seq.prediction is not None:  # OpenAI's Predicted Outputs usage
-        stats = result.stats if result is not None else stream.seq.stats
         details = CompletionTokensDetails(accepted_prediction_tokens=stats.accepted_prediction_tokens,
                                           rejected_prediction_tokens=stats.rejected_prediction_tokens)
-    cached = (result.stats if result is not None else stream.seq.stats).cached_tokens
     return UsageInfo(prompt_tokens=prompt, completion_tokens=completion, total_tokens=prompt + completion,
-                     prompt_tokens_details=PromptTokensDetails(cached_tokens=cached),
+                     prompt_tokens_details=PromptTokensDetails(cached_tokens=stats.cached_tokens),
                      completion_tokens_details=details)
 
 
