@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import copy
+
 from typing import Any, Callable, Mapping, Sequence
 
 from .errors import ConfigError
@@ -45,6 +47,8 @@ class SpeculativeDecoder:
         tensor_parallel: int = 1,
         prefix_caching: bool = True,
         prefix_cache_memory: int | str | None = None,
+        chat_template: str | None = None,
+        tool_call_parser: str | None = None,
     ) -> None:
         from .drafters.api import Drafter
         from .engine import Engine, EngineLoop
@@ -69,6 +73,15 @@ class SpeculativeDecoder:
         if not isinstance(prefix_caching, bool):
             raise ConfigError(f"prefix_caching must be True or False, got {prefix_caching!r}")
         memory = parse_memory(DEFAULT_MEMORY if prefix_cache_memory is None else prefix_cache_memory)
+        from .tools import choose_parser, load_chat_template
+
+        if chat_template is not None:
+            if tokenizer is None:
+                raise ConfigError("chat_template needs a tokenizer (the decoder has none)", param="chat_template")
+            tokenizer = copy.copy(tokenizer)  # the caller's tokenizer keeps its own template
+            tokenizer.chat_template = load_chat_template(chat_template)
+        #: how ``tool_choice="auto"`` reads calls out of an output (:data:`specdraft.tools.PARSERS`; None: unknown)
+        self.tool_call_parser = choose_parser(tool_call_parser, tokenizer)
         self.model = model.eval()
         self.tokenizer = tokenizer
         #: why the target has its dtype (``from_pretrained`` says when it chose it)
@@ -129,6 +142,8 @@ class SpeculativeDecoder:
         tensor_parallel: int = 1,
         prefix_caching: bool = True,
         prefix_cache_memory: int | str | None = None,
+        chat_template: str | None = None,
+        tool_call_parser: str | None = None,
     ) -> "SpeculativeDecoder":
         """Load ``target`` (None = SmolLM2-135M-Instruct, offline; else hub id, folder or .gguf).
 
@@ -160,6 +175,11 @@ class SpeculativeDecoder:
         its output is the same bit for bit (see :mod:`specdraft.engine.prefix`). Results report
         ``stats.cached_tokens``.
 
+        ``chat_template``: the chat template to render conversations with, in place of the
+        tokenizer's (``"hermes"``, specdraft's ChatML template with tools; a file; or Jinja text).
+        ``tool_call_parser``: how :meth:`chat` with ``tool_choice="auto"`` reads calls out of an
+        output (``"hermes"`` or ``"llama3_json"``; None: the one the template's call format needs).
+
         ``tensor_parallel``: shard the target over this many ranks (processes started here, gloo
         on CPU, NCCL on GPUs ``device``, ``device + 1``, ...; or torchrun's, where ranks other
         than 0 follow rank 0 from this call and then exit): see docs/tensor-parallel.md.
@@ -175,7 +195,8 @@ class SpeculativeDecoder:
                       adaptive=adaptive, target_name=name,
                       compile=compile, quantize=quantize, max_batch=max_batch, max_waiting=max_waiting,
                       prefill_chunk=prefill_chunk, tensor_parallel=tensor_parallel,
-                      prefix_caching=prefix_caching, prefix_cache_memory=prefix_cache_memory)
+                      prefix_caching=prefix_caching, prefix_cache_memory=prefix_cache_memory,
+                      chat_template=chat_template, tool_call_parser=tool_call_parser)
         decoder.dtype_reason = "asked for" if dtype is not None else default_dtype(resolve_device(device))[1]
         return decoder
 
@@ -382,8 +403,38 @@ class SpeculativeDecoder:
         self._loop.submit(seqs)
         return streams[0] if settings.n == 1 else streams
 
+    def chat(self, messages: Sequence[Mapping[str, Any]], settings: GenerationSettings | None = None, *,
+             tools: Sequence[Mapping[str, Any]] | None = None, tool_choice: Any = None,
+             parallel_tool_calls: bool | None = None, chat_template_kwargs: Mapping[str, Any] | None = None,
+             **options) -> "ChatResult":
+        """The assistant's answer to a conversation (OpenAI's messages: ``system``, ``user``,
+        ``assistant`` with ``tool_calls``, ``tool`` with ``tool_call_id``), rendered by the chat template.
+
+        ``tools``, ``tool_choice`` (``"none"``, ``"auto"``, ``"required"`` or ``{"type": "function",
+        "function": {"name": ...}}``) and ``parallel_tool_calls`` as in OpenAI's API: see
+        :mod:`specdraft.tools` for how each is decoded (``required`` and a named function under a
+        grammar, so the call is plain decoding's under it). ``settings`` and ``options`` as in
+        :meth:`generate` (n=1). Returns a :class:`~specdraft.tools.ChatResult`: ``content``,
+        ``tool_calls``, ``finish_reason`` ("tool_calls" when the answer calls tools) and the
+        generation's ``result``.
+        """
+        from .tools import ChatResult, read_tools
+
+        request = read_tools(tools, tool_choice, parallel_tool_calls)
+        settings = GenerationSettings.of(settings, **options)
+        if settings.n != 1:
+            raise ConfigError("chat() answers one choice (n=1); call it again for more", param="n")
+        reader = None
+        if request is not None:
+            reader = request.stream(self.tool_call_parser)
+            settings = request.apply(settings)
+        ids = self.encode_chat(messages, chat_template_kwargs, tools=request)
+        result = self.generate_ids([ids], settings)[0]
+        return ChatResult.of(result, reader, request)
+
     def encode_chat(self, messages: Sequence[Mapping[str, Any]], chat_template_kwargs: Mapping[str, Any] | None = None,
-                    *, add_special_tokens: bool = False, check_text: Callable[[str], None] | None = None) -> list[int]:
+                    *, add_special_tokens: bool = False, check_text: Callable[[str], None] | None = None,
+                    tools=None) -> list[int]:
         """Token ids of a conversation (``[{"role": ..., "content": ...}, ...]``) through the chat
         template, ending with the assistant's turn to speak.
 
@@ -391,8 +442,12 @@ class SpeculativeDecoder:
         False}``; ``add_generation_prompt`` and ``continue_final_message`` are transformers' own);
         ``add_special_tokens``: whether the tokenizer adds its special tokens (BOS) to the rendered
         text (the template usually has them); ``check_text`` is called with the rendered text before
-        it is tokenized (the server refuses a text too long for the context there, untokenized).
+        it is tokenized (the server refuses a text too long for the context there, untokenized);
+        ``tools``: a :class:`~specdraft.tools.ToolRequest` whose functions the template shows the
+        model (ConfigError when the template shows no tools, or drops an assistant's tool calls).
         """
+        from .tools import check_template, template_messages
+
         if self.tokenizer is None or not getattr(self.tokenizer, "chat_template", None):
             raise ConfigError("this model has no chat template; use completions with a plain prompt", param="messages")
         if chat_template_kwargs is not None and (not isinstance(chat_template_kwargs, Mapping)
@@ -407,8 +462,12 @@ class SpeculativeDecoder:
         if reserved:
             raise ConfigError(f"chat_template_kwargs cannot set {', '.join(reserved)}: they are arguments of "
                               "apply_chat_template, not variables of the template", param="chat_template_kwargs")
+        check_template(self.tokenizer, tools is not None, messages)
+        if tools is not None:
+            options["tools"] = tools.template_tools()
+        messages = template_messages(messages)
         try:
-            text = self.tokenizer.apply_chat_template(list(messages), tokenize=False, **options)
+            text = self.tokenizer.apply_chat_template(messages, tokenize=False, **options)
         except Exception as exc:  # noqa: BLE001 - the template's own complaint, in one line
             raise ConfigError(f"the chat template cannot render these messages: {exc}", param="messages") from None
         if check_text is not None:

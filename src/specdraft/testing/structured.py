@@ -16,15 +16,16 @@ MERGES = (("y", "e"), ("ye", "s"), ("n", "o"), ("r", "e"), ("re", "d"), ("b", "l
 EOS = 2
 
 
-def tiny_bpe_tokenizer():
-    """A byte-level BPE tokenizer of 37 ids (``<pad> <s> </s>``, then :data:`PIECES`) whose text is
-    the concatenation of its tokens' (llguidance reads it; :func:`specdraft.testing.tiny_tokenizer`'s
-    word-level one it cannot). Words have several tokenizations ("yes": ``yes``, ``ye s``, ``y e s``)."""
+def tiny_bpe_tokenizer(extra=()):
+    """A byte-level BPE tokenizer of 37 ids (``<pad> <s> </s>``, then :data:`PIECES`, then the
+    byte-level characters ``extra``) whose text is the concatenation of its tokens' (llguidance
+    reads it; :func:`specdraft.testing.tiny_tokenizer`'s word-level one it cannot). Words have
+    several tokenizations ("yes": ``yes``, ``ye s``, ``y e s``)."""
     from tokenizers import AddedToken, Tokenizer, decoders, models, pre_tokenizers
     from transformers import PreTrainedTokenizerFast
 
     special = ["<pad>", "<s>", "</s>"]
-    vocab = {w: i for i, w in enumerate(special + list(PIECES))}
+    vocab = {w: i for i, w in enumerate(special + list(PIECES) + list(extra))}
     tok = Tokenizer(models.BPE(vocab, list(MERGES)))
     tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
     tok.decoder = decoders.ByteLevel()
