@@ -156,7 +156,7 @@ def test_bad_completion_requests(server, body, status, param, says):
     ({"messages": [{"content": "hi"}]}, "messages.0.role", "Field required"),
     ({"messages": [{"role": "user", "content": [{"type": "image_url"}]}]}, "messages.0.content",
      "only text parts"),
-    ({"messages": [{"role": "user", "content": "hi"}], "tools": [{"type": "function"}]}, "tools", "not supported"),
+    ({"messages": [{"role": "user", "content": "hi"}], "tools": [{"type": "function"}]}, "tools", "a tool must be"),
     ({"messages": [{"role": "user", "content": "hi"}], "response_format": {"type": "xml"}},
      "response_format", "response_format.type: must be one of"),  # structured output: test_structured_server.py
     ({"messages": [{"role": "user", "content": "hi"}], "max_completion_tokens": 500}, "max_completion_tokens",

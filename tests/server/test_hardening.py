@@ -362,14 +362,17 @@ def test_floats_take_integers_and_stop_strings_are_checked(server, real, fake_de
 
 @pytest.mark.parametrize("message, param, says", [
     ({"role": "xyz", "content": "hi"}, "messages.0.role", "unknown role 'xyz'"),
-    ({"role": "tool", "content": "hi"}, "messages.0.role", "no tool calling"),
-    ({"role": "tool", "content": "hi", "tool_call_id": "call_1"}, "messages.0.role", "no tool calling"),
-    ({"role": "function", "content": "hi", "name": "f"}, "messages.0.role", "no tool calling"),
+    ({"role": "tool", "content": "hi"}, "messages.0.tool_call_id", "needs tool_call_id"),
+    ({"role": "user", "content": "hi", "tool_call_id": "call_1"}, "messages.0.tool_call_id", "only a tool message"),
+    ({"role": "function", "content": "hi", "name": "f"}, "messages.0.role", "send tool messages"),
+    ({"role": "user", "content": "hi", "tool_calls": [{"id": "c"}]}, "messages.0.tool_calls", "only an assistant's"),
     ({"role": "user", "content": None}, "messages.0.content", "needs content"),
     ({"role": "system"}, "messages.0.content", "needs content"),
     ({"role": "user", "content": 5}, "messages.0.content", "content"),
     ({"role": "assistant", "content": "x", "tool_calls": [{"id": "c", "type": "function"}]},
-     "messages.0.tool_calls", "no tool calling"),
+     "messages.0.tool_calls.0", "a tool call must be"),
+    ({"role": "assistant", "content": None, "tool_calls": [{"id": "c", "type": "function", "function": {
+        "name": "f", "arguments": "{oops"}}]}, "messages.0.tool_calls.0.function.arguments", "not valid JSON"),
     ({"role": "assistant", "content": None, "refusal": "no"}, "messages.0.refusal", "not supported"),
     ({"role": "user", "content": [{"type": "text", "text": "hi", "cache_control": {}}]},
      "messages.0.content.0.cache_control", "unknown parameter"),

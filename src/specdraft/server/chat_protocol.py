@@ -18,9 +18,11 @@ class ChatCompletionRequest(SamplingRequest):
     #: the log-probability of each output token, and (``top_logprobs``) of the N most likely there
     logprobs: bool | None = None
     top_logprobs: int | None = Field(None, ge=0, le=MAX_LOGPROBS)
+    #: the functions the model may call, whether and which it must (see :mod:`specdraft.tools`)
     tools: list[Any] | None = None
     tool_choice: Any = None
-    functions: list[Any] | None = None
+    parallel_tool_calls: bool | None = None
+    functions: list[Any] | None = None  # OpenAI's deprecated form of tools: refused, naming tools
     function_call: Any = None
     reasoning_effort: str | None = None  # refused when set: the output would not follow it
     verbosity: str | None = None  # refused when set, as reasoning_effort
@@ -28,12 +30,11 @@ class ChatCompletionRequest(SamplingRequest):
     web_search_options: Any = None  # refused when set
     #: more variables for the chat template (vLLM's extension; e.g. {"enable_thinking": false})
     chat_template_kwargs: dict[str, Any] | None = None
-    # accepted without effect: specdraft stores nothing, has one service tier, no tools, no cache
-    # to key, and answers with text
+    # accepted without effect: specdraft stores nothing, has one service tier, keys its prefix cache
+    # by the tokens themselves, and answers with text
     store: bool | None = None
     metadata: dict[str, str] | None = None
     service_tier: str | None = None
-    parallel_tool_calls: bool | None = None
     prompt_cache_key: str | None = None
     modalities: list[Literal["text"]] | None = None  # only ["text"]
 
@@ -41,11 +42,18 @@ class ChatCompletionRequest(SamplingRequest):
     def requested_max_tokens(self) -> int | None:
         return self.max_completion_tokens if self.max_completion_tokens is not None else self.max_tokens
 
+    def tool_request(self):
+        """The request's :class:`~specdraft.tools.ToolRequest` (None: no tools); ConfigError naming the field."""
+        from ..tools import read_tools
+
+        return read_tools(self.tools, self.tool_choice, self.parallel_tool_calls)
+
+    def settings(self, max_new_tokens: int, logprobs_mode: str = "processed"):
+        settings = super().settings(max_new_tokens, logprobs_mode)
+        tools = self.tool_request()
+        return settings if tools is None else tools.apply(settings)
+
     def unsupported(self) -> str | None:
-        if self.tools:
-            return "tools"
-        if self.tool_choice not in (None, "none"):
-            return "tool_choice"
         if self.functions:
             return "functions"
         if self.function_call not in (None, "none"):
@@ -80,10 +88,22 @@ class ChatChoiceLogprobs(OpenAIBaseModel):
     refusal: list[ChatCompletionTokenLogprob] | None = None
 
 
+class FunctionCall(OpenAIBaseModel):
+    name: str
+    arguments: str  # JSON text
+
+
+class ToolCall(OpenAIBaseModel):
+    id: str
+    type: Literal["function"] = "function"
+    function: FunctionCall
+
+
 class ChatMessage(OpenAIBaseModel):
     role: Literal["assistant"] = "assistant"
-    content: str
+    content: str | None
     refusal: str | None = None
+    tool_calls: list[ToolCall] | None = None
 
 
 class ChatCompletionResponseChoice(OpenAIBaseModel):
@@ -104,9 +124,24 @@ class ChatCompletionResponse(OpenAIBaseModel):
     spec_decode: SpecDecodeInfo
 
 
+class DeltaFunctionCall(OpenAIBaseModel):
+    name: str | None = None
+    arguments: str | None = None
+
+
+class DeltaToolCall(OpenAIBaseModel):
+    """A piece of call ``index``: its first (``id``, ``type``, ``function.name``) or more of ``function.arguments``."""
+
+    index: int
+    id: str | None = None
+    type: Literal["function"] | None = None
+    function: DeltaFunctionCall
+
+
 class DeltaMessage(OpenAIBaseModel):
     role: Literal["assistant"] | None = None
     content: str | None = None
+    tool_calls: list[DeltaToolCall] | None = None
 
 
 class ChatCompletionResponseStreamChoice(OpenAIBaseModel):

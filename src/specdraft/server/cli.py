@@ -17,6 +17,7 @@ import socket
 import sys
 
 from ..errors import ConfigError, SpecdraftError
+from ..tools import PARSERS
 from ..types import LOGPROBS_MODES
 
 #: the extra's modules (pip names differ only for prometheus_client's dash)
@@ -72,6 +73,17 @@ def add_serve_parser(subparsers) -> argparse.ArgumentParser:
     p.add_argument("--prefix-cache-memory", default="1GiB", metavar="SIZE",
                    help="the most memory the prefix cache's blocks take beside the running requests' KV cache, "
                         "least recently used blocks evicted past it: bytes, or 512MiB, 2GB, ... (default: %(default)s)")
+    p.add_argument("--chat-template", default=None, metavar="TEMPLATE",
+                   help="the chat template to render messages with, in place of the tokenizer's: 'hermes' "
+                        "(specdraft's ChatML template with tools, Hermes-style calls), a file, or Jinja text (vLLM's "
+                        "flag; default: the tokenizer's)")
+    p.add_argument("--tool-call-parser", default=None, choices=PARSERS,
+                   help="how tool_choice 'auto' reads calls out of the model's text: hermes (<tool_call>{...}"
+                        "</tool_call>), llama3_json ({\"name\": ..., \"parameters\": ...}) (vLLM's flag; default: "
+                        "the one the chat template's call format needs, if it has one)")
+    p.add_argument("--enable-auto-tool-choice", action="store_true",
+                   help="accepted for vLLM's command lines: specdraft answers tool_choice 'auto' whenever it knows "
+                        "the model's call format (--tool-call-parser or the chat template)")
     p.add_argument("--api-key", default=os.environ.get("SPECDRAFT_API_KEY") or None, metavar="KEY",
                    help="require `Authorization: Bearer KEY` on every path but /health and /metrics (/v1, /tokenize, "
                         "/detokenize, /docs, /openapi.json) (default: $SPECDRAFT_API_KEY, else no key)")
@@ -189,6 +201,13 @@ def serve(args) -> int:
     except ConfigError as exc:
         raise ConfigError(f"--prefix-cache-memory: {exc}") from None
     _check_process_args(args)
+    if args.chat_template is not None:
+        from ..tools import load_chat_template
+
+        try:
+            load_chat_template(args.chat_template)
+        except ConfigError as exc:
+            raise ConfigError(f"--chat-template: {exc}") from None
     get_registry().validate_options(args.drafter, dict(args.drafter_options))
     sock = _bind(args.host, args.port)
     warning = _open_without_key(sock, args.api_key)
@@ -203,6 +222,7 @@ def serve(args) -> int:
             adaptive=not args.fixed_spec_length, compile=args.compile, quantize=args.quantize,
             max_batch=args.max_batch, max_waiting=args.max_waiting, prefill_chunk=args.chunked_prefill_size,
             tensor_parallel=args.tensor_parallel, prefix_caching=args.prefix_caching, prefix_cache_memory=prefix_memory,
+            chat_template=args.chat_template, tool_call_parser=args.tool_call_parser,
         )
         import uvicorn
 

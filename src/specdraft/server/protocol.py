@@ -5,7 +5,7 @@ silently dropped: request bodies (:class:`RequestModel`) refuse unknown fields (
 answers 400 ``unknown parameter``) and check types strictly (``max_tokens: true`` or ``stream:
 "yes"`` is a 400, not 1 or true; a float field takes an integer). The OpenAI fields that cannot
 change the output (``user``, ``store``, ``metadata``, ...) are declared and accepted without
-effect; the OpenAI parameters specdraft cannot honour (``echo``, ``tools``, ...)
+effect; the OpenAI parameters specdraft cannot honour (``echo``, ``functions``, ...)
 are declared so that :meth:`unsupported` can name them in a 400 when a request sets them. Two
 additions to OpenAI's responses: ``spec_decode`` (what speculation did for the request) and
 ``max_model_len`` on the model card (as vLLM).
@@ -314,17 +314,16 @@ class CompletionStreamResponse(OpenAIBaseModel):
 
 
 class ChatMessageParam(RequestModel):
-    # system, developer, user or assistant (the server checks it, and refuses tool and function)
+    # system, developer, user, assistant or tool (the server checks it)
     role: str
     # a string, or a list of content parts of which only {"type": "text", "text": ...} is supported;
     # None only for an assistant's message
     content: str | list[dict[str, Any]] | None = None
     name: str | None = None  # passed to the chat template (most templates leave it out)
-    # what an assistant's message echoed back from a response may hold: accepted when empty
-    refusal: str | None = None
-    tool_calls: list[Any] | None = None
-    function_call: Any = None
-    tool_call_id: str | None = None
+    refusal: str | None = None  # what an assistant's message echoed back may hold: accepted when empty
+    function_call: Any = None  # as refusal
+    tool_calls: list[Any] | None = None  # an assistant's calls: [{"id", "type": "function", "function": {...}}]
+    tool_call_id: str | None = None  # a tool message's: the call it answers
 
 
 # -- /tokenize and /detokenize (vLLM's) ---------------------------------------------------------
@@ -342,6 +341,7 @@ class TokenizeChatRequest(RequestModel):
     add_generation_prompt: bool = True  # as /v1/chat/completions renders the messages
     add_special_tokens: bool = False  # the template has them
     chat_template_kwargs: dict[str, Any] | None = None
+    tools: list[Any] | None = None  # shown to the model as a chat request's are
 
 
 class TokenizeResponse(OpenAIBaseModel):

@@ -122,15 +122,32 @@ class Reply:
         """The requested completion length (None: ``default_max_tokens``) and the parameter that set it."""
         return body.max_tokens, "max_tokens"
 
+    def prepare(self, body, decoder) -> None:
+        """Read what shapes the answer from the request before it is submitted (ConfigError: a 400)."""
+
     def opening(self, index: int = 0) -> list:
         """Choice ``index``'s streamed choices sent before its first token, one chunk each."""
         return []
+
+    def chunk_choices(self, chunk, index: int) -> list:
+        """The streamed choices (one chunk each) of a burst of choice ``index``."""
+        logprobs = self.chunk_logprobs(chunk, index)  # those of the tokens its text completes
+        return [_indexed(self.stream_choice(chunk.text, logprobs=logprobs), index)] if chunk.text else []
+
+    def closing_choices(self, index: int, result) -> list:
+        """The streamed choices that end choice ``index`` (the last with its finish reason)."""
+        last = self.stream_choice(None, openai_finish_reason(result), logprobs=self.chunk_logprobs(index=index))
+        return [_indexed(last, index)]
+
+    def whole_choice(self, index: int, result):
+        """Choice ``index`` of the whole answer."""
+        return self.choice(result.text or "", openai_finish_reason(result))
 
     def whole(self, streams: list, results: list) -> dict:
         """The whole answer: a choice per result (``index`` in order)."""
         choices = []
         for index, result in enumerate(results):
-            choice = self.choice(result.text or "", openai_finish_reason(result))
+            choice = self.whole_choice(index, result)
             choice.index, choice.logprobs = index, self.whole_logprobs(result)
             choices.append(choice)
         return self.response(id=self.id, created=self.created, model=self.model, choices=choices,
@@ -159,8 +176,12 @@ class GeneratingRoutes:
             body = await parse(request, kind.request, self.max_request_bytes)
             started = time.monotonic()
             settings = self.check_model(body, kind)
-            streams = await self.submit(body, kind, settings)
             reply = kind(self.served, None if body.requested_logprobs() is None else self.token_texts)
+            try:
+                reply.prepare(body, self.decoder)
+            except ConfigError as exc:
+                raise APIError(400, str(exc), param=config_param(exc, kind.prompt_param)) from None
+            streams = await self.submit(body, kind, settings)
             if body.stream:
                 return self.event_stream(streams, started, reply, body.include_usage)
             results = []
@@ -296,15 +317,16 @@ class GeneratingRoutes:
                         yield reply.event([choice])
                 async for index, chunk in self._merged(streams, started):
                     if chunk is not None:
-                        logprobs = reply.chunk_logprobs(chunk, index)  # those of the tokens its text completes
-                        if chunk.text:
-                            yield reply.event([self._indexed(reply.stream_choice(chunk.text, logprobs=logprobs), index)])
+                        for choice in reply.chunk_choices(chunk, index):
+                            yield reply.event([choice])
                         continue
                     result = streams[index].result  # choice ``index`` ended
                     settled.add(index)
                     self.finished(started, result)
-                    last = reply.stream_choice(None, openai_finish_reason(result), logprobs=reply.chunk_logprobs(index=index))
-                    yield reply.event([self._indexed(last, index)], spec_decode=SpecDecodeInfo.from_stats(result.stats))
+                    *choices, last = reply.closing_choices(index, result)
+                    for choice in choices:
+                        yield reply.event([choice])
+                    yield reply.event([last], spec_decode=SpecDecodeInfo.from_stats(result.stats))
                 if include_usage:
                     results = [stream.result for stream in streams]
                     yield reply.event([], usage=request_usage(streams, results),
@@ -330,7 +352,7 @@ class GeneratingRoutes:
                     live.remove(index)
                 yield index, chunk
 
-    @staticmethod
-    def _indexed(choice, index: int):
-        choice.index = index
-        return choice
+
+def _indexed(choice, index: int):
+    choice.index = index
+    return choice

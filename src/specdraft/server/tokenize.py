@@ -6,6 +6,7 @@ from fastapi import Request
 
 from ..errors import ConfigError
 from .bodies import parse, read_json, validate
+from ..tools import read_tools
 from .chat import chat_messages, template_kwargs
 from .errors import APIError, config_param
 from .protocol import DetokenizeRequest, DetokenizeResponse, TokenizeChatRequest, TokenizeCompletionRequest, TokenizeResponse
@@ -29,8 +30,10 @@ class TokenizeRoutes:
                            **template_kwargs(body.chat_template_kwargs)}
 
                 def encode() -> list[int]:
+                    tools = {} if body.tools is None else {"tools": read_tools(body.tools)}
                     return self.decoder.encode_chat(messages, options, add_special_tokens=body.add_special_tokens,
-                                                    check_text=lambda text: self.check_length(text, "messages"))
+                                                    check_text=lambda text: self.check_length(text, "messages"),
+                                                    **tools)
             else:
                 self.check_length(body.prompt, "prompt")
 
