@@ -23,7 +23,9 @@ def parse_drafter_option(text: str) -> tuple[str, str, str]:
 def decoder_args(p: argparse.ArgumentParser) -> None:
     """The target and its drafter: what every command that builds a decoder takes."""
     p.add_argument("--target", default=None,
-                   help="hub id, local folder or .gguf file (default: SmolLM2-135M-Instruct, offline)")
+                   help="hub id, local folder or .gguf file (default: SmolLM2-135M-Instruct, offline); a speculators "
+                        "checkpoint serves its verifier with the checkpoint as the drafter "
+                        "(docs/coming-from-vllm.md)")
     p.add_argument("--drafter", default=None, help="drafter name (see `specdraft drafters`; default: ngram)")
     p.add_argument("--drafter-option", dest="drafter_options", action="append", type=parse_option, default=[],
                    metavar="KEY=VALUE", help="an option for the drafter (repeatable)")
@@ -70,12 +72,21 @@ def structured_args(p: argparse.ArgumentParser) -> None:
 
 
 def resolve_drafter(args: argparse.Namespace) -> None:
-    """``args.drafter``, ``args.spec_length`` and ``args.drafter_options`` as asked for by
-    ``--speculative-config`` or by those flags (their defaults filled in); ConfigError for both."""
+    """``args.drafter``, ``args.spec_length`` and ``args.drafter_options`` as asked for by a
+    speculators checkpoint given as ``--target`` (which becomes its verifier), by
+    ``--speculative-config`` or by those flags (their defaults filled in);
+    ConfigError for two of them."""
     from .speculative_config import CLI_NAMES, choose_drafter
+    from .speculators import read_checkpoint
 
-    choice = choose_drafter(args.drafter, args.spec_length, dict(args.drafter_options) or None,
-                            args.speculative_config, CLI_NAMES)
+    checkpoint = read_checkpoint(args.target)
+    if checkpoint is not None:
+        choice = checkpoint.choose(args.drafter, args.spec_length, dict(args.drafter_options) or None,
+                                   args.speculative_config, CLI_NAMES)
+        args.target = checkpoint.verifier
+    else:
+        choice = choose_drafter(args.drafter, args.spec_length, dict(args.drafter_options) or None,
+                                args.speculative_config, CLI_NAMES)
     args.drafter, args.spec_length, args.drafter_options = choice.drafter, choice.spec_length, list(choice.options.items())
 
 
@@ -86,16 +97,28 @@ def speculative_config_arg(p: argparse.ArgumentParser, what: str) -> None:
 
 def resolve_methods(args: argparse.Namespace, default_drafters: str, always: str = "") -> None:
     """``bench`` and ``bench-serve``: ``args.drafters``, ``args.spec_length`` and
-    ``args.drafter_options`` as ``--speculative-config`` asks for (its drafter, after ``always``),
-    or as given (their defaults filled in); ConfigError when the config comes with any of them."""
+    ``args.drafter_options`` as a speculators checkpoint given as ``--target`` (which becomes its
+    verifier) or ``--speculative-config`` ask for (that drafter, after ``always``),
+    or as given (their defaults filled in); ConfigError when one comes with another or with any of them."""
     from .speculative_config import choose_drafter
+    from .speculators import read_checkpoint
 
-    if args.speculative_config is None:
+    names = ("--speculative-config", "--drafters", "--spec-length", "--drafter-option")
+    checkpoint = read_checkpoint(args.target)
+    others = []  # options for drafters a checkpoint's does not run (refused by the command, naming them)
+    if checkpoint is not None:
+        others = [option for option in args.drafter_options if option[0] != checkpoint.drafter]
+        choice = checkpoint.choose(args.drafters, args.spec_length,
+                                   {key: value for drafter, key, value in args.drafter_options
+                                    if drafter == checkpoint.drafter} or None, args.speculative_config, names)
+        args.target = checkpoint.verifier
+    elif args.speculative_config is not None:
+        choice = choose_drafter(args.drafters, args.spec_length, args.drafter_options or None, args.speculative_config,
+                                names)
+    else:
         args.drafters = default_drafters if args.drafters is None else args.drafters
         args.spec_length = 4 if args.spec_length is None else args.spec_length
         return
-    choice = choose_drafter(args.drafters, args.spec_length, args.drafter_options or None, args.speculative_config,
-                            ("--speculative-config", "--drafters", "--spec-length", "--drafter-option"))
     args.drafters = ",".join(name for name in (always, choice.drafter) if name)
     args.spec_length = choice.spec_length
-    args.drafter_options = [(choice.drafter, key, value) for key, value in choice.options.items()]
+    args.drafter_options = [(choice.drafter, key, value) for key, value in choice.options.items()] + others
