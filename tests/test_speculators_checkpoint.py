@@ -159,6 +159,8 @@ def test_specdraft_serve_a_checkpoint(saved, tmp_path):
                                           "checkpoint, whose heads are its own"),
     (["--speculative-config", '{"method": "ngram"}'], "--speculative-config: the model '{eagle3}' is a speculators "
                                                       "checkpoint, which names the drafter (eagle3, its own heads)"),
+    (["--speculative-algorithm", "EAGLE3", "--speculative-draft-model-path", "x"],
+     "--speculative-algorithm: the model '{eagle3}' is a speculators checkpoint"),
     (["--target", "other"], "the model is given twice, as '{eagle3}' and as --target 'other'; give one"),
 ])
 def test_a_checkpoint_with_a_conflicting_drafter_is_one_line(saved, monkeypatch, capsys, argv, says):
