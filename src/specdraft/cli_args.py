@@ -26,8 +26,7 @@ def decoder_args(p: argparse.ArgumentParser) -> None:
     """The target and its drafter: what every command that builds a decoder takes."""
     p.add_argument("--target", default=None,
                    help="hub id, local folder or .gguf file (default: SmolLM2-135M-Instruct, offline); a speculators "
-                        "checkpoint serves its verifier with the checkpoint as the drafter "
-                        "(docs/coming-from-vllm.md)")
+                        "checkpoint loads its verifier, drafted by the checkpoint (docs/coming-from-vllm.md)")
     p.add_argument("--drafter", default=None, help="drafter name (see `specdraft drafters`; default: ngram)")
     p.add_argument("--drafter-option", dest="drafter_options", action="append", type=parse_option, default=[],
                    metavar="KEY=VALUE", help="an option for the drafter (repeatable)")
