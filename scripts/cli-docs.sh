@@ -35,7 +35,12 @@ cat <<'MD'
 - `--speculative-config JSON` takes vLLM's speculative config in place of `--drafter`,
   `--spec-length` and `--drafter-option` (`serve`, `bench` and `bench-serve` too), for example
   `--speculative-config '{"method": "ngram", "num_speculative_tokens": 4, "prompt_lookup_max": 3}'`;
-  [coming from vLLM](coming-from-vllm.md) maps every key.
+  [coming from vLLM](coming-from-vllm.md) maps every key. SGLang's flags
+  (`--speculative-algorithm EAGLE3 --speculative-draft-model-path MODEL --speculative-num-steps 5
+  ...`) do the same where they map ([coming from SGLang](coming-from-vllm.md#coming-from-sglang)).
+- `--target` may be a speculators checkpoint, as `vllm serve CHECKPOINT` takes it: its verifier is
+  the target and the checkpoint the drafter, with its `speculative_tokens`
+  ([serving a speculators checkpoint](coming-from-vllm.md#serving-a-speculators-checkpoint)).
 - `--stop` may be given several times; generation ends at the first string that appears,
   and the string itself is not printed. `--stop-token-id` (repeatable) ends it at a token id
   as end-of-sequence does (the token's text is not printed); `--ignore-eos` goes on past

@@ -8,7 +8,7 @@ import json
 import pytest
 
 from specdraft import ConfigError, SpeculativeDecoder
-from specdraft.cli import build_parser
+from specdraft.cli import build_parser, main
 from specdraft.cli_args import resolve_drafter
 from specdraft.speculative_config import read_speculative_config
 from specdraft.testing import plain_greedy, repetitive_prompts
@@ -124,3 +124,79 @@ def test_bench_and_bench_serve_run_what_a_config_configures(command, flags):
     assert _methods(command, ["--speculative-config", config]) == _methods(command, flags)
     with pytest.raises(ConfigError, match="give it or --drafters, not both"):
         _methods(command, ["--speculative-config", config, "--drafters", "ngram"])
+
+
+# -- SGLang's flags ---------------------------------------------------------------------------------
+
+#: (SGLang's flags, the equivalent specdraft flags)
+SGLANG_EQUIVALENT = [
+    (["--speculative-algorithm", "EAGLE3", "--speculative-draft-model-path", "org/eagle3-heads"],
+     ["--drafter", "eagle3", "--drafter-option", "heads=org/eagle3-heads"]),
+    (["--speculative-algorithm", "eagle", "--speculative-draft-model", "heads-dir", "--speculative-num-steps", "5"],
+     ["--drafter", "eagle", "--spec-length", "5", "--drafter-option", "heads=heads-dir"]),
+    (["--speculative-algorithm", "EAGLE3", "--speculative-draft-model-path", "h", "--speculative-num-steps", "3",
+      "--speculative-eagle-topk", "1", "--speculative-num-draft-tokens", "4"],
+     ["--drafter", "eagle3", "--spec-length", "3", "--drafter-option", "heads=h"]),
+    (["--speculative-algorithm", "EAGLE3", "--speculative-draft-model-path", "h", "--speculative-num-steps", "5",
+      "--speculative-eagle-topk", "4", "--speculative-num-draft-tokens", "8"],
+     ["--drafter", "eagle3", "--spec-length", "5", "--drafter-option", "heads=h", "--drafter-option", "tree_width=4",
+      "--drafter-option", "tree_budget=7"]),
+    (["--speculative-algorithm", "STANDALONE", "--speculative-draft-model-path", "HuggingFaceTB/SmolLM2-135M",
+      "--speculative-num-steps", "2"],
+     ["--drafter", "draft-model", "--spec-length", "2", "--drafter-option", "model=HuggingFaceTB/SmolLM2-135M"]),
+]
+
+
+@pytest.mark.parametrize("sglang, flags", SGLANG_EQUIVALENT)
+@pytest.mark.parametrize("command", ["generate", "serve"])
+def test_sglang_flags_configure_the_drafter_their_equivalents_do(command, sglang, flags):
+    assert _resolved(command, sglang) == _resolved(command, flags)
+
+
+@pytest.mark.parametrize("command", ["bench", "bench-serve"])
+def test_bench_and_bench_serve_take_sglang_flags(command):
+    sglang = ["--speculative-algorithm", "EAGLE3", "--speculative-draft-model-path", "h", "--speculative-num-steps",
+              "5", "--speculative-eagle-topk", "4", "--speculative-num-draft-tokens", "8"]
+    config = json.dumps({"method": "eagle3", "model": "h", "num_speculative_tokens": 5})
+    drafters, length, options = _methods(command, sglang)
+    assert (drafters, length) == _methods(command, ["--speculative-config", config])[:2]
+    assert options == {("eagle3", "heads", "h"), ("eagle3", "tree_width", "4"), ("eagle3", "tree_budget", "7")}
+    with pytest.raises(ConfigError, match="give them or --drafters, not both"):
+        _methods(command, [*sglang, "--drafters", "ngram"])
+
+
+EAGLE3 = ["--speculative-algorithm", "EAGLE3", "--speculative-draft-model-path", "h"]
+
+
+@pytest.mark.parametrize("argv, says", [
+    (["--speculative-num-steps", "3"], "--speculative-num-steps needs --speculative-algorithm (EAGLE, EAGLE3, "
+                                       "STANDALONE)"),
+    (["--speculative-algorithm", "NGRAM"], "--speculative-algorithm NGRAM: SGLang's n-gram cache of every request's "
+                                           "recent tokens, searched breadth-first, has no twin here; use --drafter "
+                                           "suffix"),
+    (["--speculative-algorithm", "NEXTN"], "does not run a model's own multi-token-prediction layers"),
+    (["--speculative-algorithm", "DFLASH"], "--speculative-algorithm DFLASH is not one specdraft has; it has EAGLE, "
+                                            "EAGLE3, STANDALONE"),
+    (["--speculative-algorithm", "EAGLE3"], "--speculative-algorithm EAGLE3 needs --speculative-draft-model-path"),
+    ([*EAGLE3, "--speculative-num-steps", "17"], "--speculative-num-steps must be from 1 to 16, got 17"),
+    ([*EAGLE3, "--speculative-eagle-topk", "9"], "--speculative-eagle-topk must be from 1 to 8, got 9"),
+    ([*EAGLE3, "--speculative-eagle-topk", "4", "--speculative-num-draft-tokens", "40"],
+     "--speculative-num-draft-tokens must be from 1 to 32, got 40"),
+    ([*EAGLE3, "--speculative-eagle-topk", "4"], "--speculative-eagle-topk 4 drafts a tree: give its size with "
+                                                 "--speculative-num-draft-tokens"),
+    ([*EAGLE3, "--speculative-eagle-topk", "4", "--speculative-num-draft-tokens", "1"],
+     "a tree verifies the last token and at least one drafted; give 2 or more"),
+    ([*EAGLE3, "--speculative-num-steps", "3", "--speculative-num-draft-tokens", "8"],
+     "--speculative-num-draft-tokens 8: a chain (--speculative-eagle-topk 1) of 3 steps verifies 4 tokens"),
+    ([*EAGLE3, "--drafter", "eagle3"], "--speculative-algorithm: SGLang's flags name the drafter and its settings; "
+                                       "give them or --drafter, not both"),
+    ([*EAGLE3, "--spec-length", "3"], "give them or --spec-length, not both"),
+    ([*EAGLE3, "--drafter-option", "tree_budget=4"], "give them or --drafter-option, not both"),
+    ([*EAGLE3, "--speculative-config", '{"method": "ngram"}'], "give them or --speculative-config, not both"),
+])
+@pytest.mark.parametrize("command", ["generate", "serve"])
+def test_sglang_flags_specdraft_cannot_honour_are_one_line(monkeypatch, capsys, command, argv, says):
+    monkeypatch.setattr("specdraft.models.load_target", lambda *a, **k: pytest.fail("the model was loaded"))
+    assert main([command, *argv, *(["hi"] if command == "generate" else [])]) == 2
+    err = [line for line in capsys.readouterr().err.splitlines() if line.strip()]
+    assert len(err) == 1 and says in err[0], err

@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import argparse
 
+from .errors import ConfigError
+
 
 def parse_option(text: str) -> tuple[str, str]:
     key, sep, value = text.partition("=")
@@ -23,7 +25,8 @@ def parse_drafter_option(text: str) -> tuple[str, str, str]:
 def decoder_args(p: argparse.ArgumentParser) -> None:
     """The target and its drafter: what every command that builds a decoder takes."""
     p.add_argument("--target", default=None,
-                   help="hub id, local folder or .gguf file (default: SmolLM2-135M-Instruct, offline)")
+                   help="hub id, local folder or .gguf file (default: SmolLM2-135M-Instruct, offline); a speculators "
+                        "checkpoint loads its verifier, drafted by the checkpoint (docs/coming-from-vllm.md)")
     p.add_argument("--drafter", default=None, help="drafter name (see `specdraft drafters`; default: ngram)")
     p.add_argument("--drafter-option", dest="drafter_options", action="append", type=parse_option, default=[],
                    metavar="KEY=VALUE", help="an option for the drafter (repeatable)")
@@ -33,6 +36,7 @@ def decoder_args(p: argparse.ArgumentParser) -> None:
                    help="vLLM's speculative config instead of --drafter, --spec-length and --drafter-option: "
                         "'{\"method\": \"eagle3\", \"model\": \"...\", \"num_speculative_tokens\": 3}' "
                         "(docs/coming-from-vllm.md)")
+    sglang_args(p)
     p.add_argument("--fixed-spec-length", action="store_true",
                    help="always draft K tokens instead of adapting to acceptance and verify cost")
 
@@ -69,33 +73,102 @@ def structured_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--regex", default=None, metavar="R", help="the answer matches the regular expression R")
 
 
-def resolve_drafter(args: argparse.Namespace) -> None:
-    """``args.drafter``, ``args.spec_length`` and ``args.drafter_options`` as asked for by
-    ``--speculative-config`` or by those flags (their defaults filled in); ConfigError for both."""
-    from .speculative_config import CLI_NAMES, choose_drafter
+def sglang_args(p: argparse.ArgumentParser) -> None:
+    """SGLang's speculative flags, in place of ``--drafter`` (``--drafters``), ``--spec-length`` and
+    ``--drafter-option`` (:func:`specdraft.speculative_config.read_sglang_flags`)."""
+    p.add_argument("--speculative-algorithm", default=None, metavar="NAME",
+                   help="SGLang's flags in place of the drafter's: EAGLE, EAGLE3 or STANDALONE (docs/coming-from-vllm.md)")
+    p.add_argument("--speculative-draft-model-path", "--speculative-draft-model", default=None, metavar="MODEL",
+                   help="SGLang's: the heads (EAGLE, EAGLE3) or draft model (STANDALONE), a folder or hub id")
+    p.add_argument("--speculative-num-steps", type=int, default=None, metavar="N", help="SGLang's: as --spec-length")
+    p.add_argument("--speculative-eagle-topk", type=int, default=None, metavar="K",
+                   help="SGLang's: K > 1 drafts a tree of K children per node (tree_width=K); 1: a chain")
+    p.add_argument("--speculative-num-draft-tokens", type=int, default=None, metavar="N",
+                   help="SGLang's: tokens a round verifies (a tree: tree_budget=N-1)")
 
-    choice = choose_drafter(args.drafter, args.spec_length, dict(args.drafter_options) or None,
-                            args.speculative_config, CLI_NAMES)
+
+def _sglang(args: argparse.Namespace, names: tuple[str, ...]):
+    """The drafter SGLang's flags ask for (None: none given); ConfigError when they come with
+    any of ``names`` (the config, the drafter, the draft length and the options)."""
+    from .speculative_config import SGLANG_FLAGS, read_sglang_flags
+
+    choice = read_sglang_flags(**{name: getattr(args, name, None) for name in SGLANG_FLAGS})
+    if choice is None:
+        return None
+    flag = next(SGLANG_FLAGS[name] for name in SGLANG_FLAGS if getattr(args, name) is not None)
+    values = (args.speculative_config, getattr(args, "drafters", getattr(args, "drafter", None)), args.spec_length,
+              args.drafter_options or None)
+    given = [name for name, value in zip(names, values) if value is not None]
+    if given:
+        raise ConfigError(f"{flag}: SGLang's flags name the drafter and its settings; give them or {given[0]}, "
+                          "not both", param="speculative_config")
+    return choice
+
+
+def resolve_drafter(args: argparse.Namespace) -> None:
+    """``args.drafter``, ``args.spec_length`` and ``args.drafter_options`` as asked for by a
+    speculators checkpoint given as ``--target`` (which becomes its verifier), by
+    ``--speculative-config``, by SGLang's flags or by those flags (their defaults filled in);
+    ConfigError for two of them."""
+    from .speculative_config import CLI_NAMES, choose_drafter
+    from .speculators import read_checkpoint
+
+    sglang = _sglang(args, CLI_NAMES)
+    checkpoint = read_checkpoint(args.target)
+    if checkpoint is not None:
+        if sglang is not None:
+            raise ConfigError(f"--speculative-algorithm: the model {checkpoint.source!r} is a speculators checkpoint, "
+                              f"which names the drafter ({checkpoint.drafter}, its own heads); leave SGLang's flags "
+                              f"out, or give the target {checkpoint.verifier!r} as the model with them",
+                              param="speculative_config")
+        choice = checkpoint.choose(args.drafter, args.spec_length, dict(args.drafter_options) or None,
+                                   args.speculative_config, CLI_NAMES)
+        args.target = checkpoint.verifier
+    elif sglang is not None:
+        choice = choose_drafter(sglang.drafter, sglang.spec_length, sglang.options)
+    else:
+        choice = choose_drafter(args.drafter, args.spec_length, dict(args.drafter_options) or None,
+                                args.speculative_config, CLI_NAMES)
     args.drafter, args.spec_length, args.drafter_options = choice.drafter, choice.spec_length, list(choice.options.items())
 
 
 def speculative_config_arg(p: argparse.ArgumentParser, what: str) -> None:
     p.add_argument("--speculative-config", default=None, metavar="JSON",
                    help=f"vLLM's speculative config: {what} (docs/coming-from-vllm.md)")
+    sglang_args(p)
 
 
 def resolve_methods(args: argparse.Namespace, default_drafters: str, always: str = "") -> None:
     """``bench`` and ``bench-serve``: ``args.drafters``, ``args.spec_length`` and
-    ``args.drafter_options`` as ``--speculative-config`` asks for (its drafter, after ``always``),
-    or as given (their defaults filled in); ConfigError when the config comes with any of them."""
+    ``args.drafter_options`` as a speculators checkpoint given as ``--target`` (which becomes its
+    verifier), ``--speculative-config`` or SGLang's flags ask for (that drafter, after ``always``),
+    or as given (their defaults filled in); ConfigError when one comes with another or with any of them."""
     from .speculative_config import choose_drafter
+    from .speculators import read_checkpoint
 
-    if args.speculative_config is None:
+    names = ("--speculative-config", "--drafters", "--spec-length", "--drafter-option")
+    sglang = _sglang(args, names)
+    checkpoint = read_checkpoint(args.target)
+    others = []  # options for drafters a checkpoint's does not run (refused by the command, naming them)
+    if checkpoint is not None:
+        if sglang is not None:
+            raise ConfigError(f"--speculative-algorithm: the model {checkpoint.source!r} is a speculators checkpoint, "
+                              f"which names the drafter ({checkpoint.drafter}, its own heads); leave SGLang's flags "
+                              "out", param="speculative_config")
+        others = [option for option in args.drafter_options if option[0] != checkpoint.drafter]
+        choice = checkpoint.choose(args.drafters, args.spec_length,
+                                   {key: value for drafter, key, value in args.drafter_options
+                                    if drafter == checkpoint.drafter} or None, args.speculative_config, names)
+        args.target = checkpoint.verifier
+    elif sglang is not None:
+        choice = choose_drafter(sglang.drafter, sglang.spec_length, sglang.options)
+    elif args.speculative_config is not None:
+        choice = choose_drafter(args.drafters, args.spec_length, args.drafter_options or None, args.speculative_config,
+                                names)
+    else:
         args.drafters = default_drafters if args.drafters is None else args.drafters
         args.spec_length = 4 if args.spec_length is None else args.spec_length
         return
-    choice = choose_drafter(args.drafters, args.spec_length, args.drafter_options or None, args.speculative_config,
-                            ("--speculative-config", "--drafters", "--spec-length", "--drafter-option"))
     args.drafters = ",".join(name for name in (always, choice.drafter) if name)
     args.spec_length = choice.spec_length
-    args.drafter_options = [(choice.drafter, key, value) for key, value in choice.options.items()]
+    args.drafter_options = [(choice.drafter, key, value) for key, value in choice.options.items()] + others

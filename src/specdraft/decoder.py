@@ -11,6 +11,7 @@ from .limits import check_spec_length
 from .models import encode_prompt
 from .settings import GenerationSettings, check_prompts, check_token_ids, is_int, token_id
 from .speculative_config import choose_drafter
+from .speculators import read_checkpoint
 from .types import GenerationResult, describe_target
 
 
@@ -147,6 +148,10 @@ class SpeculativeDecoder:
     ) -> "SpeculativeDecoder":
         """Load ``target`` (None = SmolLM2-135M-Instruct, offline; else hub id, folder or .gguf).
 
+        A speculators checkpoint as ``target`` (vLLM's format: see :mod:`specdraft.speculators`)
+        loads its verifier, drafted by the checkpoint's heads (``eagle3`` or ``eagle``) with its
+        ``speculative_tokens`` unless ``spec_length`` is given; ``drafter_options`` add to its heads.
+
         ``drafter`` (a registered name, default ``"ngram"``, or a :class:`~specdraft.Drafter`) with
         its ``drafter_options``; or ``speculative_config``, vLLM's (a dict or its JSON:
         ``{"method": "eagle3", "model": ..., "num_speculative_tokens": 3}``; see
@@ -188,6 +193,12 @@ class SpeculativeDecoder:
         from .runner.tp import follow_if_worker
 
         follow_if_worker(tensor_parallel, device)
+        checkpoint = read_checkpoint(target)
+        if checkpoint is not None:  # the verifier, drafted by the checkpoint
+            chosen = checkpoint.choose(drafter, spec_length, drafter_options, speculative_config)
+            target, drafter, spec_length = checkpoint.verifier, chosen.drafter, chosen.spec_length
+            drafter_options = chosen.options
+            speculative_config = None
         choose_drafter(drafter, spec_length, drafter_options, speculative_config)  # a bad one fails before loading
 
         model, tokenizer, name = load_target(target, dtype=dtype, device=device)

@@ -1,6 +1,7 @@
-"""vLLM's speculative configuration: one JSON object (``--speculative-config``, or
-``speculative_config=`` in the Python API) that names the speculation method and its settings,
-read into specdraft's drafter, draft length and drafter options (:class:`DrafterChoice`).
+"""Other servers' speculative settings, read into specdraft's drafter, draft length and drafter
+options (:class:`DrafterChoice`): vLLM's speculative configuration, one JSON object
+(``--speculative-config``, or ``speculative_config=`` in the Python API) that names the
+speculation method and its settings, and SGLang's flags (below).
 
 =============================  ==========================================================
 vLLM                           specdraft
@@ -21,6 +22,20 @@ As in vLLM, a config with a ``model`` and no ``method`` takes the method from th
 (``eagle3``, ``eagle``, ``medusa``, ``mlp_speculator`` in it), else ``draft_model``. Any other
 key, any other method and any value specdraft cannot honour is one :class:`ConfigError` naming
 it; nothing is ignored.
+
+SGLang's flags (:func:`read_sglang_flags`) read into the same :class:`DrafterChoice`:
+
+==================================  =========================================================
+SGLang                              specdraft
+==================================  =========================================================
+``--speculative-algorithm EAGLE``   ``--drafter eagle`` (EAGLE3: ``eagle3``; STANDALONE:
+                                    ``draft-model``)
+``--speculative-draft-model-path``  ``--drafter-option heads=`` (STANDALONE: ``model=``)
+``--speculative-num-steps``         ``--spec-length``
+``--speculative-eagle-topk K``      ``--drafter-option tree_width=K`` (K > 1; 1: a chain)
+``--speculative-num-draft-tokens``  ``--drafter-option tree_budget=N-1`` (a tree; a chain
+                                    verifies steps + 1)
+==================================  =========================================================
 """
 
 from __future__ import annotations
@@ -29,6 +44,7 @@ import json
 from dataclasses import dataclass, field
 from typing import Any, Mapping
 
+from .drafters.common.tree import MAX_TREE_BUDGET, MAX_TREE_WIDTH
 from .errors import ConfigError
 from .limits import MAX_SPEC_LENGTH
 
@@ -140,4 +156,78 @@ def choose_drafter(drafter: Any = None, spec_length: int | None = None, drafter_
     return DrafterChoice(choice.drafter, 4 if choice.spec_length is None else choice.spec_length, choice.options)
 
 
-__all__ = ["DrafterChoice", "METHODS", "choose_drafter", "read_speculative_config"]
+# -- SGLang's flags -------------------------------------------------------------------------------
+
+#: SGLang's flags that specdraft takes, by their argparse names
+SGLANG_FLAGS = {"speculative_algorithm": "--speculative-algorithm",
+                "speculative_draft_model_path": "--speculative-draft-model-path",
+                "speculative_num_steps": "--speculative-num-steps",
+                "speculative_eagle_topk": "--speculative-eagle-topk",
+                "speculative_num_draft_tokens": "--speculative-num-draft-tokens"}
+#: SGLang's algorithm -> the specdraft drafter that does it, and the option its draft model goes to
+SGLANG_ALGORITHMS = {"EAGLE": ("eagle", "heads"), "EAGLE3": ("eagle3", "heads"),
+                     "STANDALONE": ("draft-model", "model")}
+#: SGLang's algorithms that have no twin here, and what to use instead
+SGLANG_INSTEAD = {
+    "NGRAM": "SGLang's n-gram cache of every request's recent tokens, searched breadth-first, has no twin here; use "
+             "--drafter suffix (trees from this request's and earlier requests' tokens) or --drafter prompt-lookup "
+             "(this request's own tokens)",
+    "NEXTN": "specdraft does not run a model's own multi-token-prediction layers; use EAGLE or EAGLE3 heads",
+    "MTP": "specdraft does not run a model's own multi-token-prediction layers; use EAGLE or EAGLE3 heads",
+}
+
+
+def read_sglang_flags(speculative_algorithm: str | None = None, speculative_draft_model_path: str | None = None,
+                      speculative_num_steps: int | None = None, speculative_eagle_topk: int | None = None,
+                      speculative_num_draft_tokens: int | None = None) -> DrafterChoice | None:
+    """SGLang's speculative flags as the drafter they ask for (None: none given); ConfigError naming
+    the flag at fault.
+
+    ``--speculative-num-steps`` is the draft's depth (``--spec-length``); ``--speculative-eagle-topk``
+    K > 1 drafts EAGLE-2's dynamic tree with K children per node (``tree_width``), of
+    ``--speculative-num-draft-tokens`` N tokens verified with the last one (``tree_budget`` N - 1);
+    topk 1 (the default) drafts a chain, where SGLang verifies steps + 1 tokens.
+    """
+    given = {name: value for name, value in locals().items() if value is not None}
+    if not given:
+        return None
+    flag = SGLANG_FLAGS
+    if speculative_algorithm is None:
+        raise ConfigError(f"{flag[next(iter(given))]} needs --speculative-algorithm "
+                          f"({', '.join(SGLANG_ALGORITHMS)})", param=PARAM)
+    algorithm = speculative_algorithm.upper()
+    if algorithm in SGLANG_INSTEAD:
+        raise ConfigError(f"--speculative-algorithm {speculative_algorithm}: {SGLANG_INSTEAD[algorithm]}", param=PARAM)
+    if algorithm not in SGLANG_ALGORITHMS:
+        raise ConfigError(f"--speculative-algorithm {speculative_algorithm} is not one specdraft has; it has "
+                          f"{', '.join(SGLANG_ALGORITHMS)} (docs/coming-from-vllm.md)", param=PARAM)
+    drafter, option = SGLANG_ALGORITHMS[algorithm]
+    if not speculative_draft_model_path:
+        raise ConfigError(f"--speculative-algorithm {algorithm} needs --speculative-draft-model-path (the "
+                          f"{'draft model' if option == 'model' else 'heads'}: a folder or a hub id)", param=PARAM)
+    checked = {}
+    for name, high in (("speculative_num_steps", MAX_SPEC_LENGTH), ("speculative_eagle_topk", MAX_TREE_WIDTH),
+                       ("speculative_num_draft_tokens", MAX_TREE_BUDGET + 1)):
+        value = given.get(name)
+        if value is not None and not 1 <= value <= high:
+            raise ConfigError(f"{flag[name]} must be from 1 to {high}, got {value}", param=PARAM)
+        checked[name] = value
+    steps, topk, tokens = checked.values()
+    options: dict[str, Any] = {option: speculative_draft_model_path}
+    if topk is not None and topk > 1:
+        if tokens is None:
+            raise ConfigError(f"--speculative-eagle-topk {topk} drafts a tree: give its size with "
+                              "--speculative-num-draft-tokens (the tokens each round verifies)", param=PARAM)
+        if tokens < 2:
+            raise ConfigError(f"--speculative-num-draft-tokens {tokens}: a tree verifies the last token and at "
+                              "least one drafted; give 2 or more", param=PARAM)
+        options.update(tree_width=topk, tree_budget=tokens - 1)
+    elif tokens is not None and tokens != (steps or 4) + 1:
+        raise ConfigError(f"--speculative-num-draft-tokens {tokens}: a chain (--speculative-eagle-topk 1) of "
+                          f"{steps or 4} steps verifies {(steps or 4) + 1} tokens; give that, leave it out, or give "
+                          "--speculative-eagle-topk > 1 for a tree", param=PARAM)
+    return DrafterChoice(drafter, steps, options)
+
+
+__all__ = ["DrafterChoice", "METHODS", "SGLANG_FLAGS", "choose_drafter", "read_sglang_flags",
+           "read_speculative_config"]

@@ -50,6 +50,9 @@ def add_serve_parser(subparsers) -> argparse.ArgumentParser:
         description="Serve the target with speculative decoding over an OpenAI-compatible HTTP API "
                     "(/v1/completions, /v1/chat/completions, /v1/models, /health, /metrics); see docs/serving.md. "
                     "Needs pip install 'specdraft[serve]'.")
+    p.add_argument("model", nargs="?", default=None,
+                   help="the target, as --target (vLLM's `vllm serve MODEL`): a hub id, folder or .gguf file, or a "
+                        "speculators checkpoint, served as its verifier with the checkpoint as the drafter")
     decoder_args(p)
     device_args(p)
     p.add_argument("--host", default="127.0.0.1",
@@ -186,6 +189,11 @@ def serve(args) -> int:
     from ..plugins import get_registry
 
     # Cheap checks first, so a typo fails in a blink rather than after loading a model.
+    if args.model is not None:
+        if args.target is not None and args.target != args.model:
+            raise ConfigError(f"the model is given twice, as {args.model!r} and as --target {args.target!r}; give "
+                              "one")
+        args.target = args.model
     resolve_drafter(args)
     check_spec_length(args.spec_length)
     if args.max_batch < 1:

@@ -16,6 +16,8 @@ from ...types import Draft
 
 #: The most nodes a tree may have per row (a compiled runner's widest pass is 32 tokens).
 MAX_TREE_BUDGET = 31
+#: The most children a node of a tree may have.
+MAX_TREE_WIDTH = 8
 
 
 class TreeOptions(BaseModel):
@@ -26,7 +28,7 @@ class TreeOptions(BaseModel):
                              description="most draft nodes per round: several candidates verified in one pass with "
                                          "a tree mask (1: a single chain, as before); the engine's policy picks "
                                          "the budget that pays, up to this")
-    tree_width: int = Field(2, ge=1, le=8, description="children per node of a tree (tree_budget > 1)")
+    tree_width: int = Field(2, ge=1, le=MAX_TREE_WIDTH, description="children per node of a tree (tree_budget > 1)")
 
 
 def trie(candidates: Sequence[Sequence[int]], budget: int) -> list[tuple[int, int]]:

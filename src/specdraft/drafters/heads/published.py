@@ -152,18 +152,24 @@ def _name(target: TargetInfo) -> str:
     return repr(target.name or "target")
 
 
-def check_width(found: int, target: TargetInfo, where: Path, what: str) -> None:
+def _trained_for(base: str) -> str:
+    """``base``: the model the heads say they were trained for ("": unknown)."""
+    return f"they were trained for {base!r} (their verifier)" if base else "they were trained for another model"
+
+
+def check_width(found: int, target: TargetInfo, where: Path, what: str, base: str = "") -> None:
     if target.hidden_size and found != target.hidden_size:
         raise ConfigError(f"the heads in {where} {what} of width {found}, but target {_name(target)} has "
-                          f"{target.hidden_size}: they were trained for another model")
+                          f"{target.hidden_size}: {_trained_for(base)}")
 
 
-def check_vocab(found: int | None, target: TargetInfo, where: Path, what: str) -> None:
-    """Refuse heads made for a vocabulary of ``found`` tokens (None: unknown) when the target's differs."""
+def check_vocab(found: int | None, target: TargetInfo, where: Path, what: str, base: str = "") -> None:
+    """Refuse heads made for a vocabulary of ``found`` tokens (None: unknown) when the target's differs
+    (``base``: the model the heads name as theirs, for the message)."""
     sizes = {target.vocab_size, getattr(target.config, "vocab_size", None)}
     if found is not None and target.vocab_size and int(found) not in sizes:
         raise ConfigError(f"the heads in {where} are for a vocabulary of {int(found)} tokens ({what}), but target "
-                          f"{_name(target)} has {target.vocab_size}: they were trained for another model")
+                          f"{_name(target)} has {target.vocab_size}: {_trained_for(base)}")
 
 
 def _target_layers(target: TargetInfo) -> int | None:
@@ -235,13 +241,13 @@ def _eagle3(where: Path, target: TargetInfo, fields: dict, raw: dict, *, aux, ta
     cfg = _layer_config(fields, where, what)
     hidden = cfg.hidden_size
     target_hidden = int(target_hidden or hidden)
-    check_width(hidden, target, where, "embed tokens")
-    check_width(target_hidden, target, where, "read target states")
+    check_width(hidden, target, where, "embed tokens", base)
+    check_width(target_hidden, target, where, "read target states", base)
     # (a transformer_layer_config leaves transformers' defaults out: there a missing vocab_size is 32000)
     check_vocab(fields.get("vocab_size", cfg.vocab_size if what != "config.json" else None), target, where,
-                f"{what} vocab_size")
+                f"{what} vocab_size", base)
     if "t2d" in raw:
-        check_vocab(raw["t2d"].numel(), target, where, "the length of t2d")
+        check_vocab(raw["t2d"].numel(), target, where, "the length of t2d", base)
     if "fc.weight" not in raw:
         raise ConfigError(f"{where} has no fc.weight: it is not an EAGLE-3 head")
     if "fc.bias" in raw:
@@ -352,8 +358,8 @@ def _speculators_eagle(path: Path, target: TargetInfo, config: dict, fields: dic
         raise ConfigError(f"the speculators EAGLE head in {path} says fusion_bias={str(said).lower()} but its weights "
                           f"{'have' if bias else 'lack'} fusion_fc.bias; the checkpoint is inconsistent")
     cfg = _layer_config(fields, path, "transformer_layer_config")
-    check_width(cfg.hidden_size, target, path, "read hidden states")
-    check_vocab(cfg.vocab_size, target, path, "transformer_layer_config vocab_size")
+    check_width(cfg.hidden_size, target, path, "read hidden states", base)
+    check_vocab(cfg.vocab_size, target, path, "transformer_layer_config vocab_size", base)
     module = EagleDraft(cfg, fc_bias=bias)
     state = {}
     for key, value in raw.items():
