@@ -396,8 +396,9 @@ class _Llama3Json:
 def auto_parser(name: str | None):
     if name is None:
         raise ConfigError("tool_choice: 'auto' (the default with tools) needs to know how this model writes a "
-                          f"call; start the server with --tool-call-parser ({', '.join(PARSERS)}), or ask for "
-                          "tool_choice 'required' or a named function", param="tool_choice")
+                          f"call; start the server with --tool-call-parser ({', '.join(PARSERS)}) or --chat-template "
+                          "hermes (a ChatML template whose calls are Hermes-style), or ask for tool_choice "
+                          "'required' or a named function", param="tool_choice")
     return {"hermes": _Hermes, "llama3_json": _Llama3Json}[choose_parser(name, None)]()
 
 
