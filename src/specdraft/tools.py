@@ -27,6 +27,7 @@ streamed answer's deltas, joined, equal the whole answer's message (both come fr
 from __future__ import annotations
 
 import json
+import re
 import secrets
 from dataclasses import dataclass, field
 from typing import Any, Iterable, Mapping, Sequence
@@ -42,6 +43,8 @@ PYTHON_TAG = "<|python_tag|>"
 #: how a forced call's JSON is written (llguidance's options): ``{"key": value, ...}``, json.dumps's
 #: separators and no other whitespace, as models write calls
 CALL_JSON = {"x-guidance": {"whitespace_flexible": False, "item_separator": ", ", "key_separator": ": "}}
+#: a function's name, as OpenAI allows it (and ``.``, as vLLM does)
+FUNCTION_NAME = re.compile(r"[A-Za-z0-9_.-]{1,64}")
 #: a function's ``parameters`` when it has none
 NO_PARAMETERS = {"type": "object", "properties": {}, "additionalProperties": False}
 
@@ -79,13 +82,21 @@ def _function(tool: Any, where: str) -> Function:
         raise ConfigError(f"{at}.{extra[0]}: unknown key; a function takes name, description, parameters and strict",
                           param=f"{at}.{extra[0]}")
     name = fn.get("name")
-    if not isinstance(name, str) or not name or len(name) > 64 or not all(c.isalnum() or c in "_-." for c in name):
-        raise ConfigError(f"{at}.name: must be 1 to 64 letters, digits, '_', '-' or '.', got {name!r}",
+    if not isinstance(name, str) or not FUNCTION_NAME.fullmatch(name):
+        raise ConfigError(f"{at}.name: must be 1 to 64 letters (a-z, A-Z), digits, '_', '-' or '.', got {name!r}",
                           param=f"{at}.name")
     parameters = fn.get("parameters", NO_PARAMETERS)
+    where = f"{at}.parameters"
     if not isinstance(parameters, Mapping):
-        raise ConfigError(f"{at}.parameters: must be a JSON schema object, got {_type_name(parameters)}",
-                          param=f"{at}.parameters")
+        raise ConfigError(f"{where}: must be a JSON schema object, got {_type_name(parameters)}", param=where)
+    try:
+        json.dumps(parameters, allow_nan=False)
+    except (TypeError, ValueError) as exc:
+        raise ConfigError(f"{where}: not a JSON schema: {exc}", param=where) from None
+    if parameters.get("type", "object") != "object":
+        raise ConfigError(f"{where}: a function's arguments are a JSON object: give \"type\": \"object\" (or leave "
+                          f"type out), got {parameters['type']!r}", param=where)
+    parameters = {**parameters, "type": "object"}
     description = fn.get("description")
     if description is not None and not isinstance(description, str):
         raise ConfigError(f"{at}.description: must be a string, got {_type_name(description)}",
@@ -111,19 +122,21 @@ class ToolRequest:
     def grammar(self) -> GrammarSpec | None:
         """The grammar that forces the call (``required`` or a named function); None otherwise."""
         if self.named:
-            schema = {**next(f.parameters for f in self.functions if f.name == self.choice), **CALL_JSON}
-            return GrammarSpec("json_schema", json.dumps(schema, ensure_ascii=False, allow_nan=False), "tool_choice")
+            schema = _call_json(next(f.parameters for f in self.functions if f.name == self.choice))
+            return GrammarSpec("json_schema", json.dumps(schema, ensure_ascii=False), "tools")
         if self.choice != "required":
             return None
+        # each function's schema under $defs, its own "#..." references moved along with it
+        defs = {f"tool_{i}": _rebase(f.parameters, f"#/$defs/tool_{i}") for i, f in enumerate(self.functions)}
         calls = [{"type": "object", "properties": {"name": {"type": "string", "enum": [f.name]},
-                                                   "parameters": f.parameters},
-                  "required": ["name", "parameters"], "additionalProperties": False} for f in self.functions]
+                                                   "parameters": {"$ref": f"#/$defs/tool_{i}"}},
+                  "required": ["name", "parameters"], "additionalProperties": False}
+                 for i, f in enumerate(self.functions)]
         schema: dict[str, Any] = {"type": "array", "minItems": 1,
-                                  "items": calls[0] if len(calls) == 1 else {"anyOf": calls}}
+                                  "items": calls[0] if len(calls) == 1 else {"anyOf": calls}, "$defs": defs}
         if not self.parallel:
             schema["maxItems"] = 1
-        schema.update(CALL_JSON)
-        return GrammarSpec("json_schema", json.dumps(schema, ensure_ascii=False, allow_nan=False), "tool_choice")
+        return GrammarSpec("json_schema", json.dumps(_call_json(schema), ensure_ascii=False), "tools")
 
     def apply(self, settings):
         """``settings`` (a :class:`~specdraft.GenerationSettings`) with the grammar that forces the
@@ -149,6 +162,22 @@ class ToolRequest:
         return ToolStream(auto_parser(parser), None if self.parallel else 1)
 
 
+def _call_json(schema: dict) -> dict:
+    """``schema`` with :data:`CALL_JSON`'s options (a schema's own ``x-guidance`` options win)."""
+    own = schema.get("x-guidance") if isinstance(schema.get("x-guidance"), Mapping) else {}
+    return {**schema, "x-guidance": {**CALL_JSON["x-guidance"], **own}}
+
+
+def _rebase(schema: Any, root: str) -> Any:
+    """``schema`` with its local references (``#``, ``#/...``) made relative to ``root``."""
+    if isinstance(schema, Mapping):
+        return {k: (root + v[1:] if k == "$ref" and isinstance(v, str) and v.startswith("#") else _rebase(v, root))
+                for k, v in schema.items()}
+    if isinstance(schema, list):
+        return [_rebase(v, root) for v in schema]
+    return schema
+
+
 def read_tools(tools: Any, tool_choice: Any = None, parallel_tool_calls: Any = None) -> ToolRequest | None:
     """OpenAI's ``tools`` (a list of function tools), ``tool_choice`` (none, auto, required, or
     ``{"type": "function", "function": {"name": ...}}``; unset: auto) and ``parallel_tool_calls``
@@ -170,10 +199,11 @@ def read_tools(tools: Any, tool_choice: Any = None, parallel_tool_calls: Any = N
     choice, named = "auto" if tool_choice is None else tool_choice, False
     if isinstance(choice, Mapping):
         fn = choice.get("function")
-        if choice.get("type") != "function" or not isinstance(fn, Mapping) or set(choice) != {"type", "function"}:
+        if choice.get("type") != "function" or not isinstance(fn, Mapping) or set(choice) != {"type", "function"} \
+                or set(fn) != {"name"}:
             raise ConfigError("tool_choice: must be none, auto, required or {\"type\": \"function\", \"function\": "
-                              "{\"name\": ...}}", param="tool_choice")
-        if fn.get("name") not in names or set(fn) != {"name"}:
+                              "{\"name\": ...}} (nothing else)", param="tool_choice")
+        if fn["name"] not in names:
             raise ConfigError(f"tool_choice.function.name: {fn.get('name')!r} is not one of the tools "
                               f"({', '.join(names)})", param="tool_choice")
         choice, named = fn["name"], True
@@ -286,7 +316,7 @@ class _Objects:
             elif ch in "{[":
                 self.at += 1
                 inside = self.at >= self.depth
-            elif ch in "}]":
+            elif ch in "}]" and self.at > 0:  # a stray closer outside any object is text
                 self.at -= 1
                 if self.at == self.depth - 1 and inside:
                     self.part += ch
@@ -367,6 +397,8 @@ class _Llama3Json:
         self.mode: str | None = None  # "calls" or "text", once the output's start says which
         self.start = ""
         self.objects = _Objects(depth=1)
+        self.between = ""  # text since the last object, held: separators between calls are dropped
+        self.after_call = True  # the last object was a call (or there was none yet)
 
     def feed(self, text: str) -> list:
         if self.mode is None:
@@ -380,17 +412,23 @@ class _Llama3Json:
             return [(_Text_, text)] if text else []
         events = []
         for kind, part in self.objects.add(text):
-            if kind == "object":
-                call = _call_of(part, ("parameters", "arguments"))
-                events += [(_Name, call[0]), (_Args, call[1])] if call else [(_Text_, part)]
-            elif part not in "; \n\t\r":
-                events.append((_Text_, part))
+            if kind == "between":
+                self.between += part
+                continue
+            call = _call_of(part, ("parameters", "arguments"))
+            if self.between and not (call and self.after_call and not self.between.strip("; \n\t\r")):
+                events.append((_Text_, self.between))
+            self.between, self.after_call = "", call is not None
+            events += [(_Name, call[0]), (_Args, call[1])] if call else [(_Text_, part)]
         return events
 
     def finish(self) -> list:
         if self.mode is None:
             return [(_Text_, self.start)] if self.start else []
-        return [(_Text_, self.objects.part)] if self.objects.part else []
+        rest = self.objects.part
+        if self.between and (rest or not self.after_call or self.between.strip("; \n\t\r")):
+            rest = self.between + rest
+        return [(_Text_, rest)] if rest else []
 
 
 def auto_parser(name: str | None):
@@ -537,8 +575,8 @@ def _variables(source: str) -> set[str]:
 
     try:
         return meta.find_undeclared_variables(jinja2.Environment(extensions=["jinja2.ext.loopcontrols"]).parse(source))
-    except jinja2.TemplateError:
-        return set()
+    except jinja2.TemplateError:  # tags of transformers' own ({% generation %}): the names the text has
+        return set(re.findall(r"[A-Za-z_]\w*", source))
 
 
 def check_template(tokenizer, tools: bool, messages: Sequence[Mapping[str, Any]]) -> None:

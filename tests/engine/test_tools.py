@@ -21,8 +21,8 @@ from specdraft.testing import SIGNIFICANCE as ALPHA  # noqa: E402
 from specdraft.testing import TargetDrafter, chi_square_pvalue, random_heads, tiny_llama  # noqa: E402
 from specdraft.testing.structured import sampling_under_grammar  # noqa: E402
 from specdraft.testing.tools import greedy_call, scripted_llama, scripted_tokenizer, tool_tokenizer  # noqa: E402
-from specdraft.tools import (CallDelta, ContentDelta, ToolStream, assemble, load_chat_template,  # noqa: E402
-                             read_tools)
+from specdraft.tools import (CallDelta, ContentDelta, ToolStream, assemble, check_template,  # noqa: E402
+                             load_chat_template, read_tools)
 
 GET = {"type": "function", "function": {"name": "get", "description": "look a colour up", "parameters": {
     "type": "object", "properties": {"c": {"enum": ["red", "blue"]}, "n": {"type": "integer"}},
@@ -178,6 +178,8 @@ READINGS = [
     ("llama3_json", '<|python_tag|>{"name": "get", "parameters": {"s": "a;b}"}}; {"name": "sum", "parameters": {}}',
      None, [("get", '{"s": "a;b}"}'), ("sum", "{}")]),
     ("llama3_json", 'I think {"name": "get"}', 'I think {"name": "get"}', []),
+    ("llama3_json", ' {"name": "get", "parameters": {}} and then, some text', " and then, some text", [("get", "{}")]),
+    ("llama3_json", '{"a": 1}\n{"b": 2} }{"name": "sum", "parameters": {}}', '{"a": 1}\n{"b": 2} }', [("sum", "{}")]),
     ("llama3_json", '{"name": "get", "parameters": {"c": ', '{"name": "get", "parameters": {"c": ', []),  # cut short
     ("required", '[{"name": "get", "parameters": {"c": "]}"}}, {"name": "sum", "parameters": {}}]', None,
      [("get", '{"c": "]}"}'), ("sum", "{}")]),
@@ -211,6 +213,25 @@ def test_a_streamed_reading_equals_the_whole_one(kind, text, content, calls):
         assert [d.index for d in starts] == list(range(len(calls)))  # each call announced once, in order
         if kind == "hermes" and calls:  # no text of a call is ever sent as content
             assert "<tool" not in "".join(d.text for d in deltas if isinstance(d, ContentDelta))
+
+
+def test_required_keeps_each_schemas_own_references(tok):
+    """A function's ``$defs`` and ``$ref`` (what pydantic writes) still resolve once its schema sits
+    inside the call array's grammar, recursion included; a schema without a type is an object."""
+    import llguidance
+
+    from specdraft.testing.structured import grammar_matcher
+
+    node = {"type": "object", "properties": {"l": {"$ref": "#/$defs/L"}, "r": {"$ref": "#"}},
+            "$defs": {"L": {"enum": ["ab"]}}, "required": ["l"], "additionalProperties": False}
+    typeless = {"properties": {"n": {"type": "integer"}}, "required": ["n"], "additionalProperties": False}
+    request = read_tools([{"type": "function", "function": {"name": "ab", "parameters": node}},
+                          {"type": "function", "function": {"name": "be", "parameters": typeless}}], "required")
+    grammar = llguidance.LLMatcher.grammar_from_json_schema(json.loads(request.grammar().source))
+    for text, ok in [('[{"name": "ab", "parameters": {"l": "ab", "r": {"l": "ab"}}}, {"name": "be", "parameters": '
+                      '{"n": 1}}]', True), ('[{"name": "be", "parameters": 1}]', False)]:
+        matcher = grammar_matcher(tok, grammar)
+        assert (matcher.consume_tokens(tok.encode(text, add_special_tokens=False)) and matcher.is_accepting()) == ok
 
 
 def test_calls_after_the_first_are_not_read_without_parallel_calls():
@@ -257,18 +278,29 @@ def test_a_template_that_cannot_show_them_is_refused(model):
         dec.encode_chat(MESSAGES + calls)
     hermes = SpeculativeDecoder(model, tool_tokenizer(), drafter="ngram", chat_template="hermes")
     assert hermes.tool_call_parser == "hermes"  # read from the template's call format
+    # transformers' own {% generation %} tag (fine-tuning templates) is not Jinja's: the names are still found
+    tagged = tool_tokenizer()
+    tagged.chat_template = ("{% for t in tools %}{{ t.function.name }} {% endfor %}{% for m in messages %}"
+                            "{% generation %}{{ m.content }} {% endgeneration %}{% endfor %}")
+    check_template(tagged, True, MESSAGES)
 
 
 @pytest.mark.parametrize("tools, choice, parallel, param, says", [
     ("get", None, None, "tools", "must be a list"),
     ([{"type": "function"}], None, None, "tools.0", "a tool must be"),
     ([{"type": "code_interpreter"}], None, None, "tools.0", "a tool must be"),
-    ([{"type": "function", "function": {"name": "a b"}}], None, None, "tools.0.function.name", "letters, digits"),
+    ([{"type": "function", "function": {"name": "a b"}}], None, None, "tools.0.function.name", "1 to 64 letters"),
     ([{"type": "function", "function": {"name": "f", "parameters": []}}], None, None, "tools.0.function.parameters",
      "JSON schema object"),
     ([{"type": "function", "function": {"name": "f", "strict": "yes"}}], None, None, "tools.0.function.strict",
      "true or false"),
     ([{"type": "function", "function": {"name": "f", "args": {}}}], None, None, "tools.0.function.args", "unknown key"),
+    ([{"type": "function", "function": {"name": "f", "parameters": {"type": "string"}}}], None, None,
+     "tools.0.function.parameters", "a JSON object"),
+    ([{"type": "function", "function": {"name": "f", "parameters": {"maximum": float("inf")}}}], None, None,
+     "tools.0.function.parameters", "not a JSON schema"),
+    ([{"type": "function", "function": {"name": "caf\u00e9"}}], None, None, "tools.0.function.name", "letters"),
+    (TOOLS, {"type": "function", "function": {"name": "get", "arguments": "{}"}}, None, "tool_choice", "nothing else"),
     ([SUM, SUM], None, None, "tools", "given twice"),
     (TOOLS, "always", None, "tool_choice", "must be none, auto, required"),
     (TOOLS, {"type": "function", "function": {"name": "nope"}}, None, "tool_choice", "is not one of the tools"),

@@ -164,7 +164,7 @@ def test_a_conversation_carries_calls_and_results_back(scripted):
 
 @pytest.mark.parametrize("extra, param, says", [
     ({"tool_choice": {"type": "function", "function": {"name": "nope"}}}, "tool_choice", "is not one of the tools"),
-    ({"tools": [{"type": "function", "function": {"name": "a b"}}]}, "tools", "letters, digits"),
+    ({"tools": [{"type": "function", "function": {"name": "a b"}}]}, "tools", "1 to 64 letters"),
     ({"tool_choice": "required", "response_format": {"type": "json_object"}}, "response_format", "not with tool_choice"),
     ({"functions": [{"name": "f"}]}, "functions", "not supported"),
 ])
@@ -218,3 +218,21 @@ def test_the_default_model_calls_a_named_function_through_the_hermes_template(de
             assert same_but_ids(streamed(client, **kwargs), answer)
     assert answer[2] == "stop" and [c[1] for c in answer[1]] == ["add_person"]
     assert answer[1][0][2] == expected.tool_calls[0].arguments and is_person(json.loads(answer[1][0][2]))
+
+
+def test_logprobs_with_calls_streamed_as_whole_and_no_empty_chunks(scripted):
+    """Every output token's log-probability is sent once, streamed or whole, though the text of a
+    call is held until the call is read; no chunk carries nothing."""
+    client = _client(scripted[0])
+    kwargs = dict(model="tiny", messages=MESSAGES, tools=TOOLS, max_tokens=20, temperature=0, logprobs=True)
+    answer = client.chat.completions.create(**kwargs)
+    tokens = [entry.token for entry in answer.choices[0].logprobs.content]
+    assert "".join(tokens) == "".join(HERMES[1:]) + "</s>"  # the end-of-sequence token too
+    sent = []
+    for chunk in client.chat.completions.create(stream=True, **kwargs):
+        for choice in chunk.choices:
+            entries = choice.logprobs.content if choice.logprobs is not None else None
+            assert entries or choice.delta.content or choice.delta.tool_calls or choice.delta.role \
+                or choice.finish_reason, chunk
+            sent += [entry.token for entry in entries or ()]
+    assert sent == tokens

@@ -104,7 +104,7 @@ class ChatCompletion(Reply):
                                      function=DeltaFunctionCall(name=delta.name, arguments=delta.arguments))
                 message = DeltaMessage(tool_calls=[call])
             choices.append(ChatCompletionResponseStreamChoice(index=index, delta=message))
-        if logprobs is not None and (logprobs.content or not choices):
+        if logprobs is not None and logprobs.content:
             if not choices:
                 choices.append(ChatCompletionResponseStreamChoice(index=index, delta=DeltaMessage()))
             choices[0].logprobs = logprobs
