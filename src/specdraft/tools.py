@@ -529,6 +529,10 @@ def calls_finish_reason(reason: str, calls: list, request: ToolRequest | None) -
 # -- the conversation and the chat template ----------------------------------------------------
 
 
+def _no_constant(name: str):
+    raise ValueError(f"{name} is not JSON")
+
+
 def template_messages(messages: Sequence[Mapping[str, Any]]) -> list[dict]:
     """The messages as chat templates read them: an assistant's ``tool_calls`` with their
     ``arguments`` JSON text parsed into objects (templates write them with ``tojson``).
@@ -543,13 +547,19 @@ def template_messages(messages: Sequence[Mapping[str, Any]]) -> list[dict]:
         for j, call in enumerate(calls):
             at = f"messages.{i}.tool_calls.{j}"
             fn = call.get("function") if isinstance(call, Mapping) else None
-            if not isinstance(fn, Mapping) or not isinstance(fn.get("name"), str):
-                raise ConfigError(f"{at}: a tool call must be {{\"id\": ..., \"type\": \"function\", \"function\": "
+            if not isinstance(fn, Mapping) or not isinstance(fn.get("name"), str) or not isinstance(call.get("id"), str) \
+                    or call.get("type", "function") != "function":
+                raise ConfigError(f"{at}: a tool call must be {{\"id\": \"...\", \"type\": \"function\", \"function\": "
                                   "{\"name\": ..., \"arguments\": \"{...}\"}}", param=at)
+            extra = sorted(set(call) - {"id", "type", "function"}) or sorted(f"function.{k}" for k in set(fn) - {
+                "name", "arguments"})
+            if extra:
+                raise ConfigError(f"{at}.{extra[0]}: unknown key; a tool call is {{\"id\", \"type\", \"function\": "
+                                  "{\"name\", \"arguments\"}}", param=f"{at}.{extra[0]}")
             arguments = fn.get("arguments", "{}")
             if isinstance(arguments, str):
                 try:
-                    arguments = json.loads(arguments or "{}")
+                    arguments = json.loads(arguments or "{}", parse_constant=_no_constant)
                 except ValueError as exc:
                     raise ConfigError(f"{at}.function.arguments: not valid JSON: {exc}",
                                       param=f"{at}.function.arguments") from None

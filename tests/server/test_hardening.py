@@ -373,6 +373,14 @@ def test_floats_take_integers_and_stop_strings_are_checked(server, real, fake_de
      "messages.0.tool_calls.0", "a tool call must be"),
     ({"role": "assistant", "content": None, "tool_calls": [{"id": "c", "type": "function", "function": {
         "name": "f", "arguments": "{oops"}}]}, "messages.0.tool_calls.0.function.arguments", "not valid JSON"),
+    ({"role": "assistant", "content": None, "tool_calls": [{"id": "c", "type": "function", "function": {
+        "name": "f", "arguments": '{"a": NaN}'}}]}, "messages.0.tool_calls.0.function.arguments", "NaN is not JSON"),
+    ({"role": "assistant", "content": None, "tool_calls": [{"type": "function", "function": {"name": "f"}}]},
+     "messages.0.tool_calls.0", "a tool call must be"),
+    ({"role": "assistant", "content": None, "tool_calls": [{"id": "c", "type": "bogus", "function": {"name": "f"}}]},
+     "messages.0.tool_calls.0", "a tool call must be"),
+    ({"role": "assistant", "content": None, "tool_calls": [{"id": "c", "function": {"name": "f", "x": 1}}]},
+     "messages.0.tool_calls.0.function.x", "unknown key"),
     ({"role": "assistant", "content": None, "refusal": "no"}, "messages.0.refusal", "not supported"),
     ({"role": "user", "content": [{"type": "text", "text": "hi", "cache_control": {}}]},
      "messages.0.content.0.cache_control", "unknown parameter"),
