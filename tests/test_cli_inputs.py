@@ -186,10 +186,19 @@ def test_serve_binds_and_listens_before_the_model_loads():
     (["--limit-concurrency", "0"], "--limit-concurrency must be >= 1 (got 0)"),
     (["--h11-max-incomplete-event-size", "100"], "--h11-max-incomplete-event-size must be >= 1024"),
     (["--max-request-bytes", "0"], "--max-request-bytes must be >= 1 (got 0)"),
+    (["--chat-template", "no-such-template"], "--chat-template: chat template 'no-such-template' is not a file"),
 ])
 def test_bad_serve_limits_are_one_line(capsys, args, message):
     assert main(["serve", "--port", "0", *args]) == 2
     assert message in _one_line(capsys)
+
+
+@serve_extra
+def test_a_tool_call_parser_specdraft_lacks_is_refused_by_name(capsys):
+    with pytest.raises(SystemExit) as caught:
+        main(["serve", "--port", "0", "--tool-call-parser", "mistral"])
+    assert caught.value.code == 2
+    assert "--tool-call-parser: invalid choice: 'mistral' (choose from 'hermes', 'llama3_json')" in capsys.readouterr().err
 
 
 @serve_extra
