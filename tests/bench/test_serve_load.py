@@ -8,7 +8,7 @@ import json
 import pytest
 
 from specdraft.bench.serve_load import (Request, compare_with_plain, conversations, inter_token_latencies, markdown,
-                                        request_body, requests_for, summarize_level)
+                                        delta_text, request_body, requests_for, summarize_level)
 from specdraft.cli import main
 
 
@@ -67,6 +67,16 @@ def test_the_body_carries_the_prediction_as_openai_predicted_outputs():
     assert body["messages"] == [{"role": "user", "content": "Fix the typo: teh cat"}]
     assert (body["max_tokens"], body["temperature"], body["stream"]) == (16, 0, True)
     assert "prediction" not in request_body(Request(0, 1, "Say hello.", 16))
+
+
+def test_the_body_carries_tools_and_calls_count_as_text():
+    tools = [{"type": "function", "function": {"name": "f"}}]
+    body = request_body(Request(0, 1, "Call f.", 16, tools=tools, tool_choice="required"))
+    assert body["tools"] == tools and body["tool_choice"] == "required"
+    assert "tools" not in request_body(Request(0, 1, "Say hello.", 16))
+    first = {"tool_calls": [{"index": 0, "id": "call_1", "type": "function", "function": {"name": "f", "arguments": ""}}]}
+    more = {"tool_calls": [{"index": 0, "function": {"arguments": '{"a": 1}'}}]}
+    assert [delta_text(d) for d in (first, more, {"content": "hi"}, {"role": "assistant"})] == ["f", '{"a": 1}', "hi", ""]
 
 
 def test_plain_decoding_gets_no_prediction_and_the_drafters_do():

@@ -12,9 +12,9 @@ from pathlib import Path
 import pytest
 
 from specdraft.bench import load_questions
-from specdraft.bench.workloads import (CHAT_TURNS, EDIT_KINDS, REFINE_TURNS, REPEATED_KINDS, WORD_SWAPS, build_edits,
-                                       build_long_mix, build_multi_turn, build_repeated, clean_gsm8k_answer,
-                                       default_data_dir, main)
+from specdraft.bench.workloads import (CHAT_TURNS, EDIT_KINDS, REFINE_TURNS, REPEATED_KINDS, TOOL_SET, WORD_SWAPS,
+                                       build_edits, build_long_mix, build_multi_turn, build_repeated, build_tool_calls,
+                                       clean_gsm8k_answer, default_data_dir, main)
 
 SHARED = default_data_dir()
 needs_shared = pytest.mark.skipif(not (SHARED / "gsm8k" / "train.jsonl").is_file()
@@ -148,6 +148,21 @@ def test_multi_turn_rows(data, tmp_path):
                  "--multi-turn", "2"]) == 0
     read = load_questions(tmp_path / "multi_turn.jsonl")
     assert [(q["system"], q["turns"]) for q in read] == [(r["system"], r["turns"]) for r in rows[:2]]
+
+
+def test_tool_call_rows(data, tmp_path):
+    rows = build_tool_calls(data, 6)
+    assert build_tool_calls(data, 6) == rows and build_tool_calls(data, 6, seed=1) != rows
+    assert all(r["category"] == "tool-call" and r["tools"] == TOOL_SET for r in rows)
+    assert [r["tool_choice"] for r in rows[:2]] == [{"type": "function", "function": {"name": "save_note"}}, "required"]
+    assert len({r["turns"][0].split("\n\n", 1)[1] for r in rows}) == 6  # every request once
+    with pytest.raises(ValueError, match="need 1000 short Self-Instruct requests"):
+        build_tool_calls(data, 1000)
+    assert main(["--out", str(tmp_path), "--data", str(data), "--edits", "0", "--repeated", "0", "--long-mix", "0",
+                 "--multi-turn", "0", "--tool-calls", "3"]) == 0
+    read = load_questions(tmp_path / "tool_calls.jsonl")
+    assert [(q["prompt"], q["tools"], q["tool_choice"]) for q in read] == [
+        (r["turns"][0], r["tools"], r["tool_choice"]) for r in rows[:3]]
 
 
 def test_cli_writes_files_the_bench_reads(data, tmp_path, capsys):

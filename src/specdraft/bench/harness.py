@@ -57,7 +57,8 @@ def load_questions(path: str | os.PathLike, categories: Sequence[str] | None = N
     """Spec-Bench schema (``question_id``, ``category``, ``turns``); the first turn is the prompt
     (``turns`` and an optional ``system`` prompt are kept for ``bench-serve --multi-turn``).
     An optional ``prediction`` (text the answer is expected to mostly repeat, e.g. the original of
-    an edit; ``null`` for none) is kept as the row's ``prediction``: see :class:`_Methods`."""
+    an edit; ``null`` for none) is kept as the row's ``prediction``: see :class:`_Methods`;
+    optional ``tools`` and ``tool_choice`` are kept for ``bench-serve`` (tool calling)."""
     path = Path(path)
     if not path.is_file():
         raise ConfigError(f"questions file {str(path)!r} does not exist")
@@ -78,6 +79,9 @@ def load_questions(path: str | os.PathLike, categories: Sequence[str] | None = N
         row["turns"] = [str(t) for t in q["turns"]]  # bench-serve --multi-turn sends them all, in one conversation
         if q.get("system"):
             row["system"] = str(q["system"])
+        for key in ("tools", "tool_choice"):  # bench-serve sends them as the chat request's (tool calling)
+            if q.get(key) is not None:
+                row[key] = q[key]
         if categories and row["category"] not in categories:
             continue
         if limit_per_category is not None and seen.get(row["category"], 0) >= limit_per_category:

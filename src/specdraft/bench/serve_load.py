@@ -134,6 +134,8 @@ class Request:
     system: str | None = None
     turn: int = 0
     messages: list | None = None
+    tools: list | None = None  # sent with tool_choice (tool calling); the calls' deltas count as text
+    tool_choice: object = None
     prompt_tokens: int = 0
     cached_tokens: int = 0
     sent: float = 0.0
@@ -162,7 +164,17 @@ def request_body(req: Request) -> dict:
             "temperature": 0, "stream": True, "stream_options": {"include_usage": True}}
     if req.prediction is not None:
         body["prediction"] = {"type": "content", "content": req.prediction}
+    if req.tools is not None:
+        body["tools"] = req.tools
+        if req.tool_choice is not None:
+            body["tool_choice"] = req.tool_choice
     return body
+
+
+def delta_text(delta: dict) -> str:
+    """A streamed delta's text: its content, and the names and arguments of its calls (tool calling)."""
+    calls = [call.get("function") or {} for call in delta.get("tool_calls") or ()]
+    return (delta.get("content") or "") + "".join((f.get("name") or "") + (f.get("arguments") or "") for f in calls)
 
 
 def send(client, url: str, req: Request) -> None:
@@ -183,8 +195,9 @@ def send(client, url: str, req: Request) -> None:
                 if "error" in event:
                     req.error = event["error"].get("message", "error")
                 for choice in event.get("choices") or []:
-                    if choice.get("delta", {}).get("content"):
-                        req.chunks.append((now, choice["delta"]["content"]))
+                    text = delta_text(choice.get("delta", {}))
+                    if text:
+                        req.chunks.append((now, text))
                     req.finish_reason = choice.get("finish_reason") or req.finish_reason
                 if event.get("usage"):
                     req.completion_tokens = event["usage"]["completion_tokens"]
@@ -566,7 +579,8 @@ def requests_for(label: str, questions: list[dict], n: int, max_tokens: int, mul
     with ``multi_turn``, a request per turn of each (indexes numbered on across conversations)."""
     if not multi_turn:
         return [Request(i, q["question_id"], q["prompt"], max_tokens,
-                        prediction=None if label == PLAIN else q.get("prediction"))
+                        prediction=None if label == PLAIN else q.get("prediction"), tools=q.get("tools"),
+                        tool_choice=q.get("tool_choice"))
                 for i, q in enumerate(questions[:n])]
     requests: list[Request] = []
     for q in questions[:n]:

@@ -28,8 +28,12 @@ the bench ignores: ``reference`` (the expected answer, where there is one) and `
   instructions and worked GSM8K problems as its reference material), for ``specdraft
   bench-serve --multi-turn``: each turn resends the whole conversation (prefix caching).
 
-``python -m specdraft.bench.workloads --out DIR [--edits N] [--repeated N] [--long-mix N] [--multi-turn N] [--data DIR] [--seed S]``
-writes ``DIR/edits.jsonl``, ``DIR/repeated.jsonl``, ``DIR/long_mix.jsonl`` and ``DIR/multi_turn.jsonl``
+* **tool calls** (``tool-call``): short Self-Instruct requests to save as a note (the function
+  named) or to be reminded of (``required``), with two tools whose arguments quote the request:
+  for ``specdraft bench-serve`` (rows carry ``tools`` and ``tool_choice``).
+
+``python -m specdraft.bench.workloads --out DIR [--edits N] [--repeated N] [--long-mix N] [--multi-turn N] [--tool-calls N] [--data DIR] [--seed S]``
+writes ``DIR/edits.jsonl``, ``DIR/repeated.jsonl``, ``DIR/long_mix.jsonl``, ``DIR/multi_turn.jsonl`` and ``DIR/tool_calls.jsonl``
 for ``specdraft bench --questions`` and ``specdraft bench-serve --questions``.
 """
 
@@ -360,6 +364,48 @@ def build_multi_turn(data: Path, n: int = 8, seed: int = 0) -> list[dict]:
     return rows
 
 
+TOOL_CALL_ID_BASE = 600_000
+#: the tool-call workload's tools: notes and reminders whose arguments quote the request
+TOOL_SET = [
+    {"type": "function", "function": {
+        "name": "save_note", "description": "Save a note for the user.",
+        "parameters": {"type": "object", "properties": {"title": {"type": "string"}, "text": {"type": "string"}},
+                       "required": ["title", "text"], "additionalProperties": False}}},
+    {"type": "function", "function": {
+        "name": "set_reminder", "description": "Remind the user of a task at a time.",
+        "parameters": {"type": "object", "properties": {"task": {"type": "string"},
+                                                        "when": {"type": "string"},
+                                                        "priority": {"enum": ["low", "normal", "high"]}},
+                       "required": ["task", "when", "priority"], "additionalProperties": False}}},
+]
+WHENS = ("tomorrow at 9", "on Friday", "in two hours", "next Monday morning")
+
+
+def build_tool_calls(data: Path, n: int = 16, seed: int = 0) -> list[dict]:
+    """``n`` requests whose answer is a tool call (rows with :data:`TOOL_SET` and a ``tool_choice``):
+    save a short Self-Instruct request as a note (the save_note function named), or be reminded
+    of it (``required``: the model picks the function), each request used once. The arguments
+    mostly quote the request, as agents' calls quote their input."""
+    rng = random.Random(seed + 4)
+    short = list({_request(t): t for t in self_instruct_tasks(data)
+                  if not t.get("is_classification") and 5 <= _words(_request(t)) <= 40}.values())
+    rng.shuffle(short)
+    if len(short) < n:
+        raise ValueError(f"{n} tool-call rows need {n} short Self-Instruct requests; the data has {len(short)}")
+    rows = []
+    for i, task in enumerate(short[:n]):
+        text = _request(task)
+        if i % 2 == 0:
+            prompt = f"Save this as a note with a short title:\n\n{text}"
+            choice = {"type": "function", "function": {"name": "save_note"}}
+        else:
+            prompt = f"Remind me {rng.choice(WHENS)} to do this:\n\n{text}"
+            choice = "required"
+        rows.append({"question_id": TOOL_CALL_ID_BASE + i, "category": "tool-call", "turns": [prompt],
+                     "tools": TOOL_SET, "tool_choice": choice, "prediction": None, "source": task["source"]})
+    return rows
+
+
 # -- files -----------------------------------------------------------------------------------------
 
 def write_jsonl(path: Path, rows: Iterable[dict]) -> Path:
@@ -370,9 +416,9 @@ def write_jsonl(path: Path, rows: Iterable[dict]) -> Path:
 
 
 def write_workloads(out: Path, data: Path | None = None, edits: int = 60, repeated: int = 60,
-                    seed: int = 0, long_mix: int = 0, multi_turn: int = 0) -> list[Path]:
-    """``out/edits.jsonl``, ``out/repeated.jsonl``, ``out/long_mix.jsonl`` and ``out/multi_turn.jsonl``
-    (a count of 0 skips its file)."""
+                    seed: int = 0, long_mix: int = 0, multi_turn: int = 0, tool_calls: int = 0) -> list[Path]:
+    """``out/edits.jsonl``, ``out/repeated.jsonl``, ``out/long_mix.jsonl``, ``out/multi_turn.jsonl``
+    and ``out/tool_calls.jsonl`` (a count of 0 skips its file)."""
     data = Path(data) if data is not None else default_data_dir()
     out = Path(out)
     written = []
@@ -384,6 +430,8 @@ def write_workloads(out: Path, data: Path | None = None, edits: int = 60, repeat
         written.append(write_jsonl(out / "long_mix.jsonl", build_long_mix(data, long_mix, seed)))
     if multi_turn:
         written.append(write_jsonl(out / "multi_turn.jsonl", build_multi_turn(data, multi_turn, seed)))
+    if tool_calls:
+        written.append(write_jsonl(out / "tool_calls.jsonl", build_tool_calls(data, tool_calls, seed)))
     return written
 
 
@@ -400,15 +448,18 @@ def main(argv: Sequence[str] | None = None) -> int:
     p.add_argument("--multi-turn", type=int, default=8, metavar="N",
                    help="conversations after one shared system prompt, multi_turn.jsonl, for bench-serve "
                         "--multi-turn (default: 8; 0 skips it)")
+    p.add_argument("--tool-calls", type=int, default=0, metavar="N",
+                   help="requests answered by a tool call, tool_calls.jsonl, for bench-serve (serve with "
+                        "--chat-template hermes on a model whose template has no tools; default: 0, none)")
     p.add_argument("--data", default=None, metavar="DIR",
                    help="the shared data folder, holding gsm8k/ and self_instruct/ (default: ../shared/data)")
     p.add_argument("--seed", type=int, default=0, help="default: 0")
     args = p.parse_args(argv)
-    if min(args.edits, args.repeated, args.long_mix, args.multi_turn) < 0:
-        p.error("--edits, --repeated, --long-mix and --multi-turn must be >= 0")
+    if min(args.edits, args.repeated, args.long_mix, args.multi_turn, args.tool_calls) < 0:
+        p.error("--edits, --repeated, --long-mix, --multi-turn and --tool-calls must be >= 0")
     try:
         paths = write_workloads(Path(args.out), args.data, args.edits, args.repeated, args.seed, args.long_mix,
-                                args.multi_turn)
+                                args.multi_turn, args.tool_calls)
     except (FileNotFoundError, ValueError) as exc:
         print(f"specdraft: error: {exc}", file=sys.stderr)
         return 2
