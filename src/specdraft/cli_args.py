@@ -105,22 +105,30 @@ def _sglang(args: argparse.Namespace, names: tuple[str, ...]):
     return choice
 
 
+def _checkpoint(args: argparse.Namespace, sglang):
+    """The speculators checkpoint given as ``--target`` (None: it is not one); ConfigError when
+    SGLang's flags come with it."""
+    from .speculators import read_checkpoint
+
+    checkpoint = read_checkpoint(args.target)
+    if checkpoint is not None and sglang is not None:
+        raise ConfigError(f"--speculative-algorithm: the model {checkpoint.source!r} is a speculators checkpoint, "
+                          f"which names the drafter ({checkpoint.drafter}, its own heads); leave SGLang's flags "
+                          f"out, or give the target {checkpoint.verifier!r} as the model with them",
+                          param="speculative_config")
+    return checkpoint
+
+
 def resolve_drafter(args: argparse.Namespace) -> None:
     """``args.drafter``, ``args.spec_length`` and ``args.drafter_options`` as asked for by a
     speculators checkpoint given as ``--target`` (which becomes its verifier), by
     ``--speculative-config``, by SGLang's flags or by those flags (their defaults filled in);
     ConfigError for two of them."""
     from .speculative_config import CLI_NAMES, choose_drafter
-    from .speculators import read_checkpoint
 
     sglang = _sglang(args, CLI_NAMES)
-    checkpoint = read_checkpoint(args.target)
+    checkpoint = _checkpoint(args, sglang)
     if checkpoint is not None:
-        if sglang is not None:
-            raise ConfigError(f"--speculative-algorithm: the model {checkpoint.source!r} is a speculators checkpoint, "
-                              f"which names the drafter ({checkpoint.drafter}, its own heads); leave SGLang's flags "
-                              f"out, or give the target {checkpoint.verifier!r} as the model with them",
-                              param="speculative_config")
         choice = checkpoint.choose(args.drafter, args.spec_length, dict(args.drafter_options) or None,
                                    args.speculative_config, CLI_NAMES)
         args.target = checkpoint.verifier
@@ -144,17 +152,12 @@ def resolve_methods(args: argparse.Namespace, default_drafters: str, always: str
     verifier), ``--speculative-config`` or SGLang's flags ask for (that drafter, after ``always``),
     or as given (their defaults filled in); ConfigError when one comes with another or with any of them."""
     from .speculative_config import choose_drafter
-    from .speculators import read_checkpoint
 
     names = ("--speculative-config", "--drafters", "--spec-length", "--drafter-option")
     sglang = _sglang(args, names)
-    checkpoint = read_checkpoint(args.target)
+    checkpoint = _checkpoint(args, sglang)
     others = []  # options for drafters a checkpoint's does not run (refused by the command, naming them)
     if checkpoint is not None:
-        if sglang is not None:
-            raise ConfigError(f"--speculative-algorithm: the model {checkpoint.source!r} is a speculators checkpoint, "
-                              f"which names the drafter ({checkpoint.drafter}, its own heads); leave SGLang's flags "
-                              "out", param="speculative_config")
         others = [option for option in args.drafter_options if option[0] != checkpoint.drafter]
         choice = checkpoint.choose(args.drafters, args.spec_length,
                                    {key: value for drafter, key, value in args.drafter_options

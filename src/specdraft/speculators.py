@@ -21,7 +21,6 @@ from __future__ import annotations
 
 import json
 import os
-import re
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Mapping
@@ -32,7 +31,6 @@ from .speculative_config import API_NAMES, DrafterChoice
 
 #: speculators' algorithm -> the drafter that runs its heads
 ALGORITHMS = {"eagle3": "eagle3", "eagle": "eagle"}
-HUB_ID = re.compile(r"[A-Za-z0-9][\w.-]*/[A-Za-z0-9][\w.-]*")
 
 
 @dataclass(frozen=True)
@@ -73,9 +71,11 @@ def _config_file(model: str) -> Path | None:
     path = Path(model).expanduser()
     if path.is_dir():
         return path / "config.json" if (path / "config.json").is_file() else None
+    from .drafters.heads.published import HUB_ID
+    from .models import hub_folder
+
     if not HUB_ID.fullmatch(model) or model.endswith(".gguf"):
         return None
-    from .models import hub_folder
 
     try:
         folder = hub_folder(model, ["config.json"], what="config.json")

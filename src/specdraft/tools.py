@@ -241,7 +241,7 @@ class CallDelta:
 
 
 # a parser's events: text of the answer, a call's start (its name), more of the current call's arguments
-_Text_, _Name, _Args = "text", "name", "args"
+_TEXT, _NAME, _ARGS = "text", "name", "args"
 
 
 def _call_of(text: str, keys: tuple[str, ...]) -> tuple[str, str] | None:
@@ -259,6 +259,13 @@ def _call_of(text: str, keys: tuple[str, ...]) -> tuple[str, str] | None:
     return value["name"], json.dumps(arguments, ensure_ascii=False)
 
 
+def _call_events(text: str, keys: tuple[str, ...] = ("parameters", "arguments"), raw: str | None = None) -> list:
+    """The events of an object read as a call (:func:`_call_of`): its name and arguments, or, when
+    it is not one, ``raw`` (default: ``text``) as text."""
+    call = _call_of(text, keys)
+    return [(_NAME, call[0]), (_ARGS, call[1])] if call else [(_TEXT, text if raw is None else raw)]
+
+
 def _held(text: str, marker: str) -> int:
     """How many of ``text``'s last characters could begin ``marker`` (held back until known)."""
     for n in range(min(len(marker) - 1, len(text)), 0, -1):
@@ -271,7 +278,7 @@ class _Text:
     """tool_choice none: the output is the answer's text."""
 
     def feed(self, text: str) -> list:
-        return [(_Text_, text)] if text else []
+        return [(_TEXT, text)] if text else []
 
     def finish(self) -> list:
         return []
@@ -287,10 +294,10 @@ class _NamedCall:
         if self.started:
             return []
         self.started = True
-        return [(_Name, self.name)]
+        return [(_NAME, self.name)]
 
     def feed(self, text: str) -> list:
-        return self._start() + ([(_Args, text)] if text else [])
+        return self._start() + ([(_ARGS, text)] if text else [])
 
     def finish(self) -> list:
         return self._start()
@@ -340,12 +347,11 @@ class _CallArray:
         events = []
         for kind, part in self.objects.add(text):
             if kind == "object":
-                call = _call_of(part, ("parameters", "arguments"))
-                events += [(_Name, call[0]), (_Args, call[1])] if call else [(_Text_, part)]
+                events += _call_events(part)
         return events
 
     def finish(self) -> list:
-        return [(_Text_, self.objects.part)] if self.objects.part else []
+        return [(_TEXT, self.objects.part)] if self.objects.part else []
 
 
 class _Hermes:
@@ -356,10 +362,8 @@ class _Hermes:
         self.text, self.inside = "", False
 
     def _block(self, body: str, closed: bool) -> list:
-        call = _call_of(body.strip(), ("arguments", "parameters"))
-        if call is None:
-            return [(_Text_, HERMES_START + body + (HERMES_END if closed else ""))]
-        return [(_Name, call[0]), (_Args, call[1])]
+        return _call_events(body.strip(), ("arguments", "parameters"),
+                            raw=HERMES_START + body + (HERMES_END if closed else ""))
 
     def feed(self, text: str) -> list:
         self.text += text
@@ -370,9 +374,9 @@ class _Hermes:
                 if at < 0:
                     keep = _held(self.text, HERMES_START)
                     out, self.text = self.text[: len(self.text) - keep], self.text[len(self.text) - keep:]
-                    return events + ([(_Text_, out)] if out else [])
+                    return events + ([(_TEXT, out)] if out else [])
                 if at:
-                    events.append((_Text_, self.text[:at]))
+                    events.append((_TEXT, self.text[:at]))
                 self.text, self.inside = self.text[at + len(HERMES_START):], True
             else:
                 at = self.text.find(HERMES_END)
@@ -385,7 +389,7 @@ class _Hermes:
         rest, self.text = self.text, ""
         if self.inside:
             return self._block(rest, False)
-        return [(_Text_, rest)] if rest else []
+        return [(_TEXT, rest)] if rest else []
 
 
 class _Llama3Json:
@@ -409,26 +413,27 @@ class _Llama3Json:
             self.mode = "calls" if head.startswith(("{", PYTHON_TAG)) else "text"
             text = head.removeprefix(PYTHON_TAG) if self.mode == "calls" else self.start
         if self.mode == "text":
-            return [(_Text_, text)] if text else []
+            return [(_TEXT, text)] if text else []
         events = []
         for kind, part in self.objects.add(text):
             if kind == "between":
                 self.between += part
                 continue
-            call = _call_of(part, ("parameters", "arguments"))
+            read = _call_events(part)
+            call = read[0][0] == _NAME
             if self.between and not (call and self.after_call and not self.between.strip("; \n\t\r")):
-                events.append((_Text_, self.between))
-            self.between, self.after_call = "", call is not None
-            events += [(_Name, call[0]), (_Args, call[1])] if call else [(_Text_, part)]
+                events.append((_TEXT, self.between))
+            self.between, self.after_call = "", call
+            events += read
         return events
 
     def finish(self) -> list:
         if self.mode is None:
-            return [(_Text_, self.start)] if self.start else []
+            return [(_TEXT, self.start)] if self.start else []
         rest = self.objects.part
         if self.between and (rest or not self.after_call or self.between.strip("; \n\t\r")):
             rest = self.between + rest
-        return [(_Text_, rest)] if rest else []
+        return [(_TEXT, rest)] if rest else []
 
 
 def auto_parser(name: str | None):
@@ -457,13 +462,13 @@ class ToolStream:
         for kind, value in events:
             if self.ended:
                 break
-            if kind == _Text_:  # trailing whitespace held, wherever the text was cut
+            if kind == _TEXT:  # trailing whitespace held, wherever the text was cut
                 text = self.held + value
                 kept = text.rstrip()
                 if kept:
                     out.append(ContentDelta(kept))
                 self.held = text[len(kept):]
-            elif kind == _Name:
+            elif kind == _NAME:
                 if self.max_calls is not None and self.calls >= self.max_calls:
                     self.ended = True
                     break
@@ -515,12 +520,12 @@ class ChatResult:
     @classmethod
     def of(cls, result, reader: ToolStream | None, request: ToolRequest | None) -> "ChatResult":
         content, calls = reader.read(result.text or "") if reader is not None else (result.text, [])
-        return cls(content, calls, calls_finish_reason(result.finish_reason, calls, request), result)
+        return cls(content, calls, calls_finish_reason(result.finish_reason, len(calls), request), result)
 
 
-def calls_finish_reason(reason: str, calls: list, request: ToolRequest | None) -> str:
-    """"tool_calls" for an answer that ended by itself (EOS or a stop) with calls, unless the
-    request named the function (OpenAI says "stop" then); else ``reason``."""
+def calls_finish_reason(reason: str, calls: int, request: ToolRequest | None) -> str:
+    """"tool_calls" for an answer that ended by itself (EOS or a stop) with ``calls`` calls, unless
+    the request named the function (OpenAI says "stop" then); else ``reason``."""
     if calls and request is not None and not request.named and reason in ("eos", "stop"):
         return "tool_calls"
     return reason

@@ -37,6 +37,12 @@ class ChatCompletion(Reply):
     id_prefix, default_max_tokens, prompt_param = "chatcmpl", CHAT_DEFAULT_MAX_TOKENS, "messages"
     logprob_format = ChatFormat
 
+    def __init__(self, model: str, texts=None) -> None:
+        super().__init__(model, texts)
+        self.tools = None  # the request's ToolRequest (prepare): None without tools
+        self._parser: str | None = None
+        self._readers: dict[int, ToolStream] = {}  # choice index -> the reader of its calls
+
     @staticmethod
     def encoder(body: ChatCompletionRequest, decoder, check_length) -> Callable[[], list[int]]:
         messages = chat_messages(body)
@@ -50,13 +56,12 @@ class ChatCompletion(Reply):
         """The request's tools, and a reader of calls for each choice (ConfigError: ``auto`` for a
         model whose call format is unknown)."""
         self.tools = body.tool_request()
-        self._parser = getattr(decoder, "tool_call_parser", None)
-        self._readers: dict[int, ToolStream] = {}
+        self._parser = getattr(decoder, "tool_call_parser", None)  # the tests' stand-in decoder has none
         if self.tools is not None:
             self.tools.stream(self._parser)  # a request the parser cannot read fails before it runs
 
     def _reader(self, index: int) -> ToolStream | None:
-        if getattr(self, "tools", None) is None:
+        if self.tools is None:
             return None
         if index not in self._readers:
             self._readers[index] = self.tools.stream(self._parser)
@@ -88,7 +93,7 @@ class ChatCompletion(Reply):
         return ChatCompletionResponseChoice(message=message, finish_reason=self._finish_reason(result, len(calls)))
 
     def _finish_reason(self, result, calls: int) -> str:
-        reason = calls_finish_reason(result.finish_reason, [None] * calls, self.tools)
+        reason = calls_finish_reason(result.finish_reason, calls, self.tools)
         return reason if reason == "tool_calls" else openai_finish_reason(result)
 
     @staticmethod

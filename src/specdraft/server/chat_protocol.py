@@ -5,7 +5,7 @@ from __future__ import annotations
 
 from typing import Any, Literal
 
-from pydantic import Field
+from pydantic import Field, PrivateAttr
 
 from ..types import MAX_LOGPROBS
 from .protocol import ChatMessageParam, OpenAIBaseModel, SamplingRequest, SpecDecodeInfo, UsageInfo, now, random_id
@@ -42,11 +42,16 @@ class ChatCompletionRequest(SamplingRequest):
     def requested_max_tokens(self) -> int | None:
         return self.max_completion_tokens if self.max_completion_tokens is not None else self.max_tokens
 
+    _tool_request: tuple | None = PrivateAttr(default=None)  # (ToolRequest or None,) once read
+
     def tool_request(self):
-        """The request's :class:`~specdraft.tools.ToolRequest` (None: no tools); ConfigError naming the field."""
+        """The request's :class:`~specdraft.tools.ToolRequest` (None: no tools), read once;
+        ConfigError naming the field."""
         from ..tools import read_tools
 
-        return read_tools(self.tools, self.tool_choice, self.parallel_tool_calls)
+        if self._tool_request is None:
+            self._tool_request = (read_tools(self.tools, self.tool_choice, self.parallel_tool_calls),)
+        return self._tool_request[0]
 
     def settings(self, max_new_tokens: int, logprobs_mode: str = "processed"):
         settings = super().settings(max_new_tokens, logprobs_mode)
