@@ -198,10 +198,12 @@ def test_what_the_model_cannot_do_is_a_400(tiny_parts, serve):
 
 
 @pytest.mark.e2e
-def test_the_default_model_calls_a_named_function_through_the_hermes_template(default_f32, serve):
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+def test_the_default_model_calls_a_named_function_through_the_hermes_template(request, dtype, serve):
     """SmolLM2's own template has no tools; with specdraft's Hermes template it is shown the
-    function, and a named call's arguments parse, match the schema, and equal plain decoding's."""
-    model, tokenizer = default_f32
+    function, and a named call's arguments parse, match the schema, and equal plain decoding's
+    (in float32 and in bfloat16, the CPU default)."""
+    model, tokenizer = request.getfixturevalue("default_f32" if dtype == "float32" else "default_bf16")
     person = {"type": "function", "function": {"name": "add_person", "description": "Add a person to the list.",
                                                "parameters": PERSON_SCHEMA}}
     messages = [{"role": "user", "content": "Add Ada, who likes blue, is 36 and scored 9.5."}]
