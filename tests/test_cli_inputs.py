@@ -187,6 +187,9 @@ def test_serve_binds_and_listens_before_the_model_loads():
     (["--h11-max-incomplete-event-size", "100"], "--h11-max-incomplete-event-size must be >= 1024"),
     (["--max-request-bytes", "0"], "--max-request-bytes must be >= 1 (got 0)"),
     (["--chat-template", "no-such-template"], "--chat-template: chat template 'no-such-template' is not a file"),
+    (["--kv-cache-memory", "lots"], "--kv-cache-memory: kv_cache_memory must be a size in bytes such as 512MiB"),
+    (["--kv-cache-memory-bytes", "0"], "--kv-cache-memory: kv_cache_memory must be more than 0 bytes"),
+    (["--gpu-memory-utilization", "0.9"], "specdraft sizes the running requests' KV cache with --kv-cache-memory"),
 ])
 def test_bad_serve_limits_are_one_line(capsys, args, message):
     assert main(["serve", "--port", "0", *args]) == 2

@@ -48,12 +48,14 @@ class SpeculativeDecoder:
         tensor_parallel: int = 1,
         prefix_caching: bool = True,
         prefix_cache_memory: int | str | None = None,
+        kv_cache_memory: int | str | None = None,
         chat_template: str | None = None,
         tool_call_parser: str | None = None,
     ) -> None:
         from .drafters.api import Drafter
         from .engine import Engine, EngineLoop
         from .engine.engine import DEFAULT_PREFILL_CHUNK, release_openmp_workers
+        from .engine.memory import DEFAULT_KV_MEMORY, check_kv_memory
         from .engine.prefix import DEFAULT_MEMORY, parse_memory
         from .plugins import get_registry
         from .runner import default_compile
@@ -74,6 +76,7 @@ class SpeculativeDecoder:
         if not isinstance(prefix_caching, bool):
             raise ConfigError(f"prefix_caching must be True or False, got {prefix_caching!r}")
         memory = parse_memory(DEFAULT_MEMORY if prefix_cache_memory is None else prefix_cache_memory)
+        kv_memory = check_kv_memory(DEFAULT_KV_MEMORY if kv_cache_memory is None else kv_cache_memory)
         from .tools import choose_parser, load_chat_template
 
         if chat_template is not None:
@@ -101,7 +104,7 @@ class SpeculativeDecoder:
         self.engine = Engine(self.runner, self.drafter, self.target, spec_length, adaptive=adaptive,
                              max_batch=max_batch, max_waiting=max_waiting,
                              prefill_chunk=DEFAULT_PREFILL_CHUNK if prefill_chunk is None else prefill_chunk,
-                             prefix_cache_memory=memory if prefix_caching else 0)
+                             prefix_cache_memory=memory if prefix_caching else 0, kv_cache_memory=kv_memory)
         self._loop = EngineLoop(self.engine)
         self._grammars = Grammars(tokenizer, self.target)  # response_format: compiled at first use, cached
         # this thread built the model (OpenMP workers of its own); a server submits from other threads
@@ -143,6 +146,7 @@ class SpeculativeDecoder:
         tensor_parallel: int = 1,
         prefix_caching: bool = True,
         prefix_cache_memory: int | str | None = None,
+        kv_cache_memory: int | str | None = None,
         chat_template: str | None = None,
         tool_call_parser: str | None = None,
     ) -> "SpeculativeDecoder":
@@ -169,7 +173,11 @@ class SpeculativeDecoder:
         speculative output then equals plain decoding of that quantized model.
 
         ``max_batch``: sequences decoded together (each holds a row of the KV cache); more wait
-        and join as others finish. ``max_waiting``: with ``stream()``, at most this many requests
+        and join as others finish. ``kv_cache_memory``: the most bytes those rows take (an int, or
+        a size such as ``"8GiB"``; None: 4 GiB); each sequence reserves room for its prompt and
+        ``max_new_tokens``, newcomers wait while the running ones' reservations fill it, and one
+        that could never fit is refused (ConfigError). What is allocated grows with use up to
+        that (see :mod:`specdraft.engine.memory`). ``max_waiting``: with ``stream()``, at most this many requests
         wait (QueueFull beyond; None: no limit). ``prefill_chunk``: prompt tokens per prefill pass;
         while others decode, a step prefills at most this many, so a long prompt joining delays
         the running requests' next round by one such pass (None: 256; 0: each prompt in one pass).
@@ -200,6 +208,10 @@ class SpeculativeDecoder:
             drafter_options = chosen.options
             speculative_config = None
         choose_drafter(drafter, spec_length, drafter_options, speculative_config)  # a bad one fails before loading
+        if kv_cache_memory is not None:
+            from .engine.memory import check_kv_memory
+
+            check_kv_memory(kv_cache_memory)
 
         model, tokenizer, name = load_target(target, dtype=dtype, device=device)
         decoder = cls(model, tokenizer, drafter, spec_length, drafter_options, speculative_config=speculative_config,
@@ -207,7 +219,8 @@ class SpeculativeDecoder:
                       compile=compile, quantize=quantize, max_batch=max_batch, max_waiting=max_waiting,
                       prefill_chunk=prefill_chunk, tensor_parallel=tensor_parallel,
                       prefix_caching=prefix_caching, prefix_cache_memory=prefix_cache_memory,
-                      chat_template=chat_template, tool_call_parser=tool_call_parser)
+                      kv_cache_memory=kv_cache_memory, chat_template=chat_template,
+                      tool_call_parser=tool_call_parser)
         decoder.dtype_reason = "asked for" if dtype is not None else default_dtype(resolve_device(device))[1]
         return decoder
 
@@ -263,7 +276,8 @@ class SpeculativeDecoder:
 
     @property
     def kv_cache_usage(self) -> float:
-        """The fraction (0..1) of the target cache's allocated token positions running sequences hold."""
+        """The fraction (0..1) of the target cache's memory (``kv_cache_memory``) the running
+        sequences have reserved: at 1.0 newcomers wait for room."""
         from .engine.report import kv_cache_usage
 
         return kv_cache_usage(self.engine)

@@ -156,7 +156,7 @@ def test_off_and_bad_settings(tiny_model):
     assert _decoder(tiny_model, "none", prefix_cache_memory="2MiB").engine.prefix.memory == 2 << 20
     assert parse_memory("1.5 GB") == 1_500_000_000 and parse_memory(4096) == 4096
     for bad in ("lots", "-1", "3 parsecs", True):
-        with pytest.raises(ConfigError, match="prefix cache's memory must be a size"):
+        with pytest.raises(ConfigError, match="prefix_cache_memory must be a size"):
             parse_memory(bad)
     with pytest.raises(ConfigError, match="prefix_caching must be True or False"):
         _decoder(tiny_model, "none", prefix_caching="yes")

@@ -139,8 +139,9 @@ def test_an_aborted_sequence_reports_its_tokens_once_and_leaves(decoder):
     finish = [rep for rep in recorder.reports if rep.kind == "finish"]
     assert [(rep.rows[0].seq, rep.reason) for rep in finish] == [(seq, "aborted")]
     assert sum(r.committed for r in recorder.rows("round", seq.id)) == len(seq.new_tokens) == 6
-    cache = decoder.engine.runner.cache
-    assert usage == pytest.approx(seq.cached / (cache.kv.slots * cache.capacity)) and 0 < usage <= 1
+    cache, memory = decoder.engine.runner.cache, decoder.engine.memory  # its reservation: one row of all it may write
+    assert usage == pytest.approx(cache.bytes_for(1, seq.max_len + memory.widest + 1) / memory.budget)
+    assert 0 < usage <= 1
     assert kv_cache_usage(decoder.engine) == 0.0  # nobody runs
 
 

@@ -31,6 +31,8 @@ import torch
 
 #: The cache's capacity grows in steps of this many positions (reallocating is rare).
 CAPACITY_STEP = 256
+#: :meth:`StaticCache.fit` gives memory back when the cache holds more than this many times what is asked
+SHRINK_AT = 4
 
 
 class StaticCache:
@@ -73,6 +75,48 @@ class StaticCache:
         new.lengths[: old.slots].copy_(old.lengths)
         self.kv = new
         self.bounds += [0] * (rows - len(self.bounds))
+        self.epoch += 1
+
+    # -- sized by use, under a memory bound (the engine's: docs/algorithm.md#kv-cache-memory) ----
+
+    def rounded(self, positions: int) -> int:
+        """The capacity a row of ``positions`` tokens is given: headroom added, rounded up to a step."""
+        return -(-(positions + self.headroom) // CAPACITY_STEP) * CAPACITY_STEP
+
+    def bytes_for(self, rows: int, positions: int) -> int:
+        """Bytes a cache of ``rows`` rows of ``positions`` tokens each takes (headroom and rounding included)."""
+        return rows * self.rounded(positions) * self.token_bytes
+
+    @property
+    def nbytes(self) -> int:
+        """Bytes the rows' buffers take now."""
+        return self.kv.slots * self.kv.max_len * self.token_bytes
+
+    def fit(self, rows: int, positions: int, most: int) -> None:
+        """Room for rows ``0 .. rows - 1`` of ``positions`` tokens each, keeping what they store.
+
+        A row's capacity grows by doubling, never past ``most`` tokens' (a bound the caller keeps
+        within its memory); a reallocation also drops the rows past ``rows`` (the caller uses
+        none of them), and a cache holding over :data:`SHRINK_AT` times what is asked is made
+        that size, so memory follows use. Rows' lengths past the new capacity (free rows only) are
+        cut to it."""
+        need = self.rounded(positions)
+        old = self.kv
+        if old.slots >= rows and old.max_len >= need:
+            if old.slots * old.max_len <= SHRINK_AT * rows * need:
+                return
+            capacity = need
+        elif old.max_len >= need:
+            capacity = min(old.max_len, max(need, self.rounded(most)))
+        else:
+            capacity = min(max(need, 2 * old.max_len), max(need, self.rounded(most)))
+        new = self.allocate(rows, capacity)
+        kept, span = min(rows, old.slots), min(capacity, old.max_len)
+        for dst, src in zip(new.keys + new.values, old.keys + old.values):
+            dst[:kept, :, :span] = src[:kept, :, :span]
+        new.lengths[:kept].copy_(old.lengths[:kept].clamp(max=capacity - self.headroom))
+        self.kv = new
+        self.bounds = [min(b, capacity - self.headroom) for b in self.bounds[:kept]] + [0] * (rows - kept)
         self.epoch += 1
 
     @property

@@ -32,8 +32,10 @@ from ..errors import DrafterError, SpecdraftError
 from ..sampling import RowSampling, TokenCounts
 from ..types import DraftContext, TargetInfo, TargetRunner
 from ..verifier import Outcome, Proposal, Verifier
+from ..verifier.prediction import MAX_PREDICTED
 from .processors import GrammarMasks, HoldStops, LogitBias, RowState, process
 from .logprobs import round_logprobs
+from .memory import DEFAULT_KV_MEMORY, KVMemory
 from .output import first_stop, stop_floor
 from .policy import AdaptiveDraftLength
 from .prefix import DEFAULT_MEMORY, PrefixCache
@@ -89,7 +91,8 @@ class Engine:
 
     def __init__(self, runner: TargetRunner, drafter, target: TargetInfo, spec_length: int, adaptive: bool = True,
                  max_batch: int = 8, max_waiting: int | None = None,
-                 prefill_chunk: int = DEFAULT_PREFILL_CHUNK, prefix_cache_memory: int = DEFAULT_MEMORY) -> None:
+                 prefill_chunk: int = DEFAULT_PREFILL_CHUNK, prefix_cache_memory: int = DEFAULT_MEMORY,
+                 kv_cache_memory: int = DEFAULT_KV_MEMORY) -> None:
         self.runner = runner  # specdraft.runner: ModelRunner or TransformersRunner
         self.drafter = drafter
         self.target = target
@@ -113,8 +116,14 @@ class Engine:
         #: sequence (see :mod:`specdraft.engine.report`); a failing one is logged once, never raised
         self.observers: list[Observer] = []
         self._failed_observers: set[int] = set()
-        self.reset_cache()
         cache = self.runner.cache
+        #: the target cache's memory bound (:mod:`.memory`); None: a cache that cannot be sized by
+        #: use (transformers' fallback: a row per ``max_batch`` slot)
+        self.memory: KVMemory | None = None
+        if getattr(cache, "fit", None) is not None:
+            widest = max(spec_length, int(getattr(drafter, "tree_budget", 1) or 1), MAX_PREDICTED)
+            self.memory = KVMemory(cache, kv_cache_memory, widest)
+        self.reset_cache()
         #: prompt passes kept across requests (:mod:`.prefix`); None: off (asked, or
         #: a cache that cannot keep them: transformers' fallback)
         self.prefix: PrefixCache | None = None
@@ -122,13 +131,20 @@ class Engine:
             self.prefix = PrefixCache(cache, prefix_cache_memory, cache.token_bytes)
 
     def reset_cache(self) -> None:
-        """An empty target cache with a row per slot (nothing may be running); the prefix cache keeps its blocks."""
-        self.runner.cache.reset(self.scheduler.max_batch, 256)
+        """An empty target cache (nothing may be running): one short row, grown as sequences join
+        (:mod:`.memory`; a row per slot when it cannot be); the prefix cache keeps its blocks."""
+        if self.memory is not None:
+            self.runner.cache.reset(1, 0)
+        else:
+            self.runner.cache.reset(self.scheduler.max_batch, 256)
 
     # -- requests (any thread) ------------------------------------------------------------
 
     def add(self, sequences: list[Sequence], limit: bool = True) -> None:
-        """Queue ``sequences``; QueueFull (none queued) when ``limit`` and the waiting queue is full."""
+        """Queue ``sequences``; QueueFull (none queued) when ``limit`` and the waiting queue is full,
+        ConfigError when one could never fit the KV cache's memory."""
+        if self.memory is not None:
+            self.memory.check(sequences)
         self.scheduler.add(sequences, limit)
 
     def abort(self, seq: Sequence) -> None:
@@ -153,7 +169,7 @@ class Engine:
         with torch.inference_mode():
             for s in self.scheduler.aborted():
                 self._leave(s, "aborted")
-            joined = self.scheduler.admit()
+            joined = self.scheduler.admit(None if self.memory is None else self.memory.fits)
             if joined:
                 self._guarded(joined, self._join)
             if self._filling:
@@ -161,9 +177,13 @@ class Engine:
             ready = [s for s in self.scheduler.running if not s.prefilling]
             if ready:
                 self._guarded(ready, self._round)
+            if self.memory is not None and not self.scheduler.running:
+                self.memory.fit([])  # idle: memory back
 
     def _round(self, batch: list[Sequence]) -> None:
         t0 = time.perf_counter()
+        if self.memory is not None:  # room for the widest pass after the longest row
+            self.memory.fit(self.scheduler.running)
         plan = self._plan(batch)
         draft = self._call("propose", plan.ctx, plan.k) if plan.k > 0 else None
         proposal = self.verifier.proposal(draft, plan.caps, plan.predicted)  # validated once; a chain or a tree
@@ -290,8 +310,11 @@ class Engine:
 
     def _join(self, joined: list[Sequence]) -> None:
         """Give the newcomers their cache rows and tell the drafter; their prompts wait to be prefilled."""
-        self.runner.cache.reserve(max(s.max_len for s in joined) + self.spec_length + 1,
-                                  rows=self.scheduler.max_batch)
+        if self.memory is not None:  # the prompts' room now, the rest as they grow (within their reservations)
+            self.memory.fit(self.scheduler.running)
+        else:
+            self.runner.cache.reserve(max(s.max_len for s in joined) + self.spec_length + 1,
+                                      rows=self.scheduler.max_batch)
         self.runner.cache.set_lengths([0] * len(joined), slots=[s.slot for s in joined])
         for s in joined:
             self._call("on_join", s.id, list(s.tokens))

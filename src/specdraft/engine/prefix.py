@@ -37,15 +37,16 @@ _UNITS = {"": 1, "b": 1, "k": 1 << 10, "kb": 1000, "kib": 1 << 10, "m": 1 << 20,
           "g": 1 << 30, "gb": 1000**3, "gib": 1 << 30}
 
 
-def parse_memory(value) -> int:
-    """Bytes from an int or a size such as ``"512MiB"``, ``"2GB"``, ``"1g"`` (ConfigError otherwise)."""
+def parse_memory(value, what: str = "prefix_cache_memory") -> int:
+    """Bytes from an int or a size such as ``"512MiB"``, ``"2GB"``, ``"1g"`` (ConfigError naming ``what`` otherwise)."""
     if isinstance(value, int) and not isinstance(value, bool) and value >= 0:
         return value
     found = re.fullmatch(r"\s*(\d+(?:\.\d+)?)\s*([a-zA-Z]*)\s*", str(value))
     unit = found and found.group(2).lower()
     if not found or unit not in _UNITS:
-        raise ConfigError(f"the prefix cache's memory must be a size in bytes such as 512MiB, 2GB or 1073741824 "
-                          f"(0: no prefix caching), got {value!r}", param="prefix_cache_memory")
+        zero = " (0: no prefix caching)" if what == "prefix_cache_memory" else ""
+        raise ConfigError(f"{what} must be a size in bytes such as 512MiB, 2GB or 1073741824{zero}, got {value!r}",
+                          param=what)
     return int(float(found.group(1)) * _UNITS[unit])
 
 

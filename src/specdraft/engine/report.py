@@ -125,17 +125,17 @@ def notify(observers: list[Observer], report: StepReport, failed: set) -> None:
 
 
 def kv_cache_usage(engine) -> float:
-    """The fraction (0..1) of the target cache's allocated token positions (rows times each row's
-    capacity) that running sequences' tokens hold; 0.0 when none is allocated."""
-    cache = engine.runner.cache
-    kv = getattr(cache, "kv", None)
-    if kv is not None:  # StaticCache
-        positions = kv.slots * cache.capacity
-    else:  # HFCache: ``slots`` positions per row
-        positions = len(getattr(cache, "stored", ())) * int(getattr(cache, "slots", 0) or 0)
+    """The fraction (0..1) of the target cache's memory that running sequences have reserved
+    (``kv_cache_memory``: at 1.0 newcomers wait, see :mod:`.memory`); for a cache without that
+    bound (transformers' fallback), of its allocated positions that their tokens hold."""
+    running = list(engine.scheduler.running)
+    if engine.memory is not None:
+        return engine.memory.usage(running)
+    cache = engine.runner.cache  # HFCache: ``slots`` positions per row
+    positions = len(getattr(cache, "stored", ())) * int(getattr(cache, "slots", 0) or 0)
     if positions <= 0:
         return 0.0
-    used = sum(s.cached for s in list(engine.scheduler.running))
+    used = sum(s.cached for s in running)
     return min(1.0, used / positions)
 
 

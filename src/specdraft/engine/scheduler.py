@@ -53,13 +53,18 @@ class Scheduler:
         """Running sequences whose caller aborted them: they leave now."""
         return [s for s in self.running if s.aborted]
 
-    def admit(self) -> list[Sequence]:
-        """Waiting sequences that get a slot this step (they join the running batch)."""
+    def admit(self, fits=None) -> list[Sequence]:
+        """Waiting sequences that get a slot this step (they join the running batch), first come
+        first served; ``fits(holding, seq, slot)``, when given, says whether ``seq`` may join
+        those ``holding`` rows (running and joining) in ``slot`` (the KV cache's memory: else it
+        and those behind it wait)."""
         joined: list[Sequence] = []
         with self.lock:
             if self.waves and self.running:
                 return joined  # a wave runs to its end before the next starts
             while self.waiting and self.free_slots:
+                if fits is not None and not fits(self.running + joined, self.waiting[0], self.free_slots[0]):
+                    break
                 seq = self.waiting.popleft()
                 seq.slot = self.free_slots.pop(0)
                 seq.status = Status.RUNNING

@@ -191,7 +191,7 @@ def _broadcast(control, msg=None):
 
 
 #: cache methods that change what the cache holds: run on every rank (the rest are read on rank 0)
-CACHE_CHANGES = ("reset", "reserve", "set_lengths", "move", "keep_paths", "save_block", "load_block", "drop_block")
+CACHE_CHANGES = ("reset", "reserve", "fit", "set_lengths", "move", "keep_paths", "save_block", "load_block", "drop_block")
 
 
 class _MirroredCache:

@@ -58,8 +58,8 @@ def add_serve_parser(subparsers) -> argparse.ArgumentParser:
     p.add_argument("--host", default="127.0.0.1",
                    help="address to listen on; 0.0.0.0 for every interface (default: 127.0.0.1)")
     p.add_argument("--port", type=int, default=8000, help="port to listen on; 0 = any free port (default: 8000)")
-    p.add_argument("--max-batch", type=int, default=8, metavar="N",
-                   help="requests decoded together in one batch (default: 8)")
+    p.add_argument("--max-batch", "--max-num-seqs", dest="max_batch", type=int, default=8, metavar="N",
+                   help="requests decoded together in one batch (vLLM: --max-num-seqs; default: 8)")
     p.add_argument("--max-waiting", type=int, default=64, metavar="N",
                    help="requests that may wait for a place in the batch (new ones wait until the engine's "
                         "next step); more get HTTP 429 (default: 64)")
@@ -76,6 +76,14 @@ def add_serve_parser(subparsers) -> argparse.ArgumentParser:
     p.add_argument("--prefix-cache-memory", default="1GiB", metavar="SIZE",
                    help="the most memory the prefix cache's blocks take beside the running requests' KV cache, "
                         "least recently used blocks evicted past it: bytes, or 512MiB, 2GB, ... (default: %(default)s)")
+    p.add_argument("--kv-cache-memory", "--kv-cache-memory-bytes", dest="kv_cache_memory", default="4GiB",
+                   metavar="SIZE",
+                   help="the most memory the running requests' KV cache takes (per device): each request reserves "
+                        "room for its prompt and max_tokens, new ones wait while the reservations fill it, and one "
+                        "that could never fit gets a 400; what is allocated grows with use up to it: bytes, or 8GiB, "
+                        "... (vLLM: --kv-cache-memory-bytes; default: %(default)s)")
+    p.add_argument("--gpu-memory-utilization", default=None, metavar="F",
+                   help="vLLM's flag, refused: give the KV cache's size with --kv-cache-memory")
     p.add_argument("--chat-template", default=None, metavar="TEMPLATE",
                    help="the chat template to render messages with, in place of the tokenizer's: 'hermes' "
                         "(specdraft's ChatML template with tools, Hermes-style calls), a file, or Jinja text (vLLM's "
@@ -208,6 +216,15 @@ def serve(args) -> int:
         prefix_memory = parse_memory(args.prefix_cache_memory)
     except ConfigError as exc:
         raise ConfigError(f"--prefix-cache-memory: {exc}") from None
+    if args.gpu_memory_utilization is not None:
+        raise ConfigError("--gpu-memory-utilization is vLLM's; specdraft sizes the running requests' KV cache with "
+                          "--kv-cache-memory SIZE (per device, e.g. 40GiB; default 4GiB)")
+    from ..engine.memory import check_kv_memory
+
+    try:
+        kv_memory = check_kv_memory(args.kv_cache_memory)
+    except ConfigError as exc:
+        raise ConfigError(f"--kv-cache-memory: {exc}") from None
     _check_process_args(args)
     if args.chat_template is not None:
         from ..tools import load_chat_template
@@ -230,6 +247,7 @@ def serve(args) -> int:
             adaptive=not args.fixed_spec_length, compile=args.compile, quantize=args.quantize,
             max_batch=args.max_batch, max_waiting=args.max_waiting, prefill_chunk=args.chunked_prefill_size,
             tensor_parallel=args.tensor_parallel, prefix_caching=args.prefix_caching, prefix_cache_memory=prefix_memory,
+            kv_cache_memory=kv_memory,
             chat_template=args.chat_template, tool_call_parser=args.tool_call_parser,
         )
         import uvicorn
