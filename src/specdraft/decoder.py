@@ -56,7 +56,7 @@ class SpeculativeDecoder:
         from .engine import Engine, EngineLoop
         from .engine.engine import DEFAULT_PREFILL_CHUNK, release_openmp_workers
         from .engine.memory import DEFAULT_KV_MEMORY, check_kv_memory
-        from .engine.prefix import DEFAULT_MEMORY, parse_memory
+        from .engine.prefix import DEFAULT_MEMORY, parse_memory, turn_mark
         from .plugins import get_registry
         from .runner import default_compile
         from .structured import Grammars
@@ -105,6 +105,7 @@ class SpeculativeDecoder:
                              max_batch=max_batch, max_waiting=max_waiting,
                              prefill_chunk=DEFAULT_PREFILL_CHUNK if prefill_chunk is None else prefill_chunk,
                              prefix_cache_memory=memory if prefix_caching else 0, kv_cache_memory=kv_memory)
+        self.engine.turn_mark = turn_mark(tokenizer)  # a chat's next turn finds all of this one's prompt cached
         self._loop = EngineLoop(self.engine)
         self._grammars = Grammars(tokenizer, self.target)  # response_format: compiled at first use, cached
         # this thread built the model (OpenMP workers of its own); a server submits from other threads

@@ -13,7 +13,7 @@ import pytest
 import torch
 
 from specdraft import ConfigError, SamplingParams, SpeculativeDecoder
-from specdraft.engine.prefix import PrefixCache, parse_memory
+from specdraft.engine.prefix import PrefixCache, parse_memory, turn_ends, turn_mark
 from specdraft.testing import SIGNIFICANCE, random_heads, tiny_llama
 from specdraft.testing.stats import sampled_joint_pvalue
 
@@ -97,6 +97,46 @@ def test_greedy_output_is_the_same_from_cached_passes(models, dtype, drafter, tm
     assert accepted < sum(s.drafted_tokens for s in stats)
     # random eagle heads on the wide bfloat16 model draft nothing it accepts: every draft rolled back
     assert accepted > 0 or (drafter, dtype) == ("eagle-tree", "bfloat16")
+
+
+@pytest.mark.parametrize("dtype", ["float64", "bfloat16"])
+def test_a_conversations_next_turn_finds_all_of_the_last_turns_prompt_cached(models, dtype):
+    """A chat's turns, with a turn mark (a generation prompt ``1 2 3``: the mark is ``1 2``): each
+    turn resends the conversation, and finds the whole of the last turn's prompt (but its last
+    token) cached, not just its whole 8-token passes; token for token what a decoder without the
+    cache gives, and what plain decoding gives."""
+    model = models[dtype]
+    g = torch.Generator().manual_seed(3)
+    system = torch.randint(4, model.config.vocab_size, (29,), generator=g).tolist()
+    messages = [torch.randint(4, model.config.vocab_size, (n,), generator=g).tolist() for n in (5, 11, 3)]
+
+    def turns(dec):
+        prompt, got = list(system), []
+        for message in messages:
+            prompt += message + [1, 2, 3]
+            [r] = dec.generate_ids([prompt], max_new_tokens=9)
+            got.append((len(prompt), r.token_ids, r.stats.cached_tokens))
+            prompt += r.token_ids + [0]  # the answer and its end, as the template renders them
+        return got
+
+    runs = {}
+    for name, drafter, caching in (("plain", "none", False), ("off", "prompt-lookup", False),
+                                   ("on", "prompt-lookup", True)):
+        dec = _decoder(model, drafter, prefix_caching=caching)
+        dec.engine.turn_mark = (1, 2)
+        runs[name] = turns(dec)
+    outputs = {name: [out for _, out, _ in got] for name, got in runs.items()}
+    assert outputs["on"] == outputs["off"] == outputs["plain"]
+    lengths = [n for n, _, _ in runs["on"]]
+    # at fixed 8-token offsets alone the hits would be 32 and 56
+    assert [hit for _, _, hit in runs["on"]] == [0, lengths[0] - 1, lengths[1] - 1]
+
+
+def test_the_turn_mark_is_the_generation_prompt_but_its_last_token(smol_tokenizer):
+    mark = turn_mark(smol_tokenizer)
+    assert smol_tokenizer.decode(list(mark)) == "<|im_start|>assistant"  # ChatML's, then "\n"
+    assert turn_ends([7, 1, 2, 3, 1, 2, 9, 1], (1, 2)) == [3, 6] and turn_ends([1, 2], ()) == []
+    assert turn_mark(None) == ()
 
 
 def test_predictions_and_choices_share_the_cached_prompt(models):

@@ -38,7 +38,7 @@ from .logprobs import round_logprobs
 from .memory import DEFAULT_KV_MEMORY, KVMemory
 from .output import first_stop, stop_floor
 from .policy import AdaptiveDraftLength
-from .prefix import DEFAULT_MEMORY, PrefixCache
+from .prefix import DEFAULT_MEMORY, PrefixCache, turn_ends
 from .report import Observer, StepReport, finish_report, notify, prefill_report, round_report
 from .scheduler import Scheduler
 from .sequence import Sequence, Status, mix_seed
@@ -100,6 +100,10 @@ class Engine:
         self.adaptive = adaptive
         #: prompt tokens per prefill pass, and at most per step while others decode (0: whole prompts)
         self.prefill_chunk = prefill_chunk
+        #: a conversation's turn mark (the chat template's generation prompt but its last token;
+        #: empty: none): a prefill pass also ends after each one, where an earlier turn's prompt
+        #: ended, so the prefix cache holds all of that prompt for the next turn (see :meth:`_pass_end`)
+        self.turn_mark: tuple[int, ...] = ()
         self._filling: list[Sequence] = []  # admitted sequences still prefilling, first come first
         self._prefill_steps = 0  # steps that prefilled: how long a prompt has waited (see _prefill_order)
         waves = getattr(drafter, "api_version", 1) < 2
@@ -377,10 +381,19 @@ class Engine:
         return (s.prompt_len - 1 - s.cached) - waited * (self.prefill_chunk or PREFILL_BUDGET)
 
     def _pass_end(self, s: Sequence) -> int:
-        """Where ``s``'s next prefill pass ends: the next chunk boundary (offsets fixed by the
-        prompt alone), or the prompt's end (all but its last token)."""
+        """Where ``s``'s next prefill pass ends: the next chunk boundary, or turn mark's end, or the
+        prompt's end (all but its last token); offsets fixed by the prompt alone.
+
+        A chat prompt ends with the generation prompt, and its last pass ends before that
+        prompt's last token, just after the turn mark. A later turn of the conversation resends it
+        with the answer and a new message after it: its pass also ends there, so every pass of the
+        earlier prompt is one it has too, and the prefix cache holds them all (a boundary at fixed
+        offsets only would leave the tail since the last one to compute again)."""
         last = s.prompt_len - 1
-        return min(last, (s.cached // self.prefill_chunk + 1) * self.prefill_chunk) if self.prefill_chunk else last
+        end = min(last, (s.cached // self.prefill_chunk + 1) * self.prefill_chunk) if self.prefill_chunk else last
+        if s.turn_ends is None:
+            s.turn_ends = turn_ends(s.tokens[:last], self.turn_mark)
+        return next((m for m in s.turn_ends if s.cached < m < end), end)
 
     def _from_prefix_cache(self, sequences: list[Sequence]) -> None:
         """Copy into ``s``'s row the passes of its prompt the prefix cache holds, in order from

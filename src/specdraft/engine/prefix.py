@@ -50,6 +50,35 @@ def parse_memory(value, what: str = "prefix_cache_memory") -> int:
     return int(float(found.group(1)) * _UNITS[unit])
 
 
+def turn_ends(tokens: list[int], mark: tuple[int, ...]) -> list[int]:
+    """The positions just after each occurrence of ``mark`` in ``tokens``, in order (none for an empty mark)."""
+    if not mark:
+        return []
+    n, first = len(mark), mark[0]
+    return [i + n for i, t in enumerate(tokens) if t == first and tuple(tokens[i : i + n]) == mark]
+
+
+def turn_mark(tokenizer) -> tuple[int, ...]:
+    """The token ids of ``tokenizer``'s chat template's generation prompt but its last token
+    (ChatML: ``<|im_start|>assistant``), where a chat prompt's prefill ends; empty when there is
+    no template, or its generation prompt is not tokens appended to the conversation's."""
+    if tokenizer is None or not getattr(tokenizer, "chat_template", None):
+        return ()
+    chat = [{"role": "user", "content": "Hi"}]
+    try:
+        bare = tokenizer.apply_chat_template(chat, tokenize=False, add_generation_prompt=False)
+        asked = tokenizer.apply_chat_template(chat, tokenize=False, add_generation_prompt=True)
+        if not (isinstance(bare, str) and isinstance(asked, str) and asked.startswith(bare)):
+            return ()
+        short = tokenizer(bare, add_special_tokens=False).input_ids
+        long = tokenizer(asked, add_special_tokens=False).input_ids
+    except Exception:  # noqa: BLE001 - a template that cannot render this: no mark, passes at fixed offsets only
+        return ()
+    if long[: len(short)] != short or len(long) - len(short) < 2:
+        return ()
+    return tuple(long[len(short) : -1])
+
+
 @dataclass(eq=False)
 class Block:
     """One prefill pass's keys and values, stored in the runner's cache under ``id``."""
@@ -145,4 +174,4 @@ class PrefixCache:
         return False
 
 
-__all__ = ["DEFAULT_MEMORY", "Block", "PrefixCache", "PrefixStats", "parse_memory"]
+__all__ = ["DEFAULT_MEMORY", "Block", "PrefixCache", "PrefixStats", "parse_memory", "turn_ends", "turn_mark"]

@@ -108,6 +108,8 @@ class Sequence:
     prefix_block: "Block | None" = field(default=None, repr=False)
     #: the engine's prefill step count when it joined: how long its prompt has waited (the prefill order)
     filling_since: int = 0
+    #: where the prompt's turn marks end (extra prefill pass ends; see Engine._pass_end); None: not found yet
+    turn_ends: list[int] | None = field(default=None, repr=False)
     stats: GenerationStats = field(default_factory=GenerationStats)
     events: Outbox = field(default_factory=Outbox)
     submitted: float = field(default_factory=time.perf_counter)

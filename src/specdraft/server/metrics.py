@@ -142,7 +142,7 @@ class ServerMetrics:
         waiting = Gauge("specdraft:num_requests_waiting", "Requests waiting for a place in the batch.",
                         names, registry=registry)
         waiting.labels(**labels).set_function(lambda: decoder.num_waiting)
-        return Gauge("specdraft:kv_cache_usage_perc", "Fraction (0..1) of the target's KV cache positions in use.",
+        return Gauge("specdraft:kv_cache_usage_perc", "Fraction (0..1) of --kv-cache-memory running requests reserve.",
                      names, registry=registry)
 
     def _bind(self) -> None:
