@@ -12,7 +12,7 @@ from specdraft.engine.sequence import Sequence
 from specdraft.errors import DrafterError
 from specdraft.testing import SIGNIFICANCE as ALPHA
 from specdraft.testing import (enumerate_plain_sampling, plain_greedy, random_heads, repetitive_prompts,
-                               samples_needed, samples_pvalue, tiny_llama)
+                               samples_needed, samples_pvalue, tiny_llama, wide_bf16_llama)
 from specdraft.testing.stats import family_size
 
 BUILTINS = ["ngram", "prompt-lookup", "none", "draft-model", "medusa", "eagle", "mlp-speculator"]
@@ -241,13 +241,7 @@ def test_a_greedy_request_does_not_depend_on_who_joins_with_it_in_bfloat16():
     prompt alone and of the same prompt joining with longer ones gave different tokens (this
     failed on the first prompt). The model is wider than tiny_llama's: at width 32 the padded
     batch happened to round alike."""
-    from transformers import LlamaConfig, LlamaForCausalLM
-
-    torch.manual_seed(5)
-    config = LlamaConfig(vocab_size=256, hidden_size=256, intermediate_size=512, num_hidden_layers=2,
-                         num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=512,
-                         bos_token_id=None, eos_token_id=None, pad_token_id=0, tie_word_embeddings=False)
-    model = LlamaForCausalLM(config).to(torch.bfloat16).eval()
+    model = wide_bf16_llama()
     g = torch.Generator().manual_seed(0)
     prompts = [torch.randint(4, 256, (n,), generator=g).tolist() for n in (19, 97, 224)]
     dec = SpeculativeDecoder(model, None, drafter="none", max_batch=3)

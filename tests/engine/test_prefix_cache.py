@@ -14,7 +14,7 @@ import torch
 
 from specdraft import ConfigError, SamplingParams, SpeculativeDecoder
 from specdraft.engine.prefix import PrefixCache, parse_memory, turn_ends, turn_mark
-from specdraft.testing import SIGNIFICANCE, random_heads, tiny_llama
+from specdraft.testing import SIGNIFICANCE, random_heads, tiny_llama, wide_bf16_llama
 from specdraft.testing.stats import sampled_joint_pvalue
 
 CHUNK = 8
@@ -31,20 +31,9 @@ def _prompts(vocab: int, seed: int = 0) -> list[list[int]]:
     return prompts + [list(prompts[0])]
 
 
-def _wide_bf16():
-    """bfloat16, wide enough (as tests/engine/test_continuous.py's) that rounding follows a pass's shape."""
-    from transformers import LlamaConfig, LlamaForCausalLM
-
-    torch.manual_seed(5)
-    config = LlamaConfig(vocab_size=256, hidden_size=256, intermediate_size=512, num_hidden_layers=2,
-                         num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=512,
-                         bos_token_id=None, eos_token_id=None, pad_token_id=0, tie_word_embeddings=False)
-    return LlamaForCausalLM(config).to(torch.bfloat16).eval()
-
-
 @pytest.fixture(scope="module")
 def models():
-    return {"float64": tiny_llama(vocab_size=64, seed=0), "bfloat16": _wide_bf16()}
+    return {"float64": tiny_llama(vocab_size=64, seed=0), "bfloat16": wide_bf16_llama()}
 
 
 def _decoder(model, drafter="prompt-lookup", tmp_path=None, **kwargs):

@@ -16,6 +16,20 @@ def tiny_llama(vocab_size: int = 64, seed: int = 0, layers: int = 2, max_positio
     return LlamaForCausalLM(config).to(dtype or torch.float64).eval()
 
 
+def wide_bf16_llama():
+    """A random bfloat16 Llama wide enough (256) that rounding follows a pass's shape: a prompt's
+    keys and values computed in other passes, or padded beside longer prompts, round otherwise
+    (at :func:`tiny_llama`'s width 32 they happened to round alike). Vocabulary 256, 512 positions."""
+    import torch
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    torch.manual_seed(5)
+    config = LlamaConfig(vocab_size=256, hidden_size=256, intermediate_size=512, num_hidden_layers=2,
+                         num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=512,
+                         bos_token_id=None, eos_token_id=None, pad_token_id=0, tie_word_embeddings=False)
+    return LlamaForCausalLM(config).to(torch.bfloat16).eval()
+
+
 def tiny_tokenizer(vocab_size: int = 64):
     """A word-level tokenizer over ``vocab_size`` ids for :func:`tiny_llama` models: ids 0-3 are
     ``<pad> <s> </s> <unk>``, id ``i >= 4`` is the word ``t{i}`` (text is space-separated words)."""
