@@ -181,7 +181,9 @@ class SpeculativeDecoder:
         that (see :mod:`specdraft.engine.memory`). ``max_waiting``: with ``stream()``, at most this many requests
         wait (QueueFull beyond; None: no limit). ``prefill_chunk``: prompt tokens per prefill pass;
         while others decode, a step prefills at most this many, so a long prompt joining delays
-        the running requests' next round by one such pass (None: 256; 0: each prompt in one pass).
+        the running requests' next round by one such pass (None: 256; 0: each prompt in one pass,
+        but for passes that end where a chat's earlier turns ended: see :meth:`Engine._pass_end
+        <specdraft.engine.engine.Engine._pass_end>`).
 
         ``prefix_caching`` (on by default): prompt prefill passes are kept, at most
         ``prefix_cache_memory`` bytes of them (an int, or a size such as ``"512MiB"``; None: 1 GiB),

@@ -111,7 +111,7 @@ def test_a_request_that_could_never_fit_is_refused_in_one_line_and_nothing_is_qu
         decoder.generate_ids([prompt], max_new_tokens=1000)
     message = str(caught.value)
     assert "\n" not in message and "of KV cache" in message and "kv_cache_memory" in message
-    assert caught.value.param == "max_tokens"
+    assert caught.value.param == "max_new_tokens"  # the server names the request's own field
     assert decoder.num_waiting == 0 and decoder.num_running == 0
     [ok] = decoder.generate_ids([prompt], max_new_tokens=20)  # the decoder goes on
     assert ok.token_ids == _decoder(model, "none").generate_ids([prompt], max_new_tokens=20)[0].token_ids

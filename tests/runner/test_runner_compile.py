@@ -91,3 +91,25 @@ def test_same_inputs_give_bit_identical_logits_run_after_run(settings):
         runner.forward(tokens[:, :8])
         outs.append(runner.forward(tokens[:, 8:], hidden=True))
     assert torch.equal(outs[0][0], outs[1][0]) and torch.equal(outs[0][1], outs[1][1])
+
+
+
+@torch.inference_mode()
+def test_a_gathered_pass_does_not_recompile_as_the_caches_rows_change(model):
+    """The engine's cache has rows up to the highest slot running (``engine.memory``), so a pass
+    over slots that are not a run (gathered: keys and values of every row) meets caches of 3, 4, 5
+    rows: the graph compiled for the first serves them all, with the eager runner's logits."""
+    compiled, eager = load_runner(model, compile=True), load_runner(model)
+    gen = torch.Generator().manual_seed(0)
+    tokens = torch.randint(0, 64, (2, 3), generator=gen)
+    for i, rows in enumerate((3, 4, 5)):
+        for r in (compiled, eager):
+            r.cache.reset(rows, 64)
+            r.forward(torch.randint(0, 64, (rows, 5), generator=torch.Generator().manual_seed(rows)))
+        if i == 1:  # the second row count: no new graph from here on
+            graphs, recompiles = counters["stats"]["unique_graphs"], sum(counters["recompiles"].values())
+        a, _ = eager.forward(tokens, slots=[0, 2])
+        b, _ = compiled.forward(tokens, slots=[0, 2])
+        torch.testing.assert_close(b, a, rtol=1e-5, atol=1e-6)
+    assert counters["stats"]["unique_graphs"] == graphs
+    assert sum(counters["recompiles"].values()) == recompiles

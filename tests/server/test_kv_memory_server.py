@@ -1,5 +1,5 @@
 """``--kv-cache-memory`` over real HTTP with the openai client: a request that could never fit the
-KV cache's memory is a 400 naming ``max_tokens``, in one line, and the server goes on; requests
+KV cache's memory is a 400 naming the request's limit field, in one line, and the server goes on; requests
 that fit one at a time all get their answers (they wait for room, never a 429 or a 500), equal to
 the decoder's own; the metric reports the fraction of the memory reserved."""
 
@@ -47,6 +47,10 @@ def test_a_request_that_could_never_fit_is_a_400_naming_max_tokens(client):
         client.completions.create(model="tiny", prompt=PROMPT, max_tokens=400, temperature=0)
     body = caught.value.body
     assert body["param"] == "max_tokens" and "of KV cache" in body["message"] and "\n" not in body["message"]
+    with pytest.raises(openai.BadRequestError) as caught:
+        client.chat.completions.create(model="tiny", messages=[{"role": "user", "content": PROMPT}],
+                                       max_completion_tokens=400, temperature=0)
+    assert caught.value.body["param"] == "max_completion_tokens"  # the field the request gave
     r = client.completions.create(model="tiny", prompt=PROMPT, max_tokens=8, temperature=0)  # still serving
     assert r.usage.completion_tokens == 8
 

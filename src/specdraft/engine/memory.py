@@ -51,7 +51,7 @@ class KVMemory:
                     f"this request needs {_mib(alone)} of KV cache (a prompt of {s.prompt_len} tokens and up to "
                     f"{s.max_len - s.prompt_len} more), more than the whole kv_cache_memory "
                     f"(--kv-cache-memory) of {_mib(self.budget)}: ask for fewer max_tokens, send a shorter "
-                    "prompt, or give the cache more memory", param="max_tokens")
+                    "prompt, or give the cache more memory", param="max_new_tokens")
 
     def fits(self, running: list[Sequence], seq: Sequence, slot: int) -> bool:
         """Whether ``seq`` may join ``running`` (the sequences holding rows, those joining this
@@ -70,11 +70,13 @@ class KVMemory:
         self.cache.fit(rows, positions, most)
 
     def usage(self, running: list[Sequence]) -> float:
-        """The fraction of the budget the running sequences have reserved (1.0: newcomers wait)."""
-        if not running:
+        """The fraction of the budget the running sequences have reserved (1.0: newcomers wait).
+        Any thread (a metrics scrape): a sequence leaving meanwhile has no slot, and is skipped."""
+        held = [(slot, self.need(s)) for s in running if (slot := s.slot) is not None]
+        if not held:
             return 0.0
-        rows = max(s.slot for s in running) + 1
-        return min(1.0, self.cache.bytes_for(rows, max(self.need(s) for s in running)) / self.budget)
+        rows = max(slot for slot, _ in held) + 1
+        return min(1.0, self.cache.bytes_for(rows, max(need for _, need in held)) / self.budget)
 
 
 def check_kv_memory(value) -> int:

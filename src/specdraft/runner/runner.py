@@ -108,6 +108,9 @@ class ModelRunner(RunnerBase):
                     batch = (x, cos, sin, mask, slot, positions) + (() if order is None else (order,))
                     for t in batch + (() if gather else (keys, values)):
                         torch._dynamo.maybe_mark_dynamic(t, 0)
+                if gather:  # every slot: the cache's rows follow the sequences running (engine.memory)
+                    torch._dynamo.maybe_mark_dynamic(keys, 0)
+                    torch._dynamo.maybe_mark_dynamic(values, 0)
                 return compiled(layer, x, cos, sin, mask, keys, values, slot, positions, gather, order)
 
             self._compiled_block = block

@@ -66,7 +66,8 @@ def add_serve_parser(subparsers) -> argparse.ArgumentParser:
     p.add_argument("--chunked-prefill-size", type=int, default=256, metavar="N",
                    help="prompt tokens per prefill pass: while others decode, a step prefills at most N, so a long "
                         "prompt joining delays the running streams' next tokens by one such pass, not its whole "
-                        "prefill; 0 = each prompt in one pass (SGLang's name; default: %(default)s)")
+                        "prefill; 0 = each prompt in one pass (a chat's earlier turns end passes of their own: "
+                        "docs/algorithm.md#prefix-caching) (SGLang's name; default: %(default)s)")
     p.add_argument("--prefix-caching", "--enable-prefix-caching", dest="prefix_caching",
                    action=argparse.BooleanOptionalAction, default=True,
                    help="keep prompts' prefill passes and copy them into later prompts that begin with the same "
