@@ -79,6 +79,23 @@ def test_two_rows_of_memory_run_four_requests_two_at_a_time_with_the_same_output
     assert drafter != "prompt-lookup" or sum(r.stats.accepted_tokens for r in results) > 0
 
 
+@pytest.mark.parametrize("dtype", ["float64", "bfloat16"])
+def test_seeded_sampling_through_reallocated_rows_is_bit_for_bit_the_unbounded_runs(models, dtype):
+    """Sampled output depends on each sequence's own seed and tokens only: under two rows of memory
+    (waiting, reallocating) it is the unbounded decoder's bit for bit; its law is plain
+    sampling's by the engine's chi-square tests (tests/engine/test_continuous.py)."""
+    model = models[dtype]
+    prompts = _prompts(model.config.vocab_size)
+    params = {"max_new_tokens": NEW, "temperature": 0.8, "seed": 7}
+    free = _decoder(model, prefix_caching=False)
+    expected = [r.token_ids for r in free.generate_ids(prompts, **params)]
+    budget = free.runner.cache.bytes_for(2, max(len(p) for p in prompts) + NEW + free.engine.memory.widest + 1)
+    bounded = _decoder(model, prefix_caching=False, kv_cache_memory=budget)
+    seen = _watch(bounded)
+    assert [r.token_ids for r in bounded.generate_ids(prompts, **params)] == expected
+    assert max(running for running, _, _ in seen) == 2
+
+
 def test_the_cache_grows_with_the_tokens_in_use_and_gives_memory_back(models):
     model = models["float64"]
     decoder = SpeculativeDecoder(model, None, drafter="prompt-lookup", spec_length=3, max_batch=8)

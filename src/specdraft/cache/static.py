@@ -52,7 +52,7 @@ class StaticCache:
 
     def reset(self, rows: int, max_len: int) -> None:
         """An empty cache for ``rows`` sequences of up to ``max_len`` tokens (buffers kept when they fit)."""
-        need = -(-(max_len + self.headroom) // CAPACITY_STEP) * CAPACITY_STEP
+        need = self.rounded(max_len)
         if self.kv is None or self.kv.slots != rows or self.kv.max_len < need:
             self.kv = self.allocate(rows, need)
             self.epoch += 1
@@ -63,18 +63,24 @@ class StaticCache:
     def reserve(self, max_len: int, rows: int | None = None) -> None:
         """Room for ``max_len`` tokens per row (and ``rows`` rows), keeping what is stored (grows
         by doubling, rarely)."""
-        need = max_len + self.headroom
         old = self.kv
         rows = old.slots if rows is None else max(rows, old.slots)
-        if old.max_len >= need and old.slots >= rows:
+        if old.max_len >= max_len + self.headroom and old.slots >= rows:
             return
-        need = max(-(-need // CAPACITY_STEP) * CAPACITY_STEP, 2 * old.max_len) if old.max_len < need else old.max_len
-        new = self.allocate(rows, need)
+        need = self.rounded(max_len)
+        self._reallocate(rows, max(need, 2 * old.max_len) if old.max_len < need else old.max_len)
+
+    def _reallocate(self, rows: int, capacity: int) -> None:
+        """New buffers of ``rows`` rows of ``capacity`` positions, holding what the old ones' first
+        rows and positions held (lengths and bounds past the new capacity, free rows' only, cut to it)."""
+        old = self.kv
+        new = self.allocate(rows, capacity)
+        kept, span = min(rows, old.slots), min(capacity, old.max_len)
         for dst, src in zip(new.keys + new.values, old.keys + old.values):
-            dst[: src.shape[0], :, : src.shape[2]] = src
-        new.lengths[: old.slots].copy_(old.lengths)
+            dst[:kept, :, :span] = src[:kept, :, :span]
+        new.lengths[:kept].copy_(old.lengths[:kept].clamp(max=capacity - self.headroom))
         self.kv = new
-        self.bounds += [0] * (rows - len(self.bounds))
+        self.bounds = [min(b, capacity - self.headroom) for b in self.bounds[:kept]] + [0] * (rows - kept)
         self.epoch += 1
 
     # -- sized by use, under a memory bound (the engine's: docs/algorithm.md#kv-cache-memory) ----
@@ -100,24 +106,17 @@ class StaticCache:
         none of them), and a cache holding over :data:`SHRINK_AT` times what is asked is made
         that size, so memory follows use. Rows' lengths past the new capacity (free rows only) are
         cut to it."""
-        need = self.rounded(positions)
+        need, top = self.rounded(positions), max(self.rounded(positions), self.rounded(most))
         old = self.kv
         if old.slots >= rows and old.max_len >= need:
             if old.slots * old.max_len <= SHRINK_AT * rows * need:
                 return
             capacity = need
         elif old.max_len >= need:
-            capacity = min(old.max_len, max(need, self.rounded(most)))
+            capacity = min(old.max_len, top)
         else:
-            capacity = min(max(need, 2 * old.max_len), max(need, self.rounded(most)))
-        new = self.allocate(rows, capacity)
-        kept, span = min(rows, old.slots), min(capacity, old.max_len)
-        for dst, src in zip(new.keys + new.values, old.keys + old.values):
-            dst[:kept, :, :span] = src[:kept, :, :span]
-        new.lengths[:kept].copy_(old.lengths[:kept].clamp(max=capacity - self.headroom))
-        self.kv = new
-        self.bounds = [min(b, capacity - self.headroom) for b in self.bounds[:kept]] + [0] * (rows - kept)
-        self.epoch += 1
+            capacity = min(max(need, 2 * old.max_len), top)
+        self._reallocate(rows, capacity)
 
     @property
     def lengths(self) -> torch.Tensor:

@@ -53,13 +53,15 @@ class KVMemory:
                     f"(--kv-cache-memory) of {_mib(self.budget)}: ask for fewer max_tokens, send a shorter "
                     "prompt, or give the cache more memory", param="max_new_tokens")
 
+    def reserved(self, held: list[tuple[int, Sequence]]) -> int:
+        """Bytes the rows of ``held`` (slot, sequence) pairs reserve: every row up to the highest
+        slot, as long as the largest reservation among them."""
+        return self.cache.bytes_for(max(slot for slot, _ in held) + 1, max(self.need(s) for _, s in held))
+
     def fits(self, running: list[Sequence], seq: Sequence, slot: int) -> bool:
         """Whether ``seq`` may join ``running`` (the sequences holding rows, those joining this
-        step included) in row ``slot``: every row then in use, as long as the largest
-        reservation among them, within the budget."""
-        rows = max([s.slot for s in running] + [slot]) + 1
-        most = max(self.need(s) for s in running + [seq])
-        return self.cache.bytes_for(rows, most) <= self.budget
+        step included) in row ``slot``: the reservations then within the budget."""
+        return self.reserved([(s.slot, s) for s in running] + [(slot, seq)]) <= self.budget
 
     def fit(self, running: list[Sequence]) -> None:
         """Room in ``running``'s rows for their next pass: a prompt still prefilling whole, else the
@@ -72,11 +74,8 @@ class KVMemory:
     def usage(self, running: list[Sequence]) -> float:
         """The fraction of the budget the running sequences have reserved (1.0: newcomers wait).
         Any thread (a metrics scrape): a sequence leaving meanwhile has no slot, and is skipped."""
-        held = [(slot, self.need(s)) for s in running if (slot := s.slot) is not None]
-        if not held:
-            return 0.0
-        rows = max(slot for slot, _ in held) + 1
-        return min(1.0, self.cache.bytes_for(rows, max(need for _, need in held)) / self.budget)
+        held = [(slot, s) for s in running if (slot := s.slot) is not None]
+        return min(1.0, self.reserved(held) / self.budget) if held else 0.0
 
 
 def check_kv_memory(value) -> int:
