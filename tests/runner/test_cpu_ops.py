@@ -67,9 +67,15 @@ def _causal(starts, width, span):
     return (cols[None, None, :] <= positions[:, :, None])[:, None]  # [B, 1, W, span]
 
 
+#: (query heads, KV heads, head dim): each head group size the kernel specialises (1-4) and a wider
+#: one (6: the general path), head dims whole blocks of 64 lanes, not, and not of 16
+GROUPS = [(6, 2, 32), (4, 4, 64), (4, 2, 80), (12, 3, 64), (6, 1, 20), (12, 2, 64)]
+
+
 @pytest.mark.parametrize("dtype", DTYPES)
-def test_attention_equals_sdpa_over_the_rows_slots(dtype):
-    q, k_buf, v_buf = _attention_inputs(dtype, width=4)
+@pytest.mark.parametrize("heads,kv_heads,dim", GROUPS)
+def test_attention_equals_sdpa_over_the_rows_slots(dtype, heads, kv_heads, dim):
+    q, k_buf, v_buf = _attention_inputs(dtype, width=4, heads=heads, kv_heads=kv_heads, dim=dim)
     slot, starts = torch.tensor([2, 0]), [9, 21]
     mask = _causal(starts, 4, 40)
     got = ops.attention(q, k_buf, v_buf, slot, mask, 0.2, None)  # [B, W, heads * dim]
@@ -79,10 +85,11 @@ def test_attention_equals_sdpa_over_the_rows_slots(dtype):
 
 
 @pytest.mark.parametrize("dtype", DTYPES)
-def test_attention_of_a_token_is_the_same_in_any_pass(dtype):
+@pytest.mark.parametrize("heads,kv_heads,dim", [GROUPS[0], GROUPS[3], GROUPS[5]])
+def test_attention_of_a_token_is_the_same_in_any_pass(dtype, heads, kv_heads, dim):
     """Token t of a W-token pass, over a span with a masked tail, equals its one-token step over a
     shorter span: bit for bit, for W in 1..16."""
-    q, k_buf, v_buf = _attention_inputs(dtype, width=16, seed=1)
+    q, k_buf, v_buf = _attention_inputs(dtype, width=16, seed=1, heads=heads, kv_heads=kv_heads, dim=dim)
     slot, starts = torch.tensor([1, 2]), torch.tensor([5, 17])
     for width in range(1, 17):
         wide = ops.attention(q[:, :, :width], k_buf, v_buf, slot, _causal(starts, width, 40), 0.2, None)
@@ -90,6 +97,26 @@ def test_attention_of_a_token_is_the_same_in_any_pass(dtype):
             one = ops.attention(q[:, :, t:t + 1].contiguous(), k_buf[:, :, :34], v_buf[:, :, :34], slot,
                                 _causal(starts + t, 1, 34), 0.2, None)
             assert torch.equal(wide[:, t], one[:, 0]), (width, t)
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("heads,kv_heads,dim", GROUPS)
+def test_a_heads_attention_is_the_same_alone(dtype, heads, kv_heads, dim):
+    """The query heads sharing a KV head are computed together; each one's result is bit for bit
+    what it is computed alone (one head over its KV head), in a tree pass's order too."""
+    q, k_buf, v_buf = _attention_inputs(dtype, width=3, seed=3, heads=heads, kv_heads=kv_heads, dim=dim)
+    slot, starts = torch.tensor([2, 0]), torch.tensor([9, 21])
+    mask = _causal(starts, 3, 40).clone()
+    mask[..., 4] = False  # a hole
+    order = torch.argsort(torch.rand(2, 3, 40, generator=torch.Generator().manual_seed(4)), dim=-1)
+    group = heads // kv_heads
+    for tree in (None, order):
+        together = ops.attention(q, k_buf, v_buf, slot, mask, 0.2, tree).view(2, 3, heads, dim)
+        for h in range(heads):
+            kv = slice(h // group, h // group + 1)
+            alone = ops.attention(q[:, h:h + 1].contiguous(), k_buf[:, kv].contiguous(), v_buf[:, kv].contiguous(),
+                                  slot, mask, 0.2, tree)
+            assert torch.equal(together[:, :, h], alone), (h, tree is not None)
 
 
 def test_attention_follows_a_tree_order():

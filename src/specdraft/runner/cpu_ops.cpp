@@ -16,6 +16,7 @@
 #include <immintrin.h>
 #endif
 #include <tuple>
+#include <type_traits>
 #include <vector>
 
 namespace {
@@ -301,12 +302,93 @@ at::Tensor rope_write(const at::Tensor& qkv_, const at::Tensor& cos_, const at::
     return q;
 }
 
+// One token's attention for the G query heads sharing a KV head (qf: their G rows of D, float32):
+// scores over the visible positions (in order, or in `ord`'s order), softmax, weighted sum of the
+// values; acc gets G rows of D, total the G softmax sums; returns how many positions were visible. Each key and value row is read once for
+// the G heads, and each head's arithmetic is step for step what one head alone would do: dot's 16
+// lanes and their fixed tree, exp_shifted, the sum in order, weighted_sum's chains (G is a template
+// argument so that the G heads' accumulators stay in registers; 0: any G, one head at a time).
+template <typename T, int G_>
+inline int64_t attend(const float* qf, int64_t G, int64_t D, const T* keys, int64_t kstride, const T* values,
+                   int64_t vstride, const bool* visible, const int64_t* ord, int64_t L, float scale, float* scores,
+                   const T** seen, float* acc, float* total) {
+    constexpr int64_t GB = G_ > 0 ? G_ : 1;
+    int64_t n = 0;
+    float top[GB];
+    std::vector<float> tops(G_ > 0 ? 0 : G, -INFINITY);
+    for (int64_t g = 0; g < GB; ++g) top[g] = -INFINITY;
+    for (int64_t j = 0; j < L; ++j) {
+        const int64_t p = ord ? ord[j] : j;
+        if (!visible[p]) continue;
+        const T* krow = keys + p * kstride;
+#if defined(__AVX512F__)
+        if (G_ > 0 && D % LANES == 0) {
+            __m512 a[GB];
+            for (int64_t g = 0; g < GB; ++g) a[g] = _mm512_setzero_ps();
+            for (int64_t i = 0; i < D; i += LANES) {
+                const __m512 k = load16(krow + i);
+                for (int64_t g = 0; g < GB; ++g) a[g] = _mm512_fmadd_ps(_mm512_loadu_ps(qf + g * D + i), k, a[g]);
+            }
+            for (int64_t g = 0; g < GB; ++g) {
+                const float s = _mm512_reduce_add_ps(a[g]) * scale;
+                scores[g * L + n] = s;
+                top[g] = s > top[g] ? s : top[g];
+            }
+            seen[n++] = values + p * vstride;
+            continue;
+        }
+#endif
+        for (int64_t g = 0; g < G; ++g) {
+            const float s = dot<T>(qf + g * D, krow, D) * scale;
+            scores[g * L + n] = s;
+            float& t = G_ > 0 ? top[g] : tops[g];
+            t = s > t ? s : t;
+        }
+        seen[n++] = values + p * vstride;
+    }
+    for (int64_t g = 0; g < G; ++g) {
+        exp_shifted(scores + g * L, n, G_ > 0 ? top[g] : tops[g]);
+        float t = 0.0f;
+        for (int64_t j = 0; j < n; ++j) t += scores[g * L + j];
+        total[g] = t;
+    }
+    int64_t i = 0;
+#if defined(__AVX512F__)
+    if (G_ > 0) {  // weighted_sum's four chains per head, each value row read once for the G heads
+        for (; i + 4 * LANES <= D; i += 4 * LANES) {
+            __m512 a[GB][4];
+            for (int64_t g = 0; g < GB; ++g)
+                for (int c = 0; c < 4; ++c) a[g][c] = _mm512_setzero_ps();
+            for (int64_t j = 0; j < n; ++j) {
+                const T* r = seen[j] + i;
+                const __m512 v0 = load16(r), v1 = load16(r + LANES), v2 = load16(r + 2 * LANES), v3 = load16(r + 3 * LANES);
+                for (int64_t g = 0; g < GB; ++g) {
+                    const __m512 e = _mm512_set1_ps(scores[g * L + j]);
+                    a[g][0] = _mm512_fmadd_ps(e, v0, a[g][0]);
+                    a[g][1] = _mm512_fmadd_ps(e, v1, a[g][1]);
+                    a[g][2] = _mm512_fmadd_ps(e, v2, a[g][2]);
+                    a[g][3] = _mm512_fmadd_ps(e, v3, a[g][3]);
+                }
+            }
+            for (int64_t g = 0; g < GB; ++g)
+                for (int c = 0; c < 4; ++c) _mm512_storeu_ps(acc + g * D + i + c * LANES, a[g][c]);
+        }
+    }
+#endif
+    if (i < D) {  // the rest (or every column) through weighted_sum itself, which continues where i is
+        for (int64_t j = 0; j < n; ++j) seen[j] += i;
+        for (int64_t g = 0; g < G; ++g) weighted_sum<T>(scores + g * L, seen, n, D - i, acc + g * D + i);
+    }
+    return n;
+}
+
 // Attention of q # [B, H, W, D] over the cache buffers k_buf, v_buf # [slots, kvH, L, D] of the
 // slots slot # [B], read in place (grouped heads share their KV head; no copy), where mask
 // # [B, 1, W, L] says; order # [B, W, L] (a tree pass, optional): the positions in the order its
 // one-token step meets them. Scores, softmax and the weighted sum in float32, positions in order,
 // masked ones skipped: a token's result does not depend on the pass's width, its masked tail or its
-// batch. Returns [B, W, H * D] (the layout the output projection reads).
+// batch. One work item per sequence, KV head and token (its G query heads: attend), items spread
+// over the threads. Returns [B, W, H * D] (the layout the output projection reads).
 at::Tensor attention(const at::Tensor& q_, const at::Tensor& k_buf, const at::Tensor& v_buf, const at::Tensor& slot_,
                      const at::Tensor& mask_, double scale, const c10::optional<at::Tensor>& order_) {
     auto q = q_.contiguous();
@@ -317,6 +399,7 @@ at::Tensor attention(const at::Tensor& q_, const at::Tensor& k_buf, const at::Te
     TORCH_CHECK(k_buf.stride(3) == 1 && v_buf.stride(3) == 1, "specdraft_cpu::attention: cache rows not contiguous");
     TORCH_CHECK(q.scalar_type() == k_buf.scalar_type(), "specdraft_cpu::attention: dtypes differ");
     TORCH_CHECK(mask.scalar_type() == at::kBool && L <= k_buf.size(2), "specdraft_cpu::attention: the mask");
+    TORCH_CHECK(G * kvH == H, "specdraft_cpu::attention: heads not a multiple of the KV heads");
     at::Tensor order;
     if (order_.has_value()) order = order_->to(at::kLong).contiguous();
     const int64_t* pord = order.defined() ? order.data_ptr<int64_t>() : nullptr;
@@ -331,33 +414,36 @@ at::Tensor attention(const at::Tensor& q_, const at::Tensor& k_buf, const at::Te
         scalar_t* po = out.data_ptr<scalar_t>();
         const auto ks = k_buf.strides();
         const auto vs = v_buf.strides();
-        at::parallel_for(0, B * H * W, 1, [&](int64_t begin, int64_t end) {
-            std::vector<float> qf(D), acc(D), scores(L);
+        at::parallel_for(0, B * kvH * W, 1, [&](int64_t begin, int64_t end) {
+            std::vector<float> qf(G * D), acc(G * D), scores(G * L), total(G);
             std::vector<const scalar_t*> seen(L);
             for (int64_t item = begin; item < end; ++item) {
-                const int64_t b = item / (H * W), h = item / W % H, w = item % W;
-                const scalar_t* qrow = pq + ((b * H + h) * W + w) * D;
-                for (int64_t i = 0; i < D; ++i) qf[i] = static_cast<float>(qrow[i]);
-                const scalar_t* keys = pk + pslot[b] * ks[0] + (h / G) * ks[1];
-                const scalar_t* values = pv + pslot[b] * vs[0] + (h / G) * vs[1];
+                const int64_t b = item / (kvH * W), kh = item / W % kvH, w = item % W;
+                for (int64_t g = 0; g < G; ++g) {
+                    const scalar_t* qrow = pq + ((b * H + kh * G + g) * W + w) * D;
+                    for (int64_t i = 0; i < D; ++i) qf[g * D + i] = static_cast<float>(qrow[i]);
+                }
+                const scalar_t* keys = pk + pslot[b] * ks[0] + kh * ks[1];
+                const scalar_t* values = pv + pslot[b] * vs[0] + kh * vs[1];
                 const bool* visible = pm + (b * W + w) * L;
                 const int64_t* ord = pord ? pord + (b * W + w) * L : nullptr;
                 int64_t n = 0;
-                float top = -INFINITY;
-                for (int64_t j = 0; j < L; ++j) {
-                    const int64_t p = ord ? ord[j] : j;
-                    if (!visible[p]) continue;
-                    const float s = dot<scalar_t>(qf.data(), keys + p * ks[2], D) * static_cast<float>(scale);
-                    seen[n] = values + p * vs[2];
-                    scores[n++] = s;
-                    top = s > top ? s : top;
+                auto run = [&](auto heads) {
+                    n = attend<scalar_t, decltype(heads)::value>(qf.data(), G, D, keys, ks[2], values, vs[2], visible, ord,
+                                                             L, static_cast<float>(scale), scores.data(), seen.data(),
+                                                             acc.data(), total.data());
+                };
+                switch (G) {
+                    case 1: run(std::integral_constant<int, 1>{}); break;
+                    case 2: run(std::integral_constant<int, 2>{}); break;
+                    case 3: run(std::integral_constant<int, 3>{}); break;
+                    case 4: run(std::integral_constant<int, 4>{}); break;
+                    default: run(std::integral_constant<int, 0>{}); break;
                 }
-                exp_shifted(scores.data(), n, top);
-                float total = 0.0f;
-                for (int64_t j = 0; j < n; ++j) total += scores[j];
-                weighted_sum<scalar_t>(scores.data(), seen.data(), n, D, acc.data());
-                scalar_t* orow = po + (b * W + w) * H * D + h * D;
-                for (int64_t i = 0; i < D; ++i) orow[i] = static_cast<scalar_t>(n ? acc[i] / total : 0.0f);
+                for (int64_t g = 0; g < G; ++g) {
+                    scalar_t* orow = po + (b * W + w) * H * D + (kh * G + g) * D;
+                    for (int64_t i = 0; i < D; ++i) orow[i] = static_cast<scalar_t>(n ? acc[g * D + i] / total[g] : 0.0f);
+                }
             }
         });
     });

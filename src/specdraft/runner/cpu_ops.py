@@ -21,8 +21,8 @@ operators that do work. Arithmetic is float32 with each output rounded once to t
 (float32, bfloat16, float16); float64 models keep torch's operators (the parity tests' dtype).
 
 The extension is compiled once per machine (about a minute on 2 cores) into
-``cache_dir()/cpu-ops/`` by torch's ``cpp_extension`` with ``-O3 -march=native`` (the machine's
-own vector units: built where it runs); ``scripts/install.sh`` builds it. Without a C++ compiler
+``cache_dir()/cpu-ops/`` by torch's ``cpp_extension`` with ``-O3 -march=native -fopenmp`` (the
+machine's own vector units: built where it runs; attention's work items spread over torch's threads); ``scripts/install.sh`` builds it. Without a C++ compiler
 (or with ``SPECDRAFT_CPU_OPS=torch``) the model keeps torch's operators, equally exact, slower;
 ``runner.info["kernels"]["cpu_ops"]`` says which runs and why.
 """
@@ -38,6 +38,9 @@ from pathlib import Path
 import torch
 
 SOURCE = Path(__file__).with_name("cpu_ops.cpp")
+#: the compiler's flags: the machine's own vector units, and OpenMP, without which ``at::parallel_for``
+#: in the extension runs on one thread
+FLAGS = ["-O3", "-march=native", "-fopenmp"]
 #: dtypes the operators serve
 DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 
@@ -52,7 +55,7 @@ def load() -> str:
         return ""
     from ..models import cache_dir
 
-    digest = hashlib.sha256(SOURCE.read_bytes() + torch.__version__.encode()).hexdigest()[:12]
+    digest = hashlib.sha256(SOURCE.read_bytes() + torch.__version__.encode() + " ".join(FLAGS).encode()).hexdigest()[:12]
     build = cache_dir() / "cpu-ops" / digest
     build.mkdir(parents=True, exist_ok=True)
     scripts = os.path.dirname(sys.executable)  # the environment's ninja (a dependency), unactivated too
@@ -62,7 +65,8 @@ def load() -> str:
         from torch.utils import cpp_extension
 
         cpp_extension.load(name="specdraft_cpu_ops", sources=[str(SOURCE)], build_directory=str(build),
-                           extra_cflags=["-O3", "-march=native"], is_python_module=False, verbose=False)
+                           extra_cflags=FLAGS, extra_ldflags=["-fopenmp"],
+                           is_python_module=False, verbose=False)
     except Exception as exc:  # noqa: BLE001 - no compiler, no ninja, a build error: torch's operators serve
         lines = str(exc).strip().splitlines() or [type(exc).__name__]
         first = next((line for line in lines if "error" in line.lower() and "building extension" not in line), lines[0])
