@@ -55,21 +55,26 @@ def load() -> str:
         return ""
     from ..models import cache_dir
 
-    digest = hashlib.sha256(SOURCE.read_bytes() + torch.__version__.encode() + " ".join(FLAGS).encode()).hexdigest()[:12]
-    build = cache_dir() / "cpu-ops" / digest
-    build.mkdir(parents=True, exist_ok=True)
     scripts = os.path.dirname(sys.executable)  # the environment's ninja (a dependency), unactivated too
     if scripts not in os.environ.get("PATH", "").split(os.pathsep):
         os.environ["PATH"] = scripts + os.pathsep + os.environ.get("PATH", "")
-    try:
-        from torch.utils import cpp_extension
+    from torch.utils import cpp_extension
 
-        cpp_extension.load(name="specdraft_cpu_ops", sources=[str(SOURCE)], build_directory=str(build),
-                           extra_cflags=FLAGS, extra_ldflags=["-fopenmp"],
-                           is_python_module=False, verbose=False)
-    except Exception as exc:  # noqa: BLE001 - no compiler, no ninja, a build error: torch's operators serve
-        lines = str(exc).strip().splitlines() or [type(exc).__name__]
-        first = next((line for line in lines if "error" in line.lower() and "building extension" not in line), lines[0])
+    first = ""
+    for flags in (FLAGS, [f for f in FLAGS if f != "-fopenmp"]):  # a compiler without OpenMP: one thread, still built
+        digest = hashlib.sha256(SOURCE.read_bytes() + torch.__version__.encode() + " ".join(flags).encode()).hexdigest()
+        build = cache_dir() / "cpu-ops" / digest[:12]
+        build.mkdir(parents=True, exist_ok=True)
+        try:
+            cpp_extension.load(name="specdraft_cpu_ops", sources=[str(SOURCE)], build_directory=str(build),
+                               extra_cflags=flags, extra_ldflags=[f for f in flags if f == "-fopenmp"],
+                               is_python_module=False, verbose=False)
+            break
+        except Exception as exc:  # noqa: BLE001 - no compiler, no ninja, a build error: torch's operators serve
+            lines = str(exc).strip().splitlines() or [type(exc).__name__]
+            first = first or next((line for line in lines if "error" in line.lower()
+                                   and "building extension" not in line), lines[0])
+    else:
         return f"the C++ extension did not build ({first.strip()[:200]}); torch's operators run instead"
     _register_fakes()
     return ""
