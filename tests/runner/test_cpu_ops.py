@@ -164,6 +164,29 @@ def test_rope_write_rotates_and_writes_the_cache(dtype):
     assert not k_buf[1].any() and not v_buf[1].any()  # the slot no row uses is untouched
 
 
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_rope_write_of_a_wide_pass_is_each_token_alone(dtype):
+    """A pass of 2 x 12 tokens (spread over threads) rotates and writes each token as its own
+    one-token call does, bit for bit; tables given in float32 (the dtype's values widened) too."""
+    heads, kv_heads, dim, width = 6, 2, 32, 12
+    gen = torch.Generator().manual_seed(5)
+    qkv = torch.randn(2, width, (heads + 2 * kv_heads) * dim, generator=gen).to(dtype)
+    cos, sin = (torch.randn(2, 1, width, dim, generator=gen).to(dtype) for _ in range(2))
+    positions = torch.stack([torch.arange(3, 3 + width), torch.arange(20, 20 + width)])
+    slot = torch.tensor([1, 0])
+    bufs = [torch.zeros(2, kv_heads, 40, dim, dtype=dtype) for _ in range(6)]
+    q = ops.rope_write(qkv, cos, sin, bufs[0], bufs[1], slot, positions, heads, kv_heads)
+    q32 = ops.rope_write(qkv, cos.float(), sin.float(), bufs[2], bufs[3], slot, positions, heads, kv_heads)
+    assert torch.equal(q, q32) and torch.equal(bufs[0], bufs[2]) and torch.equal(bufs[1], bufs[3])
+    for b in range(2):
+        for w in range(width):
+            one = ops.rope_write(qkv[b:b + 1, w:w + 1], cos[b:b + 1, :, w:w + 1], sin[b:b + 1, :, w:w + 1], bufs[4],
+                                 bufs[5], slot[b:b + 1], positions[b:b + 1, w:w + 1], heads, kv_heads)
+            assert torch.equal(one[0, :, 0], q[b, :, w])
+    assert torch.equal(bufs[4], bufs[0]) and torch.equal(bufs[5], bufs[1])
+    assert bufs[0].any()
+
+
 def test_a_model_without_the_extension_keeps_torchs_operators(monkeypatch):
     """Where the extension cannot be built, the model runs torch's operators (as before), still row-invariant."""
     monkeypatch.setattr(cpu_ops, "applies", lambda model: "no C++ compiler (test)")

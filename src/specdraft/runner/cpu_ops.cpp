@@ -22,6 +22,8 @@
 namespace {
 
 constexpr int64_t LANES = 16;
+// row loops spread over torch's threads from this many rows on (each row wholly on one thread)
+constexpr int64_t ROW_GRAIN = 8;
 
 // the dtype's value as a float32 (bfloat16: its bits shifted, which the compiler vectorises)
 inline float widen(float v) { return v; }
@@ -180,11 +182,13 @@ at::Tensor rms_norm(const at::Tensor& x_, const at::Tensor& weight_, double eps)
         const scalar_t* px = x.data_ptr<scalar_t>();
         const scalar_t* pw = weight.data_ptr<scalar_t>();
         scalar_t* po = out.data_ptr<scalar_t>();
-        std::vector<float> h(n);
-        for (int64_t r = 0; r < rows; ++r) {
-            for (int64_t i = 0; i < n; ++i) h[i] = static_cast<float>(px[r * n + i]);
-            norm_row<scalar_t>(h.data(), pw, static_cast<float>(eps), n, po + r * n);
-        }
+        at::parallel_for(0, rows, ROW_GRAIN, [&](int64_t r0, int64_t r1) {
+            std::vector<float> h(n);
+            for (int64_t r = r0; r < r1; ++r) {
+                for (int64_t i = 0; i < n; ++i) h[i] = static_cast<float>(px[r * n + i]);
+                norm_row<scalar_t>(h.data(), pw, static_cast<float>(eps), n, po + r * n);
+            }
+        });
     });
     return out;
 }
@@ -207,15 +211,17 @@ std::tuple<at::Tensor, at::Tensor> add_rms_norm(const at::Tensor& x_, const at::
         const scalar_t* pw = weight.data_ptr<scalar_t>();
         scalar_t* ps = sum.data_ptr<scalar_t>();
         scalar_t* po = out.data_ptr<scalar_t>();
-        std::vector<float> h(n);
-        for (int64_t r = 0; r < rows; ++r) {
-            for (int64_t i = 0; i < n; ++i) {
-                const scalar_t s = static_cast<scalar_t>(static_cast<float>(px[r * n + i]) + static_cast<float>(py[r * n + i]));
-                ps[r * n + i] = s;
-                h[i] = static_cast<float>(s);
+        at::parallel_for(0, rows, ROW_GRAIN, [&](int64_t r0, int64_t r1) {
+            std::vector<float> h(n);
+            for (int64_t r = r0; r < r1; ++r) {
+                for (int64_t i = 0; i < n; ++i) {
+                    const scalar_t s = static_cast<scalar_t>(static_cast<float>(px[r * n + i]) + static_cast<float>(py[r * n + i]));
+                    ps[r * n + i] = s;
+                    h[i] = static_cast<float>(s);
+                }
+                norm_row<scalar_t>(h.data(), pw, static_cast<float>(eps), n, po + r * n);
             }
-            norm_row<scalar_t>(h.data(), pw, static_cast<float>(eps), n, po + r * n);
-        }
+        });
     });
     return {sum, out};
 }
@@ -232,30 +238,34 @@ at::Tensor silu_mul(const at::Tensor& g_) {
         using scalar_t = decltype(tag);
         const scalar_t* pg = g.data_ptr<scalar_t>();
         scalar_t* po = out.data_ptr<scalar_t>();
-        std::vector<float> e(n);
-        for (int64_t r = 0; r < rows; ++r) {
-            const scalar_t* gate = pg + r * 2 * n;
-            const scalar_t* up = gate + n;
-            for (int64_t i = 0; i < n; ++i) e[i] = -static_cast<float>(gate[i]);
-            exp_shifted(e.data(), n, 0.0f);  // e^-gate
-            for (int64_t i = 0; i < n; ++i) {
-                const float a = static_cast<float>(gate[i]);
-                po[r * n + i] = static_cast<scalar_t>(a / (1.0f + e[i]) * static_cast<float>(up[i]));
+        at::parallel_for(0, rows, ROW_GRAIN, [&](int64_t r0, int64_t r1) {
+            std::vector<float> e(n);
+            for (int64_t r = r0; r < r1; ++r) {
+                const scalar_t* gate = pg + r * 2 * n;
+                const scalar_t* up = gate + n;
+                for (int64_t i = 0; i < n; ++i) e[i] = -static_cast<float>(gate[i]);
+                exp_shifted(e.data(), n, 0.0f);  // e^-gate
+                for (int64_t i = 0; i < n; ++i) {
+                    const float a = static_cast<float>(gate[i]);
+                    po[r * n + i] = static_cast<scalar_t>(a / (1.0f + e[i]) * static_cast<float>(up[i]));
+                }
             }
-        }
+        });
     });
     return out;
 }
 
-// The fused q/k/v product's output rotated (rotary tables cos, sin # [B, 1, W, D]); k and v
-// written into the layer's cache buffers k_buf, v_buf # [slots, kvH, L, D] at slot[b],
-// positions[b, w]; returns q # [B, H, W, D].
+// The fused q/k/v product's output rotated (rotary tables cos, sin # [B, 1, W, D], the model's dtype
+// or float32, widened where read); k and v written into the layer's cache buffers
+// k_buf, v_buf # [slots, kvH, L, D] at slot[b], positions[b, w]; returns q # [B, H, W, D].
 at::Tensor rope_write(const at::Tensor& qkv_, const at::Tensor& cos_, const at::Tensor& sin_, at::Tensor k_buf,
                       at::Tensor v_buf, const at::Tensor& slot_, const at::Tensor& positions_, int64_t heads,
                       int64_t kv_heads) {
     auto qkv = qkv_.contiguous();
-    auto cos = cos_.to(at::kFloat).contiguous();
-    auto sin = sin_.to(at::kFloat).contiguous();
+    auto cos = cos_.contiguous();  // the tables in the model's dtype (or float32), widened where read
+    auto sin = sin_.contiguous();
+    TORCH_CHECK(cos.scalar_type() == sin.scalar_type() && (cos.scalar_type() == qkv.scalar_type() ||
+                cos.scalar_type() == at::kFloat), "specdraft_cpu::rope_write: the tables' dtype");
     auto slot = slot_.to(at::kLong).contiguous();
     auto positions = positions_.to(at::kLong).contiguous();
     const int64_t B = qkv.size(0), W = qkv.size(1), D = k_buf.size(3), half = D / 2;
@@ -269,35 +279,38 @@ at::Tensor rope_write(const at::Tensor& qkv_, const at::Tensor& cos_, const at::
         scalar_t* pq = q.data_ptr<scalar_t>();
         scalar_t* pk = k_buf.data_ptr<scalar_t>();
         scalar_t* pv = v_buf.data_ptr<scalar_t>();
-        const float* pc = cos.data_ptr<float>();
-        const float* ps = sin.data_ptr<float>();
         const int64_t* pslot = slot.data_ptr<int64_t>();
         const int64_t* ppos = positions.data_ptr<int64_t>();
         const auto ks = k_buf.strides();
         const auto vs = v_buf.strides();
         const int64_t width = (heads + 2 * kv_heads) * D;
-        auto rotate = [&](const scalar_t* src, const float* c, const float* s, scalar_t* dst) {
+        auto rotate = [&](const scalar_t* src, const auto* c, const auto* s, scalar_t* dst) {
             for (int64_t i = 0; i < half; ++i) {
                 const float a = static_cast<float>(src[i]), b = static_cast<float>(src[i + half]);
-                dst[i] = static_cast<scalar_t>(a * c[i] - b * s[i]);
-                dst[i + half] = static_cast<scalar_t>(b * c[i + half] + a * s[i + half]);
+                dst[i] = static_cast<scalar_t>(a * widen(c[i]) - b * widen(s[i]));
+                dst[i + half] = static_cast<scalar_t>(b * widen(c[i + half]) + a * widen(s[i + half]));
             }
         };
-        for (int64_t b = 0; b < B; ++b) {
-            for (int64_t w = 0; w < W; ++w) {
-                const scalar_t* row = pqkv + (b * W + w) * width;
-                const float* c = pc + (b * W + w) * D;
-                const float* s = ps + (b * W + w) * D;
-                const int64_t pos = ppos[b * W + w], sl = pslot[b];
-                for (int64_t h = 0; h < heads; ++h) rotate(row + h * D, c, s, pq + ((b * heads + h) * W + w) * D);
-                for (int64_t h = 0; h < kv_heads; ++h) {
-                    rotate(row + (heads + h) * D, c, s, pk + sl * ks[0] + h * ks[1] + pos * ks[2]);
-                    const scalar_t* v = row + (heads + kv_heads + h) * D;
-                    scalar_t* dst = pv + sl * vs[0] + h * vs[1] + pos * vs[2];
-                    for (int64_t i = 0; i < D; ++i) dst[i] = v[i];
+        auto run = [&](const auto* pc, const auto* ps) {
+            at::parallel_for(0, B * W, ROW_GRAIN, [&](int64_t i0, int64_t i1) {
+                for (int64_t bw = i0; bw < i1; ++bw) {
+                    const int64_t b = bw / W, w = bw % W;
+                    const scalar_t* row = pqkv + (b * W + w) * width;
+                    const auto* c = pc + (b * W + w) * D;
+                    const auto* s = ps + (b * W + w) * D;
+                    const int64_t pos = ppos[b * W + w], sl = pslot[b];
+                    for (int64_t h = 0; h < heads; ++h) rotate(row + h * D, c, s, pq + ((b * heads + h) * W + w) * D);
+                    for (int64_t h = 0; h < kv_heads; ++h) {
+                        rotate(row + (heads + h) * D, c, s, pk + sl * ks[0] + h * ks[1] + pos * ks[2]);
+                        const scalar_t* v = row + (heads + kv_heads + h) * D;
+                        scalar_t* dst = pv + sl * vs[0] + h * vs[1] + pos * vs[2];
+                        for (int64_t i = 0; i < D; ++i) dst[i] = v[i];
+                    }
                 }
-            }
-        }
+            });
+        };
+        if (cos.scalar_type() == at::kFloat) run(cos.data_ptr<float>(), sin.data_ptr<float>());
+        else run(cos.data_ptr<scalar_t>(), sin.data_ptr<scalar_t>());
     });
     return q;
 }
