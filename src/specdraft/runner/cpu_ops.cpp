@@ -257,7 +257,9 @@ at::Tensor silu_mul(const at::Tensor& g_) {
 
 // The fused q/k/v product's output rotated (rotary tables cos, sin # [B, 1, W, D], the model's dtype
 // or float32, widened where read); k and v written into the layer's cache buffers
-// k_buf, v_buf # [slots, kvH, L, D] at slot[b], positions[b, w]; returns q # [B, H, W, D].
+// k_buf, v_buf # [slots, kvH, L, D] at slot[b], positions[b, w]; returns q # [B, H, W, D]. Tokens
+// are written from several threads: no two may share a slot and position (the runner's rows are
+// distinct slots, a row's positions distinct).
 at::Tensor rope_write(const at::Tensor& qkv_, const at::Tensor& cos_, const at::Tensor& sin_, at::Tensor k_buf,
                       at::Tensor v_buf, const at::Tensor& slot_, const at::Tensor& positions_, int64_t heads,
                       int64_t kv_heads) {

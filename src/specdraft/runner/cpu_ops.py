@@ -41,6 +41,10 @@ SOURCE = Path(__file__).with_name("cpu_ops.cpp")
 #: the compiler's flags: the machine's own vector units, and OpenMP, without which ``at::parallel_for``
 #: in the extension runs on one thread
 FLAGS = ["-O3", "-march=native", "-fopenmp"]
+#: a file in the OpenMP build's folder: that build failed where the one without OpenMP worked
+NO_OPENMP = "no-openmp"
+#: why the extension runs on one thread ("" when it runs on torch's threads); set by :func:`load`
+ONE_THREAD = ""
 #: dtypes the operators serve
 DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 
@@ -58,26 +62,50 @@ def load() -> str:
     scripts = os.path.dirname(sys.executable)  # the environment's ninja (a dependency), unactivated too
     if scripts not in os.environ.get("PATH", "").split(os.pathsep):
         os.environ["PATH"] = scripts + os.pathsep + os.environ.get("PATH", "")
-    from torch.utils import cpp_extension
+    try:
+        from torch.utils import cpp_extension  # imports setuptools, which an environment may lack
+    except Exception as exc:  # noqa: BLE001
+        return f"the C++ extension cannot be built here ({_first_error(exc)}); torch's operators run instead"
 
-    first = ""
+    global ONE_THREAD
+    errors: list[str] = []
+    threaded = _build_dir(FLAGS, cache_dir())
     for flags in (FLAGS, [f for f in FLAGS if f != "-fopenmp"]):  # a compiler without OpenMP: one thread, still built
-        digest = hashlib.sha256(SOURCE.read_bytes() + torch.__version__.encode() + " ".join(flags).encode()).hexdigest()
-        build = cache_dir() / "cpu-ops" / digest[:12]
+        build = _build_dir(flags, cache_dir())
         build.mkdir(parents=True, exist_ok=True)
+        if (build / NO_OPENMP).is_file():  # this compiler built the extension only without OpenMP: not tried again
+            errors.append((build / NO_OPENMP).read_text())
+            continue
         try:
-            cpp_extension.load(name="specdraft_cpu_ops", sources=[str(SOURCE)], build_directory=str(build),
+            # a name per build: torch renames a second build of one name in a process (..._v1), which
+            # the next process would not find
+            name = "specdraft_cpu_ops" if "-fopenmp" in flags else "specdraft_cpu_ops_serial"
+            cpp_extension.load(name=name, sources=[str(SOURCE)], build_directory=str(build),
                                extra_cflags=flags, extra_ldflags=[f for f in flags if f == "-fopenmp"],
                                is_python_module=False, verbose=False)
             break
         except Exception as exc:  # noqa: BLE001 - no compiler, no ninja, a build error: torch's operators serve
-            lines = str(exc).strip().splitlines() or [type(exc).__name__]
-            first = first or next((line for line in lines if "error" in line.lower()
-                                   and "building extension" not in line), lines[0])
+            errors.append(_first_error(exc))
     else:
-        return f"the C++ extension did not build ({first.strip()[:200]}); torch's operators run instead"
+        return f"the C++ extension did not build ({errors[-1]}); torch's operators run instead"
+    if errors:  # built without OpenMP: remember that for this source, and say so in the runner's info
+        (threaded / NO_OPENMP).write_text(errors[0])
+        ONE_THREAD = f"built without OpenMP ({errors[0][:120]})"
     _register_fakes()
     return ""
+
+
+def _build_dir(flags: list[str], cache: Path) -> Path:
+    """The folder of a build with ``flags``: one per source, torch version and flags."""
+    digest = hashlib.sha256(SOURCE.read_bytes() + torch.__version__.encode() + " ".join(flags).encode()).hexdigest()
+    return cache / "cpu-ops" / digest[:12]
+
+
+def _first_error(exc: Exception) -> str:
+    """The line of a build's exception that says what went wrong (200 characters at most)."""
+    lines = str(exc).strip().splitlines() or [type(exc).__name__]
+    line = next((x for x in lines if "error" in x.lower() and "building extension" not in x), lines[0])
+    return line.strip()[:200]
 
 
 def _register_fakes() -> None:
@@ -119,7 +147,8 @@ def applies(model) -> str:
 
 def use(model) -> dict:
     """Make ``model``'s blocks (and norms) run on these operators where :func:`applies`; returns
-    ``{"cpu_ops": "yes"}`` or ``{"cpu_ops": reason}`` for ``runner.info["kernels"]``."""
+    ``{"cpu_ops": "yes"}`` (``"yes, on one thread: ..."`` when built without OpenMP) or
+    ``{"cpu_ops": reason}`` for ``runner.info["kernels"]``."""
     reason = applies(model)
     if reason:
         return {"cpu_ops": reason}
@@ -130,7 +159,7 @@ def use(model) -> dict:
     for module in model.modules():
         if isinstance(module, RMSNorm) and module.kernel is None:
             module.kernel = ops.rms_norm
-    return {"cpu_ops": "yes"}
+    return {"cpu_ops": f"yes, on one thread: {ONE_THREAD}" if ONE_THREAD else "yes"}
 
 
 __all__ = ["DTYPES", "applies", "load", "use"]
