@@ -319,19 +319,18 @@ at::Tensor rope_write(const at::Tensor& qkv_, const at::Tensor& cos_, const at::
 
 // One token's attention for the G query heads sharing a KV head (qf: their G rows of D, float32):
 // scores over the visible positions (in order, or in `ord`'s order), softmax, weighted sum of the
-// values; acc gets G rows of D, total the G softmax sums; returns how many positions were visible. Each key and value row is read once for
-// the G heads, and each head's arithmetic is step for step what one head alone would do: dot's 16
+// values; acc gets G rows of D, total the G softmax sums (top: scratch for the G maxima); returns
+// how many positions were visible. Each key and value row is read once for the G heads, and each
+// head's arithmetic is step for step what one head alone would do: dot's 16
 // lanes and their fixed tree, exp_shifted, the sum in order, weighted_sum's chains (G is a template
 // argument so that the G heads' accumulators stay in registers; 0: any G, one head at a time).
 template <typename T, int G_>
 inline int64_t attend(const float* qf, int64_t G, int64_t D, const T* keys, int64_t kstride, const T* values,
                    int64_t vstride, const bool* visible, const int64_t* ord, int64_t L, float scale, float* scores,
-                   const T** seen, float* acc, float* total) {
+                   const T** seen, float* acc, float* total, float* top) {
     constexpr int64_t GB = G_ > 0 ? G_ : 1;
     int64_t n = 0;
-    float top[GB];
-    std::vector<float> tops(G_ > 0 ? 0 : G, -INFINITY);
-    for (int64_t g = 0; g < GB; ++g) top[g] = -INFINITY;
+    for (int64_t g = 0; g < G; ++g) top[g] = -INFINITY;
     for (int64_t j = 0; j < L; ++j) {
         const int64_t p = ord ? ord[j] : j;
         if (!visible[p]) continue;
@@ -356,13 +355,12 @@ inline int64_t attend(const float* qf, int64_t G, int64_t D, const T* keys, int6
         for (int64_t g = 0; g < G; ++g) {
             const float s = dot<T>(qf + g * D, krow, D) * scale;
             scores[g * L + n] = s;
-            float& t = G_ > 0 ? top[g] : tops[g];
-            t = s > t ? s : t;
+            top[g] = s > top[g] ? s : top[g];
         }
         seen[n++] = values + p * vstride;
     }
     for (int64_t g = 0; g < G; ++g) {
-        exp_shifted(scores + g * L, n, G_ > 0 ? top[g] : tops[g]);
+        exp_shifted(scores + g * L, n, top[g]);
         float t = 0.0f;
         for (int64_t j = 0; j < n; ++j) t += scores[g * L + j];
         total[g] = t;
@@ -430,7 +428,7 @@ at::Tensor attention(const at::Tensor& q_, const at::Tensor& k_buf, const at::Te
         const auto ks = k_buf.strides();
         const auto vs = v_buf.strides();
         at::parallel_for(0, B * kvH * W, 1, [&](int64_t begin, int64_t end) {
-            std::vector<float> qf(G * D), acc(G * D), scores(G * L), total(G);
+            std::vector<float> qf(G * D), acc(G * D), scores(G * L), total(G), top(G);
             std::vector<const scalar_t*> seen(L);
             for (int64_t item = begin; item < end; ++item) {
                 const int64_t b = item / (kvH * W), kh = item / W % kvH, w = item % W;
@@ -446,7 +444,7 @@ at::Tensor attention(const at::Tensor& q_, const at::Tensor& k_buf, const at::Te
                 auto run = [&](auto heads) {
                     n = attend<scalar_t, decltype(heads)::value>(qf.data(), G, D, keys, ks[2], values, vs[2], visible, ord,
                                                              L, static_cast<float>(scale), scores.data(), seen.data(),
-                                                             acc.data(), total.data());
+                                                             acc.data(), total.data(), top.data());
                 };
                 switch (G) {
                     case 1: run(std::integral_constant<int, 1>{}); break;
