@@ -188,6 +188,69 @@ def test_rope_write_of_a_wide_pass_is_each_token_alone(dtype):
     assert bufs[0].any()
 
 
+def _sequential_products(x, weight, bias):
+    """What ``specdraft_cpu::linear`` computes, one fused multiply-add at a time: per output, a float32
+    sum over the inputs in order, each step rounded once (float32 products are exact in float64),
+    then the bias, then one rounding to the dtype."""
+    acc = torch.zeros(x.shape[0], weight.shape[0], dtype=torch.float32)
+    xd, wd = x.double(), weight.double()
+    for k in range(x.shape[1]):
+        acc = (xd[:, k, None] * wd[None, :, k] + acc.double()).float()
+    return (acc if bias is None else acc + bias.float()).to(x.dtype)
+
+
+#: (inputs, outputs, bias): whole panels and a last partial one, odd widths, one output
+PANEL_SHAPES = [(96, 64, False), (37, 23, True), (64, 200, True), (5, 1, False)]
+#: row counts across its tiles (12 x 2 panels, 6 x NB, a rest) and its chunks of 96 rows
+PANEL_ROWS = [1, 2, 3, 5, 6, 7, 11, 12, 13, 25, 97, 200]
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("inputs,outputs,bias", PANEL_SHAPES)
+def test_panel_products_sum_each_output_in_order_whatever_the_rows(dtype, inputs, outputs, bias):
+    """Bit for bit the sequential sum, at every row count: row-invariant by construction."""
+    torch.manual_seed(0)
+    linear = torch.nn.Linear(inputs, outputs, bias=bias).to(dtype)
+    panel = cpu_ops.PanelLinear(linear)
+    assert panel.panels.shape == (-(-outputs // 16), inputs, 16)
+    x = torch.randn(max(PANEL_ROWS), inputs).to(dtype)
+    want = _sequential_products(x, linear.weight.detach(), linear.bias.detach() if bias else None)
+    for rows in PANEL_ROWS:
+        assert torch.equal(panel(x[:rows]), want[:rows]), rows
+    assert torch.equal(panel(x[:6].view(2, 3, inputs)), want[:6].view(2, 3, outputs))  # leading dims kept
+
+
+def test_panel_products_do_not_depend_on_the_threads():
+    torch.manual_seed(1)
+    panel = cpu_ops.PanelLinear(torch.nn.Linear(96, 300))
+    x = torch.randn(30, 96)
+    threads = torch.get_num_threads()
+    try:
+        torch.set_num_threads(1)
+        one = panel(x)
+    finally:
+        torch.set_num_threads(threads)
+    assert torch.equal(panel(x), one)
+
+
+def test_panels_replace_float32_products_and_bfloat16_ones_without_native_bfloat16(monkeypatch):
+    import specdraft.models
+
+    f32, bf16 = torch.nn.Linear(16, 8), torch.nn.Linear(16, 8).to(torch.bfloat16)
+    for flags, want in (({"avx512f"}, (True, True)), ({"avx512f", "avx512_bf16"}, (True, False)),
+                        ({"avx512f", "amx_bf16"}, (True, False)), ({"avx2"}, (False, False))):
+        monkeypatch.setattr(specdraft.models, "cpu_flags", lambda flags=flags: flags)
+        assert (cpu_ops.panels_apply(f32), cpu_ops.panels_apply(bf16)) == want, flags
+    assert not cpu_ops.panels_apply(torch.nn.Linear(16, 8).double())  # float64: torch's products
+
+
+def test_compiled_panel_products_equal_eager():
+    torch.manual_seed(2)
+    panel = cpu_ops.PanelLinear(torch.nn.Linear(64, 40))
+    x = torch.randn(7, 64)
+    assert torch.equal(torch.compile(panel, fullgraph=True)(x), panel(x))
+
+
 def test_a_model_without_the_extension_keeps_torchs_operators(monkeypatch):
     """Where the extension cannot be built, the model runs torch's operators (as before), still row-invariant."""
     monkeypatch.setattr(cpu_ops, "applies", lambda model: "no C++ compiler (test)")

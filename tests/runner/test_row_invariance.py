@@ -13,7 +13,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from specdraft.runner import load_runner
+from specdraft.runner import cpu_ops, load_runner
 from specdraft.runner.kernels import (CHECKED_ROWS, PackedLinear, decode_attention, elementwise_attention,
                                       grouped_attention, pack_linears, checked_row_counts)
 from specdraft.testing import differing_widths
@@ -37,8 +37,10 @@ def test_tiny_models_are_row_invariant(kind, setting):
     dtype, quantize = SETTINGS[setting]
     runner = load_runner(tiny_hf(kind, dtype=dtype), quantize=quantize)
     assert runner.dtype == (torch.float32 if setting == "float32" else torch.bfloat16)
-    if quantize is None:  # every float linear runs through the packed kernel
+    if quantize is None:  # every float linear runs through the packed kernel (float32 on AVX-512: panels)
         assert runner.model.kernels["packed"] == 4 * 2 + 1
+        panels = cpu_ops.panels_apply(torch.nn.Linear(2, 2).to(dtype))
+        assert runner.model.kernels.get("panels", 0) == (4 * 2 + 1 if panels else 0)
     # the layers' glue and attention: the C++ operators (.cpu_ops), but for Qwen3's per-head norms
     assert runner.model.kernels["cpu_ops"] == ("yes" if kind != "qwen3" else
                                                "per-head q/k norms (Qwen3) keep torch's operators")
@@ -194,9 +196,11 @@ def test_the_row_check_catches_a_summation_order_that_random_rows_hardly_show(mo
 
 def test_pack_linears_replaces_float_cpu_linears_and_reports():
     model = torch.nn.Sequential(torch.nn.Linear(16, 8), torch.nn.ReLU(), torch.nn.Linear(8, 4).double())
+    panels = cpu_ops.panels_apply(model[0])  # float32 on a CPU with AVX-512: the extension's panels
     report = pack_linears(model)
-    assert report == {"packed": 1}
-    assert isinstance(model[0], PackedLinear) and type(model[2]) is torch.nn.Linear  # float64 is left alone
+    assert report == {"packed": 1} | ({"panels": 1} if panels else {})
+    assert isinstance(model[0], cpu_ops.PanelLinear if panels else PackedLinear)
+    assert type(model[2]) is torch.nn.Linear  # float64 is left alone
     x = torch.randn(3, 16)
     assert model[0](x).shape == (3, 8) and model[2](x[:, :8].double()).shape == (3, 4)
 

@@ -463,6 +463,156 @@ at::Tensor attention(const at::Tensor& q_, const at::Tensor& k_buf, const at::Te
     return out;
 }
 
+// --- the products ------------------------------------------------------------------------------
+//
+// out[m, n] = sum_k x[m, k] * w[n, k] (+ bias[n]): each output one float32 accumulator, one fused
+// multiply-add per k in order (k = 0, 1, ...), then the bias added and the result rounded once to
+// the dtype: the same arithmetic whatever the row count, the tile a row falls in or the thread that
+// runs it, so row-invariant by construction (and equal to the scalar loop below, bit for bit: a
+// fused multiply-add rounds once). The weight is stored as panels of 16 output columns,
+// [ceil(N / 16), K, 16] (cpu_ops.pack_panels): a tile of MB rows x NB panels keeps MB * NB
+// accumulators of 16 columns in registers, streams its panels once and broadcasts each x[m, k]; no
+// sum across lanes. A decode step's one row reads the weight once, at the memory's speed.
+
+// rows are taken this many at a time (their x stays in the cache while the panels stream past)
+constexpr int64_t PANEL_ROW_CHUNK = 96;
+
+#if defined(__AVX512F__)
+inline __mmask16 columns_left(int64_t left) {
+    return left >= LANES ? __mmask16(0xffff) : __mmask16((1u << left) - 1);
+}
+
+// MB rows x NB panels from panel p (output columns n0 .. n0 + 16 * NB, fewer past N)
+template <typename T, int MB, int NB>
+inline void panel_tile(const T* x, int64_t K, const T* p, T* out, int64_t N, const T* bias, int64_t n0) {
+    __m512 acc[MB][NB];
+    for (int m = 0; m < MB; ++m)
+        for (int j = 0; j < NB; ++j) acc[m][j] = _mm512_setzero_ps();
+    const int64_t ps = K * LANES;
+    for (int64_t k = 0; k < K; ++k) {
+        __m512 w[NB];
+        for (int j = 0; j < NB; ++j) w[j] = load16(p + j * ps + k * LANES);
+        for (int m = 0; m < MB; ++m) {
+            const __m512 xb = _mm512_set1_ps(widen(x[m * K + k]));
+            for (int j = 0; j < NB; ++j) acc[m][j] = _mm512_fmadd_ps(xb, w[j], acc[m][j]);
+        }
+    }
+    for (int j = 0; j < NB; ++j) {
+        const int64_t col = n0 + LANES * j;
+        if (col >= N) break;
+        const int64_t count = std::min<int64_t>(LANES, N - col);
+        const __mmask16 k = columns_left(count);
+        __m512 b = _mm512_setzero_ps();
+        if (bias) {
+            alignas(64) float widened[LANES] = {0};
+            for (int64_t i = 0; i < count; ++i) widened[i] = widen(bias[col + i]);
+            b = _mm512_load_ps(widened);
+        }
+        for (int m = 0; m < MB; ++m) {
+            const __m512 v = bias ? _mm512_add_ps(acc[m][j], b) : acc[m][j];
+            if constexpr (std::is_same_v<T, float>) {
+                _mm512_mask_storeu_ps(out + m * N + col, k, v);
+            } else {  // rounded once to the dtype
+                alignas(64) float lanes[LANES];
+                _mm512_store_ps(lanes, v);
+                for (int64_t i = 0; i < count; ++i) out[m * N + col + i] = static_cast<T>(lanes[i]);
+            }
+        }
+    }
+}
+
+// all M rows against NB panels: 12 rows x 2 panels while there are 12 rows (the most work per
+// load), then 6 x NB, then what is left
+template <typename T, int NB>
+inline void panel_rows(int64_t M, const T* x, int64_t K, const T* p, T* out, int64_t N, const T* bias,
+                       int64_t n0) {
+    int64_t m = 0;
+    if constexpr (NB % 2 == 0) {
+        for (; m + 12 <= M; m += 12)
+            for (int j = 0; j < NB; j += 2)
+                panel_tile<T, 12, 2>(x + m * K, K, p + j * K * LANES, out + m * N, N, bias, n0 + LANES * j);
+    }
+    for (; m + 6 <= M; m += 6) panel_tile<T, 6, NB>(x + m * K, K, p, out + m * N, N, bias, n0);
+    const T* xm = x + m * K;
+    T* om = out + m * N;
+    switch (M - m) {
+        case 5: panel_tile<T, 5, NB>(xm, K, p, om, N, bias, n0); break;
+        case 4: panel_tile<T, 4, NB>(xm, K, p, om, N, bias, n0); break;
+        case 3: panel_tile<T, 3, NB>(xm, K, p, om, N, bias, n0); break;
+        case 2: panel_tile<T, 2, NB>(xm, K, p, om, N, bias, n0); break;
+        case 1: panel_tile<T, 1, NB>(xm, K, p, om, N, bias, n0); break;
+        default: break;
+    }
+}
+#endif
+
+// x # [M, K], panels # [P, K, 16] (pack_panels of a [N, K] weight), bias # [N] or None: one dtype,
+// float32 or bfloat16
+at::Tensor linear(const at::Tensor& x_, const at::Tensor& panels_, const c10::optional<at::Tensor>& bias_,
+                  int64_t N) {
+    auto x = x_.contiguous();
+    auto panels = panels_.contiguous();
+    TORCH_CHECK(x.device().is_cpu() && panels.device().is_cpu(), "specdraft_cpu::linear: CPU tensors only");
+    TORCH_CHECK(x.dim() == 2 && panels.dim() == 3 && panels.size(2) == LANES, "specdraft_cpu::linear: shapes");
+    TORCH_CHECK(x.scalar_type() == panels.scalar_type() &&
+                (x.scalar_type() == at::kFloat || x.scalar_type() == at::kBFloat16),
+                "specdraft_cpu::linear: float32 or bfloat16, one dtype");
+    const int64_t M = x.size(0), K = x.size(1), P = panels.size(0);
+    TORCH_CHECK(panels.size(1) == K && P * LANES >= N && (P - 1) * LANES < N, "specdraft_cpu::linear: panels");
+    at::Tensor bias;
+    if (bias_.has_value()) bias = bias_->contiguous();
+    TORCH_CHECK(!bias.defined() || (bias.scalar_type() == x.scalar_type() && bias.numel() == N),
+                "specdraft_cpu::linear: bias");
+    auto out = at::empty({M, N}, x.options());
+    if (M == 0) return out;
+    dispatch(x.scalar_type(), [&](auto tag) {
+        using T = decltype(tag);
+        if constexpr (std::is_same_v<T, c10::Half>) {
+            TORCH_CHECK(false, "specdraft_cpu::linear: float32 or bfloat16");
+        } else {
+            const T* px = x.data_ptr<T>();
+            const T* pp = panels.data_ptr<T>();
+            const T* pb = bias.defined() ? bias.data_ptr<T>() : nullptr;
+            T* po = out.data_ptr<T>();
+#if defined(__AVX512F__)
+            // panels in groups of NB, the groups spread over the threads (2 where there are few)
+            const int64_t NB = P >= 64 ? 4 : 2;
+            const int64_t groups = (P + NB - 1) / NB;
+            for (int64_t r0 = 0; r0 < M; r0 += PANEL_ROW_CHUNK) {
+                const int64_t rows = std::min(PANEL_ROW_CHUNK, M - r0);
+                at::parallel_for(0, groups, 1, [&](int64_t begin, int64_t end) {
+                    for (int64_t g = begin; g < end; ++g) {
+                        const int64_t p0 = g * NB;
+                        const T* pg = pp + p0 * K * LANES;
+                        const T* xr = px + r0 * K;
+                        T* orow = po + r0 * N;
+                        switch (std::min(NB, P - p0)) {
+                            case 4: panel_rows<T, 4>(rows, xr, K, pg, orow, N, pb, p0 * LANES); break;
+                            case 3: panel_rows<T, 3>(rows, xr, K, pg, orow, N, pb, p0 * LANES); break;
+                            case 2: panel_rows<T, 2>(rows, xr, K, pg, orow, N, pb, p0 * LANES); break;
+                            default: panel_rows<T, 1>(rows, xr, K, pg, orow, N, pb, p0 * LANES); break;
+                        }
+                    }
+                });
+            }
+#else
+            // the same arithmetic, one output at a time (correct anywhere; cpu_ops.py uses it with AVX-512 only)
+            at::parallel_for(0, N, 16, [&](int64_t begin, int64_t end) {
+                for (int64_t n = begin; n < end; ++n) {
+                    const T* w = pp + (n / LANES) * K * LANES + n % LANES;
+                    for (int64_t m = 0; m < M; ++m) {
+                        float acc = 0.0f;
+                        for (int64_t k = 0; k < K; ++k) acc = std::fma(widen(px[m * K + k]), widen(w[k * LANES]), acc);
+                        po[m * N + n] = static_cast<T>(pb ? acc + widen(pb[n]) : acc);
+                    }
+                }
+            });
+#endif
+        }
+    });
+    return out;
+}
+
 }  // namespace
 
 TORCH_LIBRARY(specdraft_cpu, m) {
@@ -473,6 +623,7 @@ TORCH_LIBRARY(specdraft_cpu, m) {
           "Tensor positions, int heads, int kv_heads) -> Tensor");
     m.def("attention(Tensor q, Tensor k_buf, Tensor v_buf, Tensor slot, Tensor mask, float scale, "
           "Tensor? order) -> Tensor");
+    m.def("linear(Tensor x, Tensor panels, Tensor? bias, int out_features) -> Tensor");
 }
 
 TORCH_LIBRARY_IMPL(specdraft_cpu, CPU, m) {
@@ -481,4 +632,5 @@ TORCH_LIBRARY_IMPL(specdraft_cpu, CPU, m) {
     m.impl("silu_mul", &silu_mul);
     m.impl("rope_write", &rope_write);
     m.impl("attention", &attention);
+    m.impl("linear", &linear);
 }

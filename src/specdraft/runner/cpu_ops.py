@@ -132,6 +132,70 @@ def _register_fakes() -> None:
     def _(q, k_buf, v_buf, slot, mask, scale, order):
         return q.new_empty(q.shape[0], q.shape[2], q.shape[1] * q.shape[3])
 
+    @torch.library.register_fake(lib + "linear")
+    def _(x, panels, bias, out_features):
+        return x.new_empty(x.shape[0], out_features)
+
+
+#: output columns per panel of :class:`PanelLinear`'s weight (one AVX-512 register of float32)
+PANEL = 16
+
+
+def panels_apply(linear: torch.nn.Module) -> bool:
+    """Whether :class:`PanelLinear` replaces ``linear`` (a CPU ``nn.Linear``) on this machine: the
+    extension built with AVX-512 (without it the operator is a correct but scalar loop), and the
+    weight float32, or bfloat16 where the processor has no native bfloat16 products (with
+    ``avx512_bf16`` or AMX oneDNN's products stay: AMX's tiles take many rows for the price of one)."""
+    from ..models import BF16_CPU_FLAGS, cpu_flags
+
+    if type(linear) is not torch.nn.Linear or linear.weight.device.type != "cpu":
+        return False
+    flags = cpu_flags()
+    dtype = linear.weight.dtype
+    wanted = dtype == torch.float32 or (dtype == torch.bfloat16 and not flags & set(BF16_CPU_FLAGS))
+    return wanted and "avx512f" in flags and load() == ""
+
+
+def pack_panels(weight: torch.Tensor) -> torch.Tensor:
+    """``weight # [N, K]`` as panels of :data:`PANEL` output columns, ``[ceil(N / 16), K, 16]`` (the
+    last padded with zero columns), what ``specdraft_cpu::linear`` streams."""
+    n, k = weight.shape
+    padded = torch.nn.functional.pad(weight, (0, 0, 0, -n % PANEL))
+    return padded.view(-1, PANEL, k).transpose(1, 2).contiguous()
+
+
+class PanelLinear(torch.nn.Module):
+    """An ``nn.Linear`` (float32 or bfloat16) as ``specdraft_cpu::linear``: row-invariant by construction.
+
+    Each output is one float32 sum over the inputs in order, one fused multiply-add at a time, then
+    the bias, rounded once to the dtype: the same arithmetic whatever the row count, so no load-time
+    check is needed (oneDNN's :class:`~.kernels.PackedLinear` is row-invariant by check). The weight
+    is stored once, as panels (:func:`pack_panels`); a one-row product streams it at the memory's
+    speed. Measured on a 2-core Intel Xeon without native bfloat16 (family 6 model 85, AVX-512):
+    docs/benchmarks.md, "Products in panels".
+    """
+
+    def __init__(self, linear: torch.nn.Linear) -> None:
+        super().__init__()
+        reason = load()
+        if reason:
+            raise RuntimeError(f"PanelLinear needs specdraft's C++ operators: {reason}")
+        self.in_features, self.out_features = linear.in_features, linear.out_features
+        weight = linear.weight.detach()
+        self.dtype = weight.dtype
+        self.nbytes = weight.numel() * weight.element_size()
+        self.register_buffer("panels", pack_panels(weight))
+        self.register_buffer("bias", None if linear.bias is None else linear.bias.detach().clone())
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        flat = x.reshape(-1, self.in_features)  # [rows, in]
+        out = torch.ops.specdraft_cpu.linear(flat, self.panels, self.bias, self.out_features)
+        return out.reshape(*x.shape[:-1], self.out_features)
+
+    def extra_repr(self) -> str:
+        return f"in_features={self.in_features}, out_features={self.out_features}, bias={self.bias is not None}, " \
+               "float32 panels"
+
 
 def applies(model) -> str:
     """``""`` if ``model``'s layers can run on these operators (CPU, a dtype of :data:`DTYPES`, no
@@ -162,4 +226,4 @@ def use(model) -> dict:
     return {"cpu_ops": f"yes, on one thread: {ONE_THREAD}" if ONE_THREAD else "yes"}
 
 
-__all__ = ["DTYPES", "applies", "load", "use"]
+__all__ = ["DTYPES", "PANEL", "PanelLinear", "applies", "load", "pack_panels", "panels_apply", "use"]

@@ -263,19 +263,26 @@ def replace_linears(model: nn.Module, convert, when=None) -> dict[str, nn.Module
 
 def pack_linears(model: nn.Module) -> dict[str, int]:
     """Replace every :func:`packable` ``nn.Linear`` of ``model`` by a :class:`PackedLinear` (in place,
-    as :func:`replace_linears` does), each checked by :func:`checked_row_counts`.
+    as :func:`replace_linears` does), each checked by :func:`checked_row_counts`; float32 ones on a
+    CPU with AVX-512 by a :class:`~.cpu_ops.PanelLinear` instead (row-invariant by construction).
 
-    Returns ``{"packed": n}`` plus, for each module whose shape failed the check, its name and the
+    Returns ``{"packed": n}`` (and ``"panels": m``, how many of those are PanelLinears) plus, for each module whose shape failed the check, its name and the
     largest row count that passed (nothing else: every count in :data:`CHECKED_ROWS` passed)."""
+    from . import cpu_ops
+
     def pack(linear):
+        if cpu_ops.panels_apply(linear):  # float32 on an AVX-512 CPU: row-invariant by construction
+            return cpu_ops.PanelLinear(linear)
         packed = PackedLinear(linear)
         packed.counts = checked_row_counts(packed)
         packed.one_row = one_row_checked(packed)
         return packed
 
     replaced = replace_linears(model, pack, when=packable)
-    report = {"packed": len(replaced)}
-    report.update({name: m.counts[-1] for name, m in replaced.items() if m.counts != CHECKED_ROWS})
+    panels = sum(isinstance(m, cpu_ops.PanelLinear) for m in replaced.values())
+    report = {"packed": len(replaced)} | ({"panels": panels} if panels else {})
+    report.update({name: m.counts[-1] for name, m in replaced.items()
+                   if isinstance(m, PackedLinear) and m.counts != CHECKED_ROWS})
     return report
 
 
