@@ -63,6 +63,34 @@ class DrafterServices:
             raise ConfigError(f"specdraft cannot run these decoder layers: {reason}")
         return runner
 
+    def fast_linears(self, module, skip: tuple[str, ...] = ()) -> int:
+        """Make the ``nn.Linear`` layers inside ``module`` (a drafter's own heads, for inference: no
+        gradients) run on the fastest product specdraft has for them on this processor, in place:
+        :class:`~specdraft.runner.cpu_ops.PanelLinear` where it serves their dtype (float32 on a
+        CPU with AVX-512, bfloat16 there without native bfloat16 products), else left as they are.
+        Submodules named in ``skip`` (attribute names at any depth) are left alone. Returns how many
+        were replaced. A drafter's products need not be row-invariant; these are, and faster."""
+        from .runner import cpu_ops
+        from .runner.kernels import replace_linears
+
+        skipped = [m for name, m in module.named_modules() if name.rsplit(".", 1)[-1] in skip]
+        inside = {id(m) for s in skipped for m in s.modules()}
+        return len(replace_linears(module, cpu_ops.PanelLinear,
+                                   when=lambda lin: id(lin) not in inside and cpu_ops.panels_apply(lin)))
+
+    def fast_linear(self, weight, bias=None):
+        """``(x) -> x @ weight.T + bias`` on the product :meth:`fast_linears` would choose, or None
+        where that is ``F.linear``'s (for a head that keeps a bare weight)."""
+        import torch
+
+        from .runner import cpu_ops
+
+        linear = torch.nn.Linear(weight.shape[1], weight.shape[0], bias=bias is not None, device="meta")
+        linear.weight = torch.nn.Parameter(weight.detach(), requires_grad=False)
+        if bias is not None:
+            linear.bias = torch.nn.Parameter(bias.detach(), requires_grad=False)
+        return cpu_ops.PanelLinear(linear) if cpu_ops.panels_apply(linear) else None
+
     def attention_backends(self, device):
         """The attention kernels specdraft allows on ``device`` (on CUDA: no cuDNN, which plans per
         key length), as a context; for a drafter's own modules run outside a runner (training)."""

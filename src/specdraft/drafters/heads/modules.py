@@ -55,9 +55,14 @@ class SharedHead(nn.Module):
         #: a norm applied before the rows (EAGLE-3's own final norm), or None
         self.norm = norm
 
+    #: the rows' product for drafting (``TargetInfo.services.fast_linear``), or None: ``F.linear``
+    product = None
+
     def small(self, hidden: torch.Tensor) -> torch.Tensor:
         if self.norm is not None:
             hidden = self.norm(hidden)
+        if self.product is not None:
+            return self.product(hidden)
         return F.linear(hidden, self.weight, self.bias)  # [..., N]
 
     def forward(self, hidden: torch.Tensor) -> torch.Tensor:
