@@ -48,7 +48,7 @@ class HeadDrafter(Drafter):
         # drafting's own products on the fastest kernel here (the decoder layers run on a layer runner)
         services = getattr(target, "services", None)
         if hasattr(services, "fast_linears"):
-            services.fast_linears(self.module, skip=("layer", "midlayer", "lm_head"))
+            services.fast_linears(self.module, skip=("layer", "midlayer", "lm_head", "copy_gate"))
             self.head.product = services.fast_linear(self.head.weight, self.head.bias)
         gate = getattr(self.module, "copy_gate", None) if options.copy_gate else None
         self.copier = CopyDrafting(gate, self.head.head_ids, target.vocab_size) if gate is not None else None
