@@ -90,8 +90,9 @@ def default_dtype(device: Any) -> tuple[Any, str]:
 
     CUDA: bfloat16. CPU: bfloat16 where the processor multiplies it natively (``amx_bf16`` or
     ``avx512_bf16``; specdraft's kernels are exact in it, see ``specdraft.runner.kernels``), or
-    where it has AVX-512 and specdraft's C++ operators built (their panel products widen bfloat16
-    weights to float32 as they stream them, :class:`~specdraft.runner.cpu_ops.PanelLinear`): a
+    where it has AVX-512 (the panel products of specdraft's C++ operators widen bfloat16 weights
+    to float32 as they stream them, :class:`~specdraft.runner.cpu_ops.PanelLinear`; without a
+    compiler oneDNN's emulated bfloat16 products take a row as long as its float32 ones): a
     bfloat16 decode step reads half the bytes of a float32 one and took 24 ms against 40-62 ms on
     a 2-core Xeon without native bfloat16 (docs/benchmarks.md, "Products in panels"); float32
     elsewhere (bfloat16 products would be emulated, slower than float32)."""
@@ -105,12 +106,9 @@ def default_dtype(device: Any) -> tuple[Any, str]:
         flag = next((f for f in BF16_CPU_FLAGS if f in flags), None)
         if flag and torch.backends.mkldnn.is_available() and torch.ops.mkldnn._is_mkldnn_bf16_supported():
             return torch.bfloat16, f"the CPU default where bfloat16 products are native: {flag}"
-        if "avx512f" in flags:
-            from .runner import cpu_ops
-
-            if cpu_ops.load() == "":
-                return torch.bfloat16, ("the CPU default with AVX-512: specdraft's panel products widen bfloat16 "
-                                        "weights (no avx512_bf16 or AMX)")
+        if "avx512f" in flags:  # (without the C++ operators oneDNN's emulated products: as fast as float32's at one row)
+            return torch.bfloat16, ("the CPU default with AVX-512: specdraft's panel products widen bfloat16 "
+                                    "weights (no avx512_bf16 or AMX)")
         return torch.float32, "the CPU default without native bfloat16 products or AVX-512: float32"
     return torch.float32, f"the {device.type} default"
 
