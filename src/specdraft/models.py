@@ -80,9 +80,11 @@ def cpu_field(name: str) -> str | None:
     return None
 
 
-def cpu_flags() -> set[str]:
-    """This processor's feature flags as Linux reports them (empty elsewhere)."""
-    return set((cpu_field("flags") or "").split())
+@functools.lru_cache(maxsize=1)
+def cpu_flags() -> frozenset[str]:
+    """This processor's feature flags as Linux reports them (empty elsewhere); read once (every
+    linear of a model asks, through :func:`specdraft.runner.cpu_ops.panels_apply`)."""
+    return frozenset((cpu_field("flags") or "").split())
 
 
 def default_dtype(device: Any) -> tuple[Any, str]:

@@ -194,7 +194,7 @@ class PanelLinear(torch.nn.Module):
 
     def extra_repr(self) -> str:
         return f"in_features={self.in_features}, out_features={self.out_features}, bias={self.bias is not None}, " \
-               "float32 panels"
+               f"{str(self.dtype).removeprefix('torch.')} panels"
 
 
 def applies(model) -> str:

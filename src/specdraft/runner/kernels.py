@@ -268,15 +268,17 @@ def replace_linears(model: nn.Module, convert, when=None) -> dict[str, nn.Module
 
 def pack_linears(model: nn.Module) -> dict[str, int]:
     """Replace every :func:`packable` ``nn.Linear`` of ``model`` by a :class:`PackedLinear` (in place,
-    as :func:`replace_linears` does), each checked by :func:`checked_row_counts`; float32 ones on a
-    CPU with AVX-512 by a :class:`~.cpu_ops.PanelLinear` instead (row-invariant by construction).
+    as :func:`replace_linears` does), each checked by :func:`checked_row_counts`; those
+    :func:`~.cpu_ops.panels_apply` takes by a :class:`~.cpu_ops.PanelLinear` instead (row-invariant
+    by construction, unchecked).
 
-    Returns ``{"packed": n}`` (and ``"panels": m``, how many of those are PanelLinears) plus, for each module whose shape failed the check, its name and the
+    Returns ``{"packed": n}`` (and ``"panels": m``, how many of those are PanelLinears) plus, for
+    each checked module whose shape failed the check, its name and the
     largest row count that passed (nothing else: every count in :data:`CHECKED_ROWS` passed)."""
     from . import cpu_ops
 
     def pack(linear):
-        if cpu_ops.panels_apply(linear):  # float32 on an AVX-512 CPU: row-invariant by construction
+        if cpu_ops.panels_apply(linear):  # AVX-512: float32, and bfloat16 without native bfloat16
             return cpu_ops.PanelLinear(linear)
         packed = PackedLinear(linear)
         packed.counts = checked_row_counts(packed)
