@@ -484,7 +484,7 @@ inline __mmask16 columns_left(int64_t left) {
 
 // MB rows x NB panels from panel p (output columns n0 .. n0 + 16 * NB, fewer past N)
 template <typename T, int MB, int NB>
-inline void panel_tile(const T* x, int64_t K, const T* p, T* out, int64_t N, const T* bias, int64_t n0) {
+inline void panel_tile(const float* x, int64_t K, const T* p, T* out, int64_t N, const T* bias, int64_t n0) {
     __m512 acc[MB][NB];
     for (int m = 0; m < MB; ++m)
         for (int j = 0; j < NB; ++j) acc[m][j] = _mm512_setzero_ps();
@@ -493,7 +493,7 @@ inline void panel_tile(const T* x, int64_t K, const T* p, T* out, int64_t N, con
         __m512 w[NB];
         for (int j = 0; j < NB; ++j) w[j] = load16(p + j * ps + k * LANES);
         for (int m = 0; m < MB; ++m) {
-            const __m512 xb = _mm512_set1_ps(widen(x[m * K + k]));
+            const __m512 xb = _mm512_set1_ps(x[m * K + k]);
             for (int j = 0; j < NB; ++j) acc[m][j] = _mm512_fmadd_ps(xb, w[j], acc[m][j]);
         }
     }
@@ -524,7 +524,7 @@ inline void panel_tile(const T* x, int64_t K, const T* p, T* out, int64_t N, con
 // all M rows against NB panels: 12 rows x 2 panels while there are 12 rows (the most work per
 // load), then 6 x NB, then what is left
 template <typename T, int NB>
-inline void panel_rows(int64_t M, const T* x, int64_t K, const T* p, T* out, int64_t N, const T* bias,
+inline void panel_rows(int64_t M, const float* x, int64_t K, const T* p, T* out, int64_t N, const T* bias,
                        int64_t n0) {
     int64_t m = 0;
     if constexpr (NB % 2 == 0) {
@@ -533,7 +533,7 @@ inline void panel_rows(int64_t M, const T* x, int64_t K, const T* p, T* out, int
                 panel_tile<T, 12, 2>(x + m * K, K, p + j * K * LANES, out + m * N, N, bias, n0 + LANES * j);
     }
     for (; m + 6 <= M; m += 6) panel_tile<T, 6, NB>(x + m * K, K, p, out + m * N, N, bias, n0);
-    const T* xm = x + m * K;
+    const float* xm = x + m * K;
     T* om = out + m * N;
     switch (M - m) {
         case 5: panel_tile<T, 5, NB>(xm, K, p, om, N, bias, n0); break;
@@ -578,13 +578,22 @@ at::Tensor linear(const at::Tensor& x_, const at::Tensor& panels_, const c10::op
             // panels in groups of NB, the groups spread over the threads (2 where there are few)
             const int64_t NB = P >= 64 ? 4 : 2;
             const int64_t groups = (P + NB - 1) / NB;
+            // a chunk's rows widened to float32 once (exact), so that a tile broadcasts each x[m, k]
+            // straight from memory rather than widening it again for every group of panels
+            std::vector<float> widened(std::is_same_v<T, float> ? 0 : std::min(PANEL_ROW_CHUNK, M) * K);
             for (int64_t r0 = 0; r0 < M; r0 += PANEL_ROW_CHUNK) {
                 const int64_t rows = std::min(PANEL_ROW_CHUNK, M - r0);
+                const float* xr;
+                if constexpr (std::is_same_v<T, float>) {
+                    xr = px + r0 * K;
+                } else {
+                    for (int64_t i = 0; i < rows * K; ++i) widened[i] = widen(px[r0 * K + i]);
+                    xr = widened.data();
+                }
                 at::parallel_for(0, groups, 1, [&](int64_t begin, int64_t end) {
                     for (int64_t g = begin; g < end; ++g) {
                         const int64_t p0 = g * NB;
                         const T* pg = pp + p0 * K * LANES;
-                        const T* xr = px + r0 * K;
                         T* orow = po + r0 * N;
                         switch (std::min(NB, P - p0)) {
                             case 4: panel_rows<T, 4>(rows, xr, K, pg, orow, N, pb, p0 * LANES); break;
