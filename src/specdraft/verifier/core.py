@@ -109,7 +109,8 @@ def accept(proposal: Proposal, logits: torch.Tensor, sampling: RowSampling, gene
            counts: TokenCounts | None = None) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """``(num_accepted # [batch], next_token # [batch], path # [batch, width])`` for ``logits #
     [batch, width + 1, vocab]`` of ``proposal``'s pass, ``counts`` the penalties' context at each
-    pass index: greedy rows together, sampled rows one by one (float32 or wider). ``path[b]``
+    pass index: greedy rows together, sampled rows' distributions together and their draws one by one
+    (float32 or wider). ``path[b]``
     holds the accepted nodes first, then ``width``."""
     rule = _TREE if proposal.tree is not None else _CHAIN
     device = logits.device
@@ -125,9 +126,14 @@ def accept(proposal: Proposal, logits: torch.Tensor, sampling: RowSampling, gene
         wanted = greedy_tokens(logits[pick], RowSampling(sampling[b] for b in greedy),
                                None if counts is None else counts.select(pick))
         num_accepted[pick], next_token[pick], path[pick] = rule.greedy(proposal, pick, wanted)
-    for b in range(batch):
-        if not sampling[b].greedy:
-            nodes, token = rule.sample(proposal, b, logits, sampling[b], counts, generators[b])
+    sampled = [b for b in range(batch) if not sampling[b].greedy]
+    if sampled:  # the target's distributions of the sampled rows in one call (vectorised where they share
+        # settings; each row's numbers are its own), then each row's draws from its own generator
+        pick = torch.tensor(sampled, device=device)
+        target_probs = logits_to_probs(logits[pick], RowSampling(sampling[b] for b in sampled),
+                                       None if counts is None else counts.select(pick))  # [S, width + 1, vocab]
+        for i, b in enumerate(sampled):
+            nodes, token = rule.sample(proposal, b, target_probs[i], generators[b])
             num_accepted[b], next_token[b] = len(nodes), token
             path[b, : len(nodes)] = torch.tensor(nodes, dtype=torch.long)
     return num_accepted, next_token, path
@@ -142,11 +148,10 @@ class _CHAIN:
         return n, token, torch.arange(p.width, device=wanted.device).expand(n.shape[0], p.width)
 
     @staticmethod
-    def sample(p: Proposal, b: int, logits, params, counts, generator) -> tuple[list[int], int]:
+    def sample(p: Proposal, b: int, target_probs: torch.Tensor, generator) -> tuple[list[int], int]:
+        """Row ``b``'s rejection sampling; ``target_probs # [width + 1, vocab]``: its distributions."""
         d = int(p.lengths[b])  # the row's own draft only: its random draws do not depend on the pass's width
-        row_counts = None if counts is None else TokenCounts(counts.in_context[b : b + 1, : d + 1],
-                                                             counts.in_output[b : b + 1, : d + 1])
-        target_probs = logits_to_probs(logits[b : b + 1, : d + 1], params, row_counts)  # [1, d + 1, vocab]
+        target_probs = target_probs[None, : d + 1]  # [1, d + 1, vocab]
         draft_probs = None if p.draft_probs is None else p.draft_probs[b : b + 1, :d]
         n, token = rejection_sample(p.token_ids[b : b + 1, :d], p.lengths[b : b + 1], draft_probs, target_probs,
                                     generator)
@@ -161,8 +166,7 @@ class _TREE:
         return greedy_tree_accept(p.token_ids[pick], p.tree.parents[pick], p.tree.valid[pick], wanted)
 
     @staticmethod
-    def sample(p: Proposal, b: int, logits, params, counts, generator) -> tuple[list[int], int]:
-        row_counts = None if counts is None else counts.select(slice(b, b + 1))
-        target_probs = logits_to_probs(logits[b : b + 1], params, row_counts)[0]  # [width + 1, vocab]
+    def sample(p: Proposal, b: int, target_probs: torch.Tensor, generator) -> tuple[list[int], int]:
+        """Row ``b``'s tree rejection sampling; ``target_probs # [width + 1, vocab]``: its distributions."""
         return tree_rejection_sample(p.token_ids[b], p.tree.parents[b], p.tree.valid[b],
                                      None if p.draft_probs is None else p.draft_probs[b], target_probs, generator)
