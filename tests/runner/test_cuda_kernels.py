@@ -71,7 +71,6 @@ def test_the_load_time_check_falls_back_from_a_row_count_dependent_product(monke
     monkeypatch.setattr(ck.F, "linear", lambda x, weight, bias=None: (x[:, None, :] * weight).sum(-1))  # per row
     assert ck.checked_linear_mode(w, None)[0] == "cublas"
     monkeypatch.setattr(ck, "_CHECKED_MODES", {})
-    monkeypatch.setattr(runner_module, "WIDTH_BUCKETS", (1, 2, 4, 8))
     monkeypatch.setattr(ck.F, "linear", drifting)
     assert ck.checked_linear_mode(w, None)[0] == "rows"
 
