@@ -109,9 +109,8 @@ def accept(proposal: Proposal, logits: torch.Tensor, sampling: RowSampling, gene
            counts: TokenCounts | None = None) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """``(num_accepted # [batch], next_token # [batch], path # [batch, width])`` for ``logits #
     [batch, width + 1, vocab]`` of ``proposal``'s pass, ``counts`` the penalties' context at each
-    pass index: greedy rows together, sampled rows' distributions together and their draws one by one
-    (float32 or wider). ``path[b]``
-    holds the accepted nodes first, then ``width``."""
+    pass index: greedy rows together, sampled rows' distributions together and their draws one by
+    one (float32 or wider). ``path[b]`` holds the accepted nodes first, then ``width``."""
     rule = _TREE if proposal.tree is not None else _CHAIN
     device = logits.device
     batch, width = proposal.token_ids.shape
