@@ -141,15 +141,46 @@ def _per_row(fn, logits, params, counts):
                       for b, p in enumerate(params)])
 
 
+def row_uniforms(generator, widths, device=None) -> "torch.Tensor":
+    """Uniforms in [0, 1), float64: ``widths[b]`` of them for row ``b`` from row ``b``'s generator
+    (``generator``: one, None or a list per row), padded with 0 to ``[batch, max(widths)]``. A row
+    with its own generator draws only its own ``widths[b]``, so its numbers do not depend on its
+    batchmates; with one generator the whole block comes from one call."""
+    import torch
+
+    widths = [int(w) for w in widths]
+    width = max(widths, default=0)
+    if not isinstance(generator, (list, tuple)):
+        return torch.rand((len(widths), width), generator=generator, device=device, dtype=torch.float64)
+    gens = _row_generators(generator, len(widths))
+    out = torch.zeros((len(widths), width), device=device, dtype=torch.float64)
+    for b, (g, w) in enumerate(zip(gens, widths)):
+        out[b, :w] = torch.rand(w, generator=g, device=device, dtype=torch.float64)
+    return out
+
+
+def inverse_cdf(probs: "torch.Tensor", uniform: "torch.Tensor", chunk: int = 64) -> "torch.Tensor":
+    """The token of each row of ``probs # [batch, vocab]`` (non-negative, any positive total) at
+    ``uniform # [batch]`` in [0, 1): the first whose cumulative probability, in float64, exceeds
+    ``uniform * total``. Exactly a draw from the row's distribution up to float64 rounding; a token of
+    probability 0 is never drawn.  # [batch]"""
+    import torch
+
+    out = torch.empty(probs.shape[0], dtype=torch.long, device=probs.device)
+    for start in range(0, probs.shape[0], chunk):  # float64 sums of a few rows at a time
+        cdf = probs[start : start + chunk].double().cumsum(-1)  # [rows, vocab]
+        u = (uniform[start : start + chunk].to(cdf) * cdf[:, -1])[:, None]
+        index = torch.searchsorted(cdf, u, right=True).squeeze(1)
+        # u * total can round up to the total: take the last token of positive probability then
+        last = (probs[start : start + chunk] > 0).cumsum(-1).argmax(-1)
+        out[start : start + chunk] = torch.minimum(index, last)
+    return out
+
+
 def sample_rows(probs: "torch.Tensor", generator=None) -> "torch.Tensor":
     """One token per row of ``probs # [batch, vocab]``; ``generator``: one, or one per row (each row
     draws from its own, so a request's draws do not depend on its batchmates).  # [batch]"""
-    import torch
-
-    if not isinstance(generator, (list, tuple)):
-        return torch.multinomial(probs, 1, generator=generator).squeeze(1)
-    gens = _row_generators(generator, probs.shape[0])
-    return torch.cat([torch.multinomial(probs[b : b + 1], 1, generator=g).squeeze(1) for b, g in enumerate(gens)])
+    return inverse_cdf(probs, row_uniforms(generator, [1] * probs.shape[0], probs.device)[:, 0])
 
 
 @dataclass(frozen=True)

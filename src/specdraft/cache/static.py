@@ -25,6 +25,7 @@ CPU, a device assert on CUDA) rather than wrapping.
 
 from __future__ import annotations
 
+import functools
 from typing import Callable
 
 import torch
@@ -168,9 +169,10 @@ class StaticCache:
 
     # -- the prefix cache's blocks (see specdraft.engine.prefix): copies kept beside the rows ----
 
-    @property
+    @functools.cached_property
     def token_bytes(self) -> int:
-        """Bytes one position takes in every layer's keys and values (a saved block's size per token)."""
+        """Bytes one position takes in every layer's keys and values (a saved block's size per token;
+        the same whatever the rows' count and capacity)."""
         return sum(buf[0, :, 0].numel() * buf.element_size() for buf in self.kv.keys + self.kv.values)
 
     def save_block(self, key: int, slot: int, start: int, end: int) -> None:

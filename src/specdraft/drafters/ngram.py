@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
+import functools
 from collections import deque
+from itertools import islice
 from typing import Iterable, Sequence
 
 from pydantic import ConfigDict, Field, model_validator
@@ -28,6 +30,17 @@ def fnv1a_64(tokens: Iterable[int]) -> int:
             h ^= (token >> shift) & 0xFF
             h = (h * FNV_PRIME) & _MASK64
     return h
+
+
+@functools.lru_cache(maxsize=1 << 16)
+def _context_hash(context: tuple[int, ...]) -> int:
+    """:func:`fnv1a_64` of a context (a drafter's contexts repeat: the same few tokens, row after row)."""
+    return fnv1a_64(context)
+
+
+def _tail(tokens, n: int) -> list[int]:
+    """The last ``n`` of ``tokens`` (a list or a deque, read from its end: a deque has no slices)."""
+    return list(islice(reversed(tokens), n))[::-1]
 
 
 class NGramPredictor:
@@ -62,12 +75,12 @@ class NGramPredictor:
 
     def add(self, token: int) -> None:
         """Count ``token`` after every context the history ends with, then append it."""
-        tail = list(self.history)[-self.max_context:] if self.history else []
+        tail = tuple(_tail(self.history, self.max_context))
         for order, table in self.tables.items():
             n = order - 1
             if len(tail) < n:
                 continue
-            entry = table.setdefault(fnv1a_64(tail[len(tail) - n:]), [{}, -1, 0])
+            entry = table.setdefault(_context_hash(tail[len(tail) - n:]), [{}, -1, 0])
             counts = entry[0]
             count = counts[token] = counts.get(token, 0) + 1
             if count >= entry[2]:
@@ -84,7 +97,7 @@ class NGramPredictor:
             n = order - 1
             if len(context) < n:
                 continue
-            entry = table.get(fnv1a_64(context[len(context) - n:]))
+            entry = table.get(_context_hash(tuple(context[len(context) - n:])))
             if entry is not None:
                 return entry[1]
         return None
@@ -103,7 +116,7 @@ class NGramPredictor:
             n = order - 1
             if len(context) < n:
                 continue
-            entry = table.get(fnv1a_64(context[len(context) - n:]))
+            entry = table.get(_context_hash(tuple(context[len(context) - n:])))
             if entry is None:
                 continue
             ranked = sorted(entry[0], key=lambda t: (t != entry[1], -entry[0][t]))
@@ -115,7 +128,7 @@ class NGramPredictor:
     def predict(self, k: int, context: Sequence[int] | None = None) -> list[int]:
         """Chain up to ``k`` predictions, each appended to the context of the next (after the
         history, or after ``context``)."""
-        context = list(self.history if context is None else context)[-self.max_context:]
+        context = _tail(self.history if context is None else context, self.max_context)
         out: list[int] = []
         for _ in range(k):
             token = self.predict_next(context)

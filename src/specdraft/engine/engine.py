@@ -21,6 +21,7 @@ round. A round where nobody drafted anything is a plain one-token decoding step.
 from __future__ import annotations
 
 import atexit
+import heapq
 import threading
 import time
 import weakref
@@ -173,7 +174,7 @@ class Engine:
         with torch.inference_mode():
             for s in self.scheduler.aborted():
                 self._leave(s, "aborted")
-            joined = self.scheduler.admit(None if self.memory is None else self.memory.fits)
+            joined = self.scheduler.admit(None if self.memory is None else self.memory.admission)
             if joined:
                 self._guarded(joined, self._join)
             if self._filling:
@@ -348,8 +349,10 @@ class Engine:
                 if s.prefilling:
                     self._guarded([s], self._from_prefix_cache)
         self._prefill_steps += 1
-        while self._filling:
-            s = min(self._filling, key=self._prefill_order)
+        queue = [(self._prefill_order(s), i, s) for i, s in enumerate(self._filling)]  # ties: first come first
+        heapq.heapify(queue)
+        while queue:
+            _, i, s = queue[0]
             if s.prefilling and self.prefix is not None and budget < chunk:  # a pass this step may have kept its next
                 self._guarded([s], self._from_prefix_cache)
             if s.prefilling:
@@ -359,11 +362,16 @@ class Engine:
                     break  # the rest of this step's budget is less than the next chunk
                 self._guarded([s], lambda _: self._prefill_chunk(s, end))
                 budget -= size
+            heapq.heappop(queue)
             if s.status is not Status.RUNNING:
                 continue  # it failed, and left (and left the queue)
-            if not s.prefilling:
-                self._filling.remove(s)
+            if s.prefilling:
+                heapq.heappush(queue, (self._prefill_order(s), i, s))
+            else:
                 done.append(s)
+        if done:
+            left = {id(s) for s in done}
+            self._filling = [s for s in self._filling if id(s) not in left]
         if done and self.wants_hidden:
             rows = [s for s in self.scheduler.running if not s.prefilling]
             states = {s.id: torch.cat(s.prefill_states) if s.prefill_states else None for s in done}

@@ -4,7 +4,7 @@ The cache is a row per running sequence (:class:`~specdraft.cache.StaticCache`),
 long as the longest one needs. Each sequence reserves what its longest pass can write: its
 prompt, its ``max_tokens`` and the widest verify pass after them (:meth:`KVMemory.need`). A
 waiting sequence joins only when the rows then in use, each as long as the largest reservation
-among them, fit the bound (:meth:`KVMemory.fits`); otherwise it waits for running ones to leave,
+among them, fit the bound (:meth:`KVMemory.admission`); otherwise it waits for running ones to leave,
 and one that could not fit even alone is refused when it is added (:meth:`KVMemory.check`). So
 a running sequence never needs memory that is not there: nothing is preempted or recomputed,
 and no output depends on what else was running.
@@ -58,10 +58,24 @@ class KVMemory:
         slot, as long as the largest reservation among them."""
         return self.cache.bytes_for(max(slot for slot, _ in held) + 1, max(self.need(s) for _, s in held))
 
-    def fits(self, running: list[Sequence], seq: Sequence, slot: int) -> bool:
-        """Whether ``seq`` may join ``running`` (the sequences holding rows, those joining this
-        step included) in row ``slot``: the reservations then within the budget."""
-        return self.reserved([(s.slot, s) for s in running] + [(slot, seq)]) <= self.budget
+    def admission(self, running: list[Sequence]):
+        """A check for newcomers joining ``running`` (the sequences holding rows) one at a time:
+        ``check(seq, slot)`` says whether ``seq`` may join in row ``slot`` beside ``running`` and
+        those it said yes to before (the reservations then within the budget), and counts it in
+        if so. Constant time a newcomer: every row up to the highest slot, as long as the
+        largest reservation (:meth:`reserved`), is two running maxima."""
+        top = max((s.slot for s in running), default=-1)
+        longest = max((self.need(s) for s in running), default=0)
+
+        def check(seq: Sequence, slot: int) -> bool:
+            nonlocal top, longest
+            rows, positions = max(top, slot) + 1, max(longest, self.need(seq))
+            if self.cache.bytes_for(rows, positions) > self.budget:
+                return False
+            top, longest = rows - 1, positions
+            return True
+
+        return check
 
     def fit(self, running: list[Sequence]) -> None:
         """Room in ``running``'s rows for their next pass: a prompt still prefilling whole, else the

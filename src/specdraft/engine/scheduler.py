@@ -53,17 +53,19 @@ class Scheduler:
         """Running sequences whose caller aborted them: they leave now."""
         return [s for s in self.running if s.aborted]
 
-    def admit(self, fits=None) -> list[Sequence]:
+    def admit(self, admission=None) -> list[Sequence]:
         """Waiting sequences that get a slot this step (they join the running batch), first come
-        first served; ``fits(holding, seq, slot)``, when given, says whether ``seq`` may join
-        those ``holding`` rows (running and joining) in ``slot`` (the KV cache's memory: else it
-        and those behind it wait)."""
+        first served; ``admission(running)``, when given, makes the check ``fits(seq, slot)`` of
+        whether ``seq`` may join in ``slot`` beside the running ones and those joining before it
+        (the KV cache's memory, :meth:`~specdraft.engine.memory.KVMemory.admission`: else it and
+        those behind it wait)."""
         joined: list[Sequence] = []
         with self.lock:
             if self.waves and self.running:
                 return joined  # a wave runs to its end before the next starts
+            fits = None if admission is None else admission(self.running)
             while self.waiting and self.free_slots:
-                if fits is not None and not fits(self.running + joined, self.waiting[0], self.free_slots[0]):
+                if fits is not None and not fits(self.waiting[0], self.free_slots[0]):
                     break
                 seq = self.waiting.popleft()
                 seq.slot = self.free_slots.pop(0)

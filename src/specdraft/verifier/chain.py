@@ -23,7 +23,7 @@ from __future__ import annotations
 
 import torch
 
-from ..sampling import compute_dtype
+from ..sampling import compute_dtype, inverse_cdf, row_uniforms
 
 
 def _valid_mask(num_draft_tokens: torch.Tensor, k: int) -> torch.Tensor:
@@ -57,7 +57,7 @@ def rejection_sample(
     num_draft_tokens: torch.Tensor,  # [batch]
     draft_probs: torch.Tensor | None,  # [batch, k, vocab] or None (one-hot drafts)
     target_probs: torch.Tensor,  # [batch, k + 1, vocab]
-    generator: torch.Generator | None = None,
+    generator=None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Speculative sampling: output tokens are distributed exactly as ``target_probs``.
 
@@ -65,32 +65,41 @@ def rejection_sample(
     At the first rejection a recovered token is drawn from the residual; if all of a row's
     drafts pass, a bonus token is drawn from ``target_probs[num_draft_tokens]``.
 
+    ``generator``: one, None, or a list with one per row. Row ``b`` draws ``num_draft_tokens[b] + 1``
+    uniforms (:func:`~specdraft.sampling.row_uniforms`): one per draft for its test, the last for the
+    token after them (:func:`~specdraft.sampling.inverse_cdf`), never reused by a test, so the
+    draws are independent; a row's numbers depend on its own draft only, never on the batch's width.
+
     Returns ``(num_accepted # [batch], next_token # [batch])``.
     """
     dtype = compute_dtype(target_probs.dtype if draft_probs is None
                           else torch.promote_types(target_probs.dtype, draft_probs.dtype))
     # renormalized in that dtype: rows that arrive rounded (bfloat16) sum to 1 only roughly, and
-    # the test is exact for the distributions the rows describe (what multinomial samples from)
+    # the test is exact for the distributions the rows describe (what the last draw samples from)
     target_probs = normalized(target_probs.to(dtype))
     draft_probs = normalized(draft_probs.to(device=target_probs.device, dtype=dtype)) if draft_probs is not None else None
     batch, k = draft_token_ids.shape
-    rows = torch.arange(batch, device=target_probs.device)
+    device = target_probs.device
+    rows = torch.arange(batch, device=device)
+    lengths = num_draft_tokens.to(device=device, dtype=torch.long)
+    uniform = row_uniforms(generator, (lengths + 1).tolist(), device)  # [batch, max length + 1] float64
     if k:
         target_at_draft = target_probs[:, :k].gather(2, draft_token_ids[..., None]).squeeze(2)  # [batch, k]
         if draft_probs is None:
             draft_at_draft = torch.ones_like(target_at_draft)
         else:
             draft_at_draft = draft_probs.gather(2, draft_token_ids[..., None]).squeeze(2)
-        uniform = torch.rand(target_at_draft.shape, generator=generator, device=target_probs.device,
-                             dtype=target_probs.dtype)
-        # u < t/d  <=>  u * d < t  (d > 0 for every drafted token: the draft was sampled from it)
-        accepted = (uniform * draft_at_draft < target_at_draft) & _valid_mask(num_draft_tokens, k)
+        tests = torch.zeros((batch, k), dtype=torch.float64, device=device)  # columns past a row's draft: masked
+        m = min(k, uniform.shape[1])
+        tests[:, :m] = uniform[:, :m]
+        # u < t/d  <=>  u * d < t, in float64 (d > 0 for every drafted token: the draft was sampled from it)
+        accepted = (tests * draft_at_draft.double() < target_at_draft.double()) & _valid_mask(lengths, k)
         num_accepted = accepted.long().cumprod(dim=1).sum(dim=1)
     else:
-        num_accepted = torch.zeros(batch, dtype=torch.long, device=target_probs.device)
+        num_accepted = torch.zeros(batch, dtype=torch.long, device=device)
 
     final_probs = target_probs[rows, num_accepted]  # [batch, vocab]
-    rejected = num_accepted < num_draft_tokens  # [batch]
+    rejected = num_accepted < lengths  # [batch]
     if bool(rejected.any()):
         at = num_accepted.clamp(max=max(k - 1, 0))
         if draft_probs is None:
@@ -102,5 +111,5 @@ def rejection_sample(
         # mass is 0 only if the target equals the draft, where rejection has probability 0
         residual = torch.where(mass > 0, residual / mass.clamp_min(torch.finfo(mass.dtype).tiny), final_probs)
         final_probs = torch.where(rejected[:, None], residual, final_probs)
-    next_token = torch.multinomial(final_probs, 1, generator=generator).squeeze(1)
+    next_token = inverse_cdf(final_probs, uniform.gather(1, lengths[:, None]).squeeze(1))
     return num_accepted, next_token

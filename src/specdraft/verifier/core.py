@@ -109,8 +109,8 @@ def accept(proposal: Proposal, logits: torch.Tensor, sampling: RowSampling, gene
            counts: TokenCounts | None = None) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """``(num_accepted # [batch], next_token # [batch], path # [batch, width])`` for ``logits #
     [batch, width + 1, vocab]`` of ``proposal``'s pass, ``counts`` the penalties' context at each
-    pass index: greedy rows together, sampled rows' distributions together and their draws one by
-    one (float32 or wider). ``path[b]`` holds the accepted nodes first, then ``width``."""
+    pass index: greedy rows together, sampled rows' distributions together, then their draws (chains
+    in one call, trees a walk per row; each row's numbers from its own generator; float32 or wider). ``path[b]`` holds the accepted nodes first, then ``width``."""
     rule = _TREE if proposal.tree is not None else _CHAIN
     device = logits.device
     batch, width = proposal.token_ids.shape
@@ -127,14 +127,12 @@ def accept(proposal: Proposal, logits: torch.Tensor, sampling: RowSampling, gene
         num_accepted[pick], next_token[pick], path[pick] = rule.greedy(proposal, pick, wanted)
     sampled = [b for b in range(batch) if not sampling[b].greedy]
     if sampled:  # the target's distributions of the sampled rows in one call (vectorised where they share
-        # settings; each row's numbers are its own), then each row's draws from its own generator
+        # settings; each row's numbers are its own), then their draws, each row's from its own generator
         pick = torch.tensor(sampled, device=device)
         target_probs = logits_to_probs(logits[pick], RowSampling(sampling[b] for b in sampled),
                                        None if counts is None else counts.select(pick))  # [S, width + 1, vocab]
-        for i, b in enumerate(sampled):
-            nodes, token = rule.sample(proposal, b, target_probs[i], generators[b])
-            num_accepted[b], next_token[b] = len(nodes), token
-            path[b, : len(nodes)] = torch.tensor(nodes, dtype=torch.long)
+        num_accepted[pick], next_token[pick], path[pick] = rule.sample(proposal, pick, target_probs,
+                                                                       [generators[b] for b in sampled])
     return num_accepted, next_token, path
 
 
@@ -147,14 +145,12 @@ class _CHAIN:
         return n, token, torch.arange(p.width, device=wanted.device).expand(n.shape[0], p.width)
 
     @staticmethod
-    def sample(p: Proposal, b: int, target_probs: torch.Tensor, generator) -> tuple[list[int], int]:
-        """Row ``b``'s rejection sampling; ``target_probs # [width + 1, vocab]``: its distributions."""
-        d = int(p.lengths[b])  # the row's own draft only: its random draws do not depend on the pass's width
-        target_probs = target_probs[None, : d + 1]  # [1, d + 1, vocab]
-        draft_probs = None if p.draft_probs is None else p.draft_probs[b : b + 1, :d]
-        n, token = rejection_sample(p.token_ids[b : b + 1, :d], p.lengths[b : b + 1], draft_probs, target_probs,
-                                    generator)
-        return list(range(int(n[0]))), int(token[0])
+    def sample(p: Proposal, pick: torch.Tensor, target_probs: torch.Tensor, generators: list):
+        """Rows ``pick``'s rejection sampling, in one call; ``target_probs # [len(pick), width + 1,
+        vocab]``: their distributions, ``generators``: theirs."""
+        draft_probs = None if p.draft_probs is None else p.draft_probs[pick]
+        n, token = rejection_sample(p.token_ids[pick], p.lengths[pick], draft_probs, target_probs, generators)
+        return n, token, torch.arange(p.width, device=n.device).expand(n.shape[0], p.width)
 
 
 class _TREE:
@@ -165,7 +161,17 @@ class _TREE:
         return greedy_tree_accept(p.token_ids[pick], p.tree.parents[pick], p.tree.valid[pick], wanted)
 
     @staticmethod
-    def sample(p: Proposal, b: int, target_probs: torch.Tensor, generator) -> tuple[list[int], int]:
-        """Row ``b``'s tree rejection sampling; ``target_probs # [width + 1, vocab]``: its distributions."""
-        return tree_rejection_sample(p.token_ids[b], p.tree.parents[b], p.tree.valid[b],
-                                     None if p.draft_probs is None else p.draft_probs[b], target_probs, generator)
+    def sample(p: Proposal, pick: torch.Tensor, target_probs: torch.Tensor, generators: list):
+        """Rows ``pick``'s tree rejection sampling, a walk per row; ``target_probs # [len(pick), width +
+        1, vocab]``: their distributions, ``generators``: theirs."""
+        n, width = pick.shape[0], p.width
+        num_accepted = torch.zeros(n, dtype=torch.long)
+        next_token = torch.zeros(n, dtype=torch.long)
+        path = torch.full((n, width), width, dtype=torch.long)
+        for i, b in enumerate(pick.tolist()):
+            nodes, token = tree_rejection_sample(p.token_ids[b], p.tree.parents[b], p.tree.valid[b],
+                                                 None if p.draft_probs is None else p.draft_probs[b], target_probs[i],
+                                                 generators[i])
+            num_accepted[i], next_token[i] = len(nodes), token
+            path[i, : len(nodes)] = torch.tensor(nodes, dtype=torch.long)
+        return num_accepted.to(pick.device), next_token.to(pick.device), path.to(pick.device)

@@ -14,7 +14,7 @@ from __future__ import annotations
 
 import torch
 
-from ..sampling import compute_dtype
+from ..sampling import compute_dtype, sample_rows
 from .chain import normalized
 
 
@@ -140,7 +140,7 @@ def tree_rejection_sample(
             # mass is 0 only if p equals q_c, where rejection has probability 0
             p = residual / mass if bool(mass > 0) else p
         else:  # no child accepted: the token after the path comes from what is left of p
-            return path, int(torch.multinomial(p[None], 1, generator=generator)[0, 0])
+            return path, int(sample_rows(p[None], generator)[0])
 
 
 def first_chain(draft_token_ids: torch.Tensor, parents: torch.Tensor, valid: torch.Tensor,
