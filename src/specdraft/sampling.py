@@ -128,7 +128,9 @@ def _row_generators(generator, n: int) -> list:
 
 
 def _per_row(fn, logits, params, counts):
-    """``fn(logits, params, counts)`` row by row when rows have different settings."""
+    """``fn(logits, params, counts)`` for each group of rows that share settings (rows with
+    different settings in separate calls; every operation is row by row, so a row's numbers do
+    not depend on which rows share its call)."""
     import torch
 
     if not isinstance(params, RowSampling):
@@ -137,8 +139,18 @@ def _per_row(fn, logits, params, counts):
     shared = params.uniform
     if shared is not None:
         return fn(logits, shared, counts)
-    return torch.cat([fn(logits[b : b + 1], p, None if counts is None else counts.row(b, logits.shape[0]))
-                      for b, p in enumerate(params)])
+    groups: dict[SamplingParams, list[int]] = {}
+    for b, p in enumerate(params):
+        groups.setdefault(p, []).append(b)
+    block = 1 if counts is None else logits.shape[0] // counts.in_context.shape[0]  # logits rows per counts row
+    out = None
+    for p, rows in groups.items():
+        index = torch.tensor(rows, device=logits.device)
+        part = fn(logits[index], p, None if counts is None else counts.select(index // block))
+        if out is None:
+            out = part.new_empty((logits.shape[0], *part.shape[1:]))
+        out[index] = part
+    return out
 
 
 def row_uniforms(generator, widths, device=None) -> "torch.Tensor":

@@ -134,7 +134,7 @@ class DraftModelDrafter(Drafter):
     def on_join(self, seq_id: int, prompt: list[int]) -> None:
         self._fed[seq_id] = []
         slot = self._slots.join(seq_id)
-        self.runner.cache.reserve(len(prompt) + 64, rows=self._slots.size)
+        self.runner.cache.reserve(len(prompt) + 64, rows=self._slots.rows)
         self.runner.cache.set_lengths([0], slots=[slot])
 
     def on_leave(self, seq_id: int) -> None:

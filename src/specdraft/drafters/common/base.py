@@ -3,6 +3,7 @@ learnt drafters share, and the helpers of chain drafting (rows, per-sequence cac
 
 from __future__ import annotations
 
+import heapq
 from abc import ABC, abstractmethod
 from typing import ClassVar
 
@@ -160,14 +161,25 @@ class SequenceSlots:
 
     def __init__(self) -> None:
         self.slot: dict[int, int] = {}
-        self.free: list[int] = []
+        self.free: list[int] = []  # a heap: the lowest free row first
         self.size = 0  # rows ever used: the runner needs this many
+
+    @property
+    def rows(self) -> int:
+        """Rows for a cache to hold every slot: :attr:`size` rounded up to a power of two, so a cache
+        reserved with it grows by doubling (one row more a join copied the whole cache at every join).
+
+        >>> slots = SequenceSlots()
+        >>> [slots.join(seq_id) * 0 + slots.rows for seq_id in range(5)]
+        [1, 2, 4, 4, 8]
+        """
+        return 1 << max(self.size - 1, 0).bit_length()
 
     def join(self, seq_id: int) -> int:
         if seq_id in self.slot:
             return self.slot[seq_id]
         if self.free:
-            s = self.free.pop(0)
+            s = heapq.heappop(self.free)
         else:
             s, self.size = self.size, self.size + 1
         self.slot[seq_id] = s
@@ -176,8 +188,7 @@ class SequenceSlots:
     def leave(self, seq_id: int) -> None:
         s = self.slot.pop(seq_id, None)
         if s is not None:
-            self.free.append(s)
-            self.free.sort()
+            heapq.heappush(self.free, s)
 
     def of(self, seq_ids) -> list[int]:
         return [self.slot[i] for i in seq_ids]

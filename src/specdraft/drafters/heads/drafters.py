@@ -188,7 +188,7 @@ class EagleDrafter(HeadDrafter):
     def on_join(self, seq_id: int, prompt: list[int]) -> None:
         self._pairs[seq_id], self._pending[seq_id] = 0, []
         slot = self._slots.join(seq_id)
-        self.runner.cache.reserve(len(prompt) + 64, rows=self._slots.size)
+        self.runner.cache.reserve(len(prompt) + 64, rows=self._slots.rows)
         self.runner.cache.set_lengths([0], slots=[slot])
 
     def on_leave(self, seq_id: int) -> None:
