@@ -58,6 +58,7 @@ def rejection_sample(
     draft_probs: torch.Tensor | None,  # [batch, k, vocab] or None (one-hot drafts)
     target_probs: torch.Tensor,  # [batch, k + 1, vocab]
     generator=None,
+    draws: list[int] | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Speculative sampling: output tokens are distributed exactly as ``target_probs``.
 
@@ -65,10 +66,12 @@ def rejection_sample(
     At the first rejection a recovered token is drawn from the residual; if all of a row's
     drafts pass, a bonus token is drawn from ``target_probs[num_draft_tokens]``.
 
-    ``generator``: one, None, or a list with one per row. Row ``b`` draws ``num_draft_tokens[b] + 1``
-    uniforms (:func:`~specdraft.sampling.row_uniforms`): one per draft for its test, the last for the
-    token after them (:func:`~specdraft.sampling.inverse_cdf`), never reused by a test, so the
-    draws are independent; a row's numbers depend on its own draft only, never on the batch's width.
+    ``generator``: one, None, or a list with one per row. Row ``b`` draws ``draws[b]`` uniforms
+    (:func:`~specdraft.sampling.row_uniforms`; at least ``num_draft_tokens[b] + 1``, known on the
+    host, default exactly that, read from the tensor): column ``i`` for draft ``i``'s test, column
+    ``num_draft_tokens[b]`` for the token after them (:func:`~specdraft.sampling.inverse_cdf`),
+    never one a test used, so every draw is independent; a row's numbers depend on its own
+    ``draws`` only, never on the batch's width.
 
     Returns ``(num_accepted # [batch], next_token # [batch])``.
     """
@@ -82,7 +85,7 @@ def rejection_sample(
     device = target_probs.device
     rows = torch.arange(batch, device=device)
     lengths = num_draft_tokens.to(device=device, dtype=torch.long)
-    uniform = row_uniforms(generator, (lengths + 1).tolist(), device)  # [batch, max length + 1] float64
+    uniform = row_uniforms(generator, (lengths + 1).tolist() if draws is None else draws, device)  # float64
     if k:
         target_at_draft = target_probs[:, :k].gather(2, draft_token_ids[..., None]).squeeze(2)  # [batch, k]
         if draft_probs is None:

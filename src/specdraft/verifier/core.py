@@ -131,7 +131,7 @@ def accept(proposal: Proposal, logits: torch.Tensor, sampling: RowSampling, gene
         pick = torch.tensor(sampled, device=device)
         target_probs = logits_to_probs(logits[pick], RowSampling(sampling[b] for b in sampled),
                                        None if counts is None else counts.select(pick))  # [S, width + 1, vocab]
-        num_accepted[pick], next_token[pick], path[pick] = rule.sample(proposal, pick, target_probs,
+        num_accepted[pick], next_token[pick], path[pick] = rule.sample(proposal, sampled, target_probs,
                                                                        [generators[b] for b in sampled])
     return num_accepted, next_token, path
 
@@ -145,11 +145,14 @@ class _CHAIN:
         return n, token, torch.arange(p.width, device=wanted.device).expand(n.shape[0], p.width)
 
     @staticmethod
-    def sample(p: Proposal, pick: torch.Tensor, target_probs: torch.Tensor, generators: list):
-        """Rows ``pick``'s rejection sampling, in one call; ``target_probs # [len(pick), width + 1,
-        vocab]``: their distributions, ``generators``: theirs."""
+    def sample(p: Proposal, rows: list[int], target_probs: torch.Tensor, generators: list):
+        """Rejection sampling of ``rows``, in one call; ``target_probs # [len(rows), width + 1,
+        vocab]``: their distributions, ``generators``: theirs. A row draws its cap + 1 uniforms
+        (known on the host, a function of its own request), whatever its batchmates drafted."""
+        pick = torch.tensor(rows, device=p.token_ids.device)
         draft_probs = None if p.draft_probs is None else p.draft_probs[pick]
-        n, token = rejection_sample(p.token_ids[pick], p.lengths[pick], draft_probs, target_probs, generators)
+        draws = None if p.caps is None else [p.caps[b] + 1 for b in rows]
+        n, token = rejection_sample(p.token_ids[pick], p.lengths[pick], draft_probs, target_probs, generators, draws)
         return n, token, torch.arange(p.width, device=n.device).expand(n.shape[0], p.width)
 
 
@@ -161,17 +164,17 @@ class _TREE:
         return greedy_tree_accept(p.token_ids[pick], p.tree.parents[pick], p.tree.valid[pick], wanted)
 
     @staticmethod
-    def sample(p: Proposal, pick: torch.Tensor, target_probs: torch.Tensor, generators: list):
-        """Rows ``pick``'s tree rejection sampling, a walk per row; ``target_probs # [len(pick), width +
+    def sample(p: Proposal, rows: list[int], target_probs: torch.Tensor, generators: list):
+        """Tree rejection sampling of ``rows``, a walk per row; ``target_probs # [len(rows), width +
         1, vocab]``: their distributions, ``generators``: theirs."""
-        n, width = pick.shape[0], p.width
+        n, width, device = len(rows), p.width, p.token_ids.device
         num_accepted = torch.zeros(n, dtype=torch.long)
         next_token = torch.zeros(n, dtype=torch.long)
         path = torch.full((n, width), width, dtype=torch.long)
-        for i, b in enumerate(pick.tolist()):
+        for i, b in enumerate(rows):
             nodes, token = tree_rejection_sample(p.token_ids[b], p.tree.parents[b], p.tree.valid[b],
                                                  None if p.draft_probs is None else p.draft_probs[b], target_probs[i],
                                                  generators[i])
             num_accepted[i], next_token[i] = len(nodes), token
             path[i, : len(nodes)] = torch.tensor(nodes, dtype=torch.long)
-        return num_accepted.to(pick.device), next_token.to(pick.device), path.to(pick.device)
+        return num_accepted.to(device), next_token.to(device), path.to(device)

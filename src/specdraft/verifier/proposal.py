@@ -130,6 +130,7 @@ class Proposal:
     lengths: torch.Tensor  # [batch] long: a chain's tokens, a tree's valid nodes (what was verified)
     draft_probs: torch.Tensor | None  # [batch, width, vocab], or None: every token deterministic (one-hot)
     tree: TreeShape | None = None
+    caps: list[int] | None = None  # on the host: the most tokens (levels) row b may have; sizes its random draws
 
     @property
     def width(self) -> int:
@@ -193,7 +194,7 @@ def _with_predicted(ids, lengths, probs, parents, predicted: dict[int, list[int]
 def empty_proposal(batch: int, device) -> Proposal:
     """No draft: the round is a plain one-token step."""
     return Proposal(torch.zeros((batch, 0), dtype=torch.long, device=device),
-                    torch.zeros(batch, dtype=torch.long, device=device), None)
+                    torch.zeros(batch, dtype=torch.long, device=device), None, caps=[0] * batch)
 
 
 def make_proposal(draft: Any, caps: list[int], vocab: int, who: str, device, *, full: bool = True,
@@ -225,10 +226,11 @@ def make_proposal(draft: Any, caps: list[int], vocab: int, who: str, device, *, 
     # no wider a pass than the largest draft: free to know on a CPU, a copy on a GPU
     width = int(used.max()) if used.device.type == "cpu" and used.numel() else ids.shape[1]
     ids, probs = ids[:, :width], None if probs is None else probs[:, :width]
+    caps = list(caps)
     if parents is None:
-        return Proposal(ids, lengths, probs)
+        return Proposal(ids, lengths, probs, caps=caps)
     lengths = valid[:, :width].sum(1)
     if not width:  # nothing valid was drafted: a plain step
-        return Proposal(ids, lengths, probs)
+        return Proposal(ids, lengths, probs, caps=caps)
     return Proposal(ids, lengths, probs, TreeShape(parents[:, :width], valid[:, :width],
-                                                   ancestors[:, : width + 1, : width + 1], depths[:, :width]))
+                                                   ancestors[:, : width + 1, : width + 1], depths[:, :width]), caps)
