@@ -178,15 +178,20 @@ def inverse_cdf(probs: "torch.Tensor", uniform: "torch.Tensor", chunk: int = 64)
     probability 0 is never drawn.  # [batch]"""
     import torch
 
-    out = torch.empty(probs.shape[0], dtype=torch.long, device=probs.device)
-    for start in range(0, probs.shape[0], chunk):  # float64 sums of a few rows at a time
-        cdf = probs[start : start + chunk].double().cumsum(-1)  # [rows, vocab]
-        u = (uniform[start : start + chunk].to(cdf) * cdf[:, -1])[:, None]
-        index = torch.searchsorted(cdf, u, right=True).squeeze(1)
-        # u * total can round up to the total: take the last token of positive probability then
-        last = (probs[start : start + chunk] > 0).cumsum(-1).argmax(-1)
-        out[start : start + chunk] = torch.minimum(index, last)
-    return out
+    if probs.shape[0] <= chunk:
+        return _inverse_cdf(probs, uniform)
+    return torch.cat([_inverse_cdf(probs[i : i + chunk], uniform[i : i + chunk])  # float64 sums of a few rows at a time
+                      for i in range(0, probs.shape[0], chunk)])
+
+
+def _inverse_cdf(probs, uniform):
+    import torch
+
+    cdf = probs.double().cumsum(-1)  # [rows, vocab]
+    total = cdf[:, -1:]
+    # below the total even where u * total rounds up to it: the last token of positive probability then
+    u = torch.minimum(uniform.to(cdf)[:, None] * total, torch.nextafter(total, torch.zeros_like(total)))
+    return torch.searchsorted(cdf, u, right=True).squeeze(1)
 
 
 def sample_rows(probs: "torch.Tensor", generator=None) -> "torch.Tensor":
