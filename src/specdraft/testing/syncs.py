@@ -9,6 +9,11 @@ On a GPU each of these waits for the device to finish: a tensor's ``.item()``, `
 and ``.to("cpu")``. On a CPU they cost nothing, which is why a CPU test can count them all: every
 one counted here would be a sync if the tensor lived on a GPU (on a CPU nothing tells host
 bookkeeping apart from device values, so specdraft keeps host bookkeeping in Python lists).
+
+Each is counted at the tensor method as well as in the dispatcher: under ``torch.inference_mode``
+(the engine's passes) the dispatcher hands ``_local_scalar_dense`` to no Python mode, so
+``int()`` and ``bool()`` went uncounted. Reads that happen on a CPU only (:data:`CPU_ONLY`) are not
+counted.
 """
 
 from __future__ import annotations
@@ -23,9 +28,18 @@ from torch.utils._python_dispatch import TorchDispatchMode
 _PACKAGE = str(Path(__file__).resolve().parents[1])
 
 
-def _caller() -> str:
-    """The innermost specdraft line outside this module that asked for the copy."""
-    for frame in reversed(traceback.extract_stack()[:-2]):
+#: functions that read the device only where that is free (a CPU) or under SPECDRAFT_DEBUG, never
+#: on a GPU: what they copy is not counted
+CPU_ONLY = frozenset({"_check_values", "_width_on_cpu", "_any_alive_on_cpu"})
+
+
+def _caller() -> str | None:
+    """The innermost specdraft line outside this module that asked for the copy (None: a read
+    that happens on a CPU only, :data:`CPU_ONLY`)."""
+    stack = traceback.extract_stack()[:-2]
+    if any(frame.name in CPU_ONLY and frame.filename.startswith(_PACKAGE) for frame in stack):
+        return None
+    for frame in reversed(stack):
         if frame.filename.startswith(_PACKAGE) and not frame.filename.endswith("syncs.py"):
             return f"{Path(frame.filename).relative_to(_PACKAGE)}:{frame.lineno} {frame.line}"
     return "outside specdraft"
@@ -35,7 +49,7 @@ class HostSyncs(TorchDispatchMode):
     """Counts the copies of the module's docstring inside its ``with`` block: ``count``, and
     ``where`` (a Counter of the specdraft lines that asked)."""
 
-    METHODS = ("tolist", "numpy", "cpu")
+    METHODS = ("tolist", "numpy", "cpu", "item", "__int__", "__float__", "__bool__", "__index__")
 
     def __init__(self) -> None:
         super().__init__()
@@ -47,7 +61,9 @@ class HostSyncs(TorchDispatchMode):
         return sum(self.where.values())
 
     def _record(self) -> None:
-        self.where[_caller()] += 1
+        caller = _caller()
+        if caller is not None:
+            self.where[caller] += 1
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         if func is torch.ops.aten._local_scalar_dense.default:

@@ -103,7 +103,7 @@ def rejection_sample(
 
     final_probs = target_probs[rows, num_accepted]  # [batch, vocab]
     rejected = num_accepted < lengths  # [batch]
-    if bool(rejected.any()):
+    if k:  # the residual of every row, used where it rejected (no copy from the device to ask whether any did)
         at = num_accepted.clamp(max=max(k - 1, 0))
         if draft_probs is None:
             residual = final_probs.clone()

@@ -191,6 +191,12 @@ def _with_predicted(ids, lengths, probs, parents, predicted: dict[int, list[int]
     return ids, lengths, probs, parents
 
 
+def _width_on_cpu(used: torch.Tensor, width: int) -> int:
+    """No wider a pass than the largest draft: free to know on a CPU, a copy on a GPU (which keeps
+    ``width``)."""
+    return int(used.max()) if used.device.type == "cpu" and used.numel() else width
+
+
 def empty_proposal(batch: int, device) -> Proposal:
     """No draft: the round is a plain one-token step."""
     return Proposal(torch.zeros((batch, 0), dtype=torch.long, device=device),
@@ -223,8 +229,7 @@ def make_proposal(draft: Any, caps: list[int], vocab: int, who: str, device, *, 
         used = lengths
     else:
         used = torch.where(valid, torch.arange(ids.shape[1], device=device) + 1, 0).max(1).values
-    # no wider a pass than the largest draft: free to know on a CPU, a copy on a GPU
-    width = int(used.max()) if used.device.type == "cpu" and used.numel() else ids.shape[1]
+    width = _width_on_cpu(used, ids.shape[1])
     ids, probs = ids[:, :width], None if probs is None else probs[:, :width]
     caps = list(caps)
     if parents is None:

@@ -230,7 +230,13 @@ class DraftChain:
         if confidence is not None:
             self.alive &= confidence.to(self.alive.device) >= self.threshold
         self.lengths += self.alive
-        return bool(self.alive.any())
+        return self._any_alive_on_cpu()
+
+    def _any_alive_on_cpu(self) -> bool:
+        """Whether any row still drafts, where that is free to know (a CPU); on a GPU drafting goes
+        on to ``k`` (the stopped rows' lengths stay where they stopped: the same draft) instead of
+        a copy from the device at every position."""
+        return bool(self.alive.any()) if self.alive.device.type == "cpu" else True
 
     def draft(self, limit=None) -> Draft:
         """The proposal (``limit # [batch]``: rows' own caps, e.g. 0 for a row the drafter cannot serve)."""
