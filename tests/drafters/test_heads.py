@@ -94,14 +94,14 @@ def _tiny_sequences(model, n=48, length=40, seed=0):
     return out
 
 
-def _train_heads(model, kind, work, steps=80):
-    """Heads of ``kind`` trained on ``model``'s own outputs (soft labels for the last quarter)."""
+def _train_heads(model, kind, work, seqs, steps=80):
+    """Heads of ``kind`` trained on ``seqs``, ``model``'s own outputs (:func:`_tiny_sequences`; soft
+    labels for the last quarter)."""
     from specdraft.drafters.common.compact_draft import target_fingerprint
     from specdraft.drafters.heads.formats import save_heads
     from specdraft.drafters.heads.modules import SharedHead
     from specdraft.training.batches import padded_batch
 
-    seqs = _tiny_sequences(model)
     head = SharedHead(model.lm_head, model.config.vocab_size)
     torch.manual_seed(0)
     module = build_heads(kind, model.config, num_heads=3, num_stages=3).double()
@@ -133,13 +133,16 @@ def sharp_model():
 @pytest.fixture(scope="module")
 def trained(sharp_model, tmp_path_factory):
     """Heads of each kind trained for 80 steps on the sharp tiny model, and their loss curves."""
-    return {kind: _train_heads(sharp_model, kind, tmp_path_factory.mktemp(kind)) for kind in KINDS}
+    seqs = _tiny_sequences(sharp_model)  # once: the same answers for every kind
+    return {kind: _train_heads(sharp_model, kind, tmp_path_factory.mktemp(kind), seqs) for kind in KINDS}
 
 
 @pytest.fixture(scope="module")
 def trained_small(small_vocab_model, tmp_path_factory):
     """Heads trained on the 16-token model: their drafts are accepted often, but not always."""
-    return {kind: _train_heads(small_vocab_model, kind, tmp_path_factory.mktemp(kind), steps=40)[0] for kind in KINDS}
+    seqs = _tiny_sequences(small_vocab_model)
+    return {kind: _train_heads(small_vocab_model, kind, tmp_path_factory.mktemp(kind), seqs, steps=40)[0]
+            for kind in KINDS}
 
 
 @pytest.mark.parametrize("kind", KINDS)
