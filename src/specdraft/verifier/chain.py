@@ -92,9 +92,7 @@ def rejection_sample(
             draft_at_draft = torch.ones_like(target_at_draft)
         else:
             draft_at_draft = draft_probs.gather(2, draft_token_ids[..., None]).squeeze(2)
-        tests = torch.zeros((batch, k), dtype=torch.float64, device=device)  # columns past a row's draft: masked
-        m = min(k, uniform.shape[1])
-        tests[:, :m] = uniform[:, :m]
+        tests = torch.nn.functional.pad(uniform[:, :k], (0, max(k - uniform.shape[1], 0)))  # past a draft: masked
         # u < t/d  <=>  u * d < t, in float64 (d > 0 for every drafted token: the draft was sampled from it)
         accepted = (tests * draft_at_draft.double() < target_at_draft.double()) & _valid_mask(lengths, k)
         num_accepted = accepted.long().cumprod(dim=1).sum(dim=1)

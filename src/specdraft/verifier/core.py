@@ -109,8 +109,9 @@ def accept(proposal: Proposal, logits: torch.Tensor, sampling: RowSampling, gene
            counts: TokenCounts | None = None) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """``(num_accepted # [batch], next_token # [batch], path # [batch, width])`` for ``logits #
     [batch, width + 1, vocab]`` of ``proposal``'s pass, ``counts`` the penalties' context at each
-    pass index: greedy rows together, sampled rows' distributions together, then their draws (chains
-    in one call, trees a walk per row; each row's numbers from its own generator; float32 or wider). ``path[b]`` holds the accepted nodes first, then ``width``."""
+    pass index: greedy rows together, sampled rows' distributions together, then their draws
+    (chains in one call, trees a walk per row; each row's numbers from its own generator; float32
+    or wider). ``path[b]`` holds the accepted nodes first, then ``width``."""
     rule = _TREE if proposal.tree is not None else _CHAIN
     device = logits.device
     batch, width = proposal.token_ids.shape
@@ -131,7 +132,7 @@ def accept(proposal: Proposal, logits: torch.Tensor, sampling: RowSampling, gene
         pick = torch.tensor(sampled, device=device)
         target_probs = logits_to_probs(logits[pick], RowSampling(sampling[b] for b in sampled),
                                        None if counts is None else counts.select(pick))  # [S, width + 1, vocab]
-        num_accepted[pick], next_token[pick], path[pick] = rule.sample(proposal, sampled, target_probs,
+        num_accepted[pick], next_token[pick], path[pick] = rule.sample(proposal, sampled, pick, target_probs,
                                                                        [generators[b] for b in sampled])
     return num_accepted, next_token, path
 
@@ -145,11 +146,11 @@ class _CHAIN:
         return n, token, torch.arange(p.width, device=wanted.device).expand(n.shape[0], p.width)
 
     @staticmethod
-    def sample(p: Proposal, rows: list[int], target_probs: torch.Tensor, generators: list):
-        """Rejection sampling of ``rows``, in one call; ``target_probs # [len(rows), width + 1,
-        vocab]``: their distributions, ``generators``: theirs. A row draws its cap + 1 uniforms
-        (known on the host, a function of its own request), whatever its batchmates drafted."""
-        pick = torch.tensor(rows, device=p.token_ids.device)
+    def sample(p: Proposal, rows: list[int], pick: torch.Tensor, target_probs: torch.Tensor, generators: list):
+        """Rejection sampling of ``rows`` (``pick``: them as a tensor), in one call; ``target_probs #
+        [len(rows), width + 1, vocab]``: their distributions, ``generators``: theirs. A row draws its
+        cap + 1 uniforms (known on the host, a function of its own request), whatever its batchmates
+        drafted."""
         draft_probs = None if p.draft_probs is None else p.draft_probs[pick]
         draws = None if p.caps is None else [p.caps[b] + 1 for b in rows]
         n, token = rejection_sample(p.token_ids[pick], p.lengths[pick], draft_probs, target_probs, generators, draws)
@@ -164,7 +165,7 @@ class _TREE:
         return greedy_tree_accept(p.token_ids[pick], p.tree.parents[pick], p.tree.valid[pick], wanted)
 
     @staticmethod
-    def sample(p: Proposal, rows: list[int], target_probs: torch.Tensor, generators: list):
+    def sample(p: Proposal, rows: list[int], pick: torch.Tensor, target_probs: torch.Tensor, generators: list):
         """Tree rejection sampling of ``rows``, a walk per row; ``target_probs # [len(rows), width +
         1, vocab]``: their distributions, ``generators``: theirs."""
         n, width, device = len(rows), p.width, p.token_ids.device
