@@ -170,8 +170,10 @@ class SpeculativeDecoder:
 
         ``compile`` runs the target through torch.compile (and CUDA graphs on a GPU), one graph
         per pass width; None takes the device's default (:func:`specdraft.runner.default_compile`).
-        ``quantize="int8"`` (or ``"int4"``, CPU only) makes the target weight-only int8 (int4):
-        speculative output then equals plain decoding of that quantized model.
+        ``quantize="int8"`` (or ``"int4"``, CPU only) makes the target weight-only int8 (int4);
+        ``"gguf"`` (CPU only) runs a GGUF target's own Q4_0/Q4_1/Q8_0 blocks as they are
+        (:mod:`specdraft.runner.gguf_blocks`): speculative output then equals plain decoding of
+        that quantized model.
 
         ``max_batch``: sequences decoded together (each holds a row of the KV cache); more wait
         and join as others finish. ``kv_cache_memory``: the most bytes those rows take (an int, or
@@ -301,7 +303,7 @@ class SpeculativeDecoder:
     @property
     def runner_info(self) -> dict:
         """How the target runs: ``{"implementation": "specdraft" | "transformers", "compiled": bool,
-        "quantization": None | "int8" | "int4", "dtype": "bfloat16" | ..., "dtype_reason": str}``
+        "quantization": None | "int8" | "int4" | "gguf", "dtype": "bfloat16" | ..., "dtype_reason": str}``
         (a quantized target's products run in bfloat16 on CPU, whatever it was loaded in)."""
         return dict(self.runner.info, dtype_reason=self.dtype_reason)
 

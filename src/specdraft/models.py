@@ -209,6 +209,7 @@ def _converted_gguf_dir(gguf: Path) -> Path:
     if root.is_dir():
         _remove_stale_tmp(root)
     if (out / "config.json").is_file():
+        _record_source(out, gguf)
         return out
     from gguf import GGUFReader
 
@@ -240,7 +241,33 @@ def _converted_gguf_dir(gguf: Path) -> Path:
             pass
     finally:
         shutil.rmtree(tmp, ignore_errors=True)
+    _record_source(out, gguf)
     return out
+
+
+#: in a converted GGUF folder: the path of the file it came from (``quantize="gguf"`` reads its blocks)
+GGUF_SOURCE = "gguf-source.txt"
+
+
+def _record_source(out: Path, gguf: Path) -> None:
+    path = str(gguf.resolve())
+    record = out / GGUF_SOURCE
+    try:
+        if not record.is_file() or record.read_text() != path:
+            tmp = out / f"{GGUF_SOURCE}.{os.getpid()}"
+            tmp.write_text(path)
+            os.replace(tmp, record)
+    except OSError:  # a read-only cache: quantize="gguf" says what it lacks
+        pass
+
+
+def gguf_source(folder: str | os.PathLike) -> Path | None:
+    """The GGUF file a converted folder came from (None for other folders, or when it has moved)."""
+    record = Path(folder) / GGUF_SOURCE
+    if not record.is_file():
+        return None
+    path = Path(record.read_text())
+    return path if path.is_file() else None
 
 
 def _check_model_folder(path: Path, target: str) -> None:

@@ -184,6 +184,29 @@ def test_greedy_parity_in_bfloat16(default_bf16, plain_bf16, eight_prompts, draf
     assert sum(r.stats.accepted_tokens for r in results) > 0
 
 
+@pytest.fixture(scope="module")
+def plain_gguf(default_bf16, eight_prompts):
+    model, tok = default_bf16
+    with SpeculativeDecoder(model, tok, drafter="none", quantize="gguf") as dec:
+        assert dec.runner_info["kernels"]["gguf_blocks"] == "121 of 121 layers (Q4_1, Q8_0)"
+        return dec.generate(list(eight_prompts.values()), max_new_tokens=NEW)
+
+
+@pytest.mark.parametrize("drafter, options", [
+    ("ngram", None), ("eagle", {"tree_budget": 8, "tree_width": 2, "min_confidence": 0.0}),
+], ids=["ngram", "eagle-tree"])
+def test_greedy_parity_on_the_files_own_blocks(default_bf16, plain_gguf, eight_prompts, drafter, options):
+    """quantize="gguf": the default model's Q4_1 and Q8_0 blocks as they are (no float weights): the
+    drafters give plain decoding's tokens of that model, on eight real prompts in one batch."""
+    model, tok = default_bf16
+    with SpeculativeDecoder(model, tok, drafter=drafter, spec_length=4, adaptive=False, drafter_options=options,
+                            quantize="gguf") as dec:
+        results = dec.generate(list(eight_prompts.values()), max_new_tokens=NEW)
+    for cat, plain, r in zip(eight_prompts, plain_gguf, results, strict=True):
+        assert r.token_ids == plain.token_ids, cat
+    assert sum(r.stats.accepted_tokens for r in results) > 0
+
+
 def test_greedy_parity_with_predictions_in_bfloat16(default_bf16, plain_bf16, eight_prompts, step_clock):
     """Predicted drafts are the widest passes (up to 33 tokens): in bfloat16 too they give plain
     decoding's tokens, with the right output, an edited one or none as the prediction."""

@@ -622,6 +622,242 @@ at::Tensor linear(const at::Tensor& x_, const at::Tensor& panels_, const c10::op
     return out;
 }
 
+// --- products with a GGUF file's own blocks -----------------------------------------------------
+//
+// out[m, n] = sum over groups g of 32 inputs: d[n, g] * s + mn[n, g] * xs[m, g] (+ bias[n]), where
+// s = a + b, a = sum over i < 16 of x[m, 32g + i] * q[n, 32g + i] and b the same over i >= 16 (the
+// integers q as float32, one fused multiply-add at a time, i in order) and xs[m, g] the group's sum of
+// x, added in order: the weights w = d * q + mn of llama.cpp's Q4_0/Q4_1 (4-bit q, mn = -8 d for
+// Q4_0) and Q8_0 (8-bit signed q, no mn) used as they are, never widened into a float weight. Each
+// output's arithmetic is the same whatever the row count or tile, so row-invariant by construction,
+// as linear() above. Layout (cpu_ops.pack_blocks): panels of 16 output columns; q # [P, G, 256]
+// bytes (4-bit: byte 16 i + c holds q[c, 32g + i] in its low and q[c, 32g + 16 + i] in its high
+// nibble) or [P, G, 512] (8-bit: byte 16 i + c is q[c, 32g + i]); d, mn # [P, G, 16] float16.
+
+#if defined(__AVX512F__)
+// MB rows x NB panels from panel p0 of P (output columns n0 .. n0 + 16 * NB, fewer past N)
+template <typename T, int MB, int NB, int BITS>
+inline void block_tile(const float* x, const float* xs, int64_t K, const uint8_t* q, const c10::Half* d,
+                       const c10::Half* mn, T* out, int64_t N, const T* bias, int64_t n0) {
+    const int64_t G = K / 32, gq = BITS == 4 ? 256 : 512;
+    __m512 acc[MB][NB];
+    for (int m = 0; m < MB; ++m)
+        for (int j = 0; j < NB; ++j) acc[m][j] = _mm512_setzero_ps();
+    const __m512 nibbles = _mm512_setr_ps(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15);
+    for (int64_t g = 0; g < G; ++g) {
+        // the group's first 16 inputs into a, its last 16 into b (two chains of fused multiply-adds)
+        __m512 a[MB][NB], b[MB][NB];
+        for (int m = 0; m < MB; ++m)
+            for (int j = 0; j < NB; ++j) a[m][j] = b[m][j] = _mm512_setzero_ps();
+        const float* xg = x + 32 * g;
+        for (int i = 0; i < 16; ++i) {
+            __m512 lo[NB], hi[NB];
+            for (int j = 0; j < NB; ++j) {
+                const uint8_t* bytes = q + (j * G + g) * gq;
+                if constexpr (BITS == 4) {  // a nibble's float by a table lookup (which reads an index's low 4 bits)
+                    const __m512i v = _mm512_cvtepu8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(bytes + 16 * i)));
+                    lo[j] = _mm512_permutexvar_ps(v, nibbles);
+                    hi[j] = _mm512_permutexvar_ps(_mm512_srli_epi32(v, 4), nibbles);
+                } else {
+                    lo[j] = _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(
+                        _mm_loadu_si128(reinterpret_cast<const __m128i*>(bytes + 16 * i))));
+                    hi[j] = _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(
+                        _mm_loadu_si128(reinterpret_cast<const __m128i*>(bytes + 16 * (16 + i)))));
+                }
+            }
+            for (int m = 0; m < MB; ++m) {
+                const __m512 xa = _mm512_set1_ps(xg[m * K + i]), xb = _mm512_set1_ps(xg[m * K + 16 + i]);
+                for (int j = 0; j < NB; ++j) {
+                    a[m][j] = _mm512_fmadd_ps(xa, lo[j], a[m][j]);
+                    b[m][j] = _mm512_fmadd_ps(xb, hi[j], b[m][j]);
+                }
+            }
+        }
+        for (int j = 0; j < NB; ++j) {
+            const __m512 dj = _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(d + (j * G + g) * LANES)));
+            if (mn) {
+                const __m512 mj = _mm512_cvtph_ps(
+                    _mm256_loadu_si256(reinterpret_cast<const __m256i*>(mn + (j * G + g) * LANES)));
+                for (int m = 0; m < MB; ++m) {
+                    acc[m][j] = _mm512_fmadd_ps(dj, _mm512_add_ps(a[m][j], b[m][j]), acc[m][j]);
+                    acc[m][j] = _mm512_fmadd_ps(mj, _mm512_set1_ps(xs[m * G + g]), acc[m][j]);
+                }
+            } else {
+                for (int m = 0; m < MB; ++m) acc[m][j] = _mm512_fmadd_ps(dj, _mm512_add_ps(a[m][j], b[m][j]), acc[m][j]);
+            }
+        }
+    }
+    for (int j = 0; j < NB; ++j) {
+        const int64_t col = n0 + LANES * j;
+        if (col >= N) break;
+        const int64_t count = std::min<int64_t>(LANES, N - col);
+        alignas(64) float widened[LANES] = {0};
+        if (bias)
+            for (int64_t i = 0; i < count; ++i) widened[i] = widen(bias[col + i]);
+        const __m512 b = _mm512_load_ps(widened);
+        for (int m = 0; m < MB; ++m) {
+            const __m512 v = bias ? _mm512_add_ps(acc[m][j], b) : acc[m][j];
+            if constexpr (std::is_same_v<T, float>) {
+                _mm512_mask_storeu_ps(out + m * N + col, columns_left(count), v);
+            } else {  // rounded once to the dtype
+                alignas(64) float lanes[LANES];
+                _mm512_store_ps(lanes, v);
+                for (int64_t i = 0; i < count; ++i) out[m * N + col + i] = static_cast<T>(lanes[i]);
+            }
+        }
+    }
+}
+
+// all M rows against NB panels: one row against 4 panels (more chains in flight), more rows 6 at a
+// time against one panel (each panel's integers widened once for 6 rows; 6 x 2 chains in flight)
+template <typename T, int NB, int BITS>
+inline void block_rows(int64_t M, const float* x, const float* xs, int64_t K, const uint8_t* q, const c10::Half* d,
+                       const c10::Half* mn, T* out, int64_t N, const T* bias, int64_t n0) {
+    const int64_t G = K / 32;
+    if (M == 1) {
+        block_tile<T, 1, NB, BITS>(x, xs, K, q, d, mn, out, N, bias, n0);
+        return;
+    }
+    const int64_t gq = BITS == 4 ? 256 : 512;
+    for (int j = 0; j < NB; ++j) {
+        const uint8_t* qj = q + j * G * gq;
+        const c10::Half* dj = d + j * G * LANES;
+        const c10::Half* mj = mn ? mn + j * G * LANES : nullptr;
+        const int64_t nj = n0 + j * LANES;
+        int64_t m = 0;
+        for (; m + 6 <= M; m += 6)
+            block_tile<T, 6, 1, BITS>(x + m * K, xs + m * G, K, qj, dj, mj, out + m * N, N, bias, nj);
+        const float* xm = x + m * K;
+        const float* sm = xs + m * G;
+        T* om = out + m * N;
+        switch (M - m) {
+            case 5: block_tile<T, 5, 1, BITS>(xm, sm, K, qj, dj, mj, om, N, bias, nj); break;
+            case 4: block_tile<T, 4, 1, BITS>(xm, sm, K, qj, dj, mj, om, N, bias, nj); break;
+            case 3: block_tile<T, 3, 1, BITS>(xm, sm, K, qj, dj, mj, om, N, bias, nj); break;
+            case 2: block_tile<T, 2, 1, BITS>(xm, sm, K, qj, dj, mj, om, N, bias, nj); break;
+            case 1: block_tile<T, 1, 1, BITS>(xm, sm, K, qj, dj, mj, om, N, bias, nj); break;
+            default: break;
+        }
+    }
+}
+#endif
+
+// x # [M, K] (float32 or bfloat16), q # uint8 [P, G, 256] (4-bit) or [P, G, 512] (8-bit), d and mn
+// (or None) # float16 [P, G, 16], bias # [N] of x's dtype or None
+at::Tensor block_linear(const at::Tensor& x_, const at::Tensor& q_, const at::Tensor& d_,
+                        const c10::optional<at::Tensor>& mn_, const c10::optional<at::Tensor>& bias_, int64_t N) {
+    auto x = x_.contiguous();
+    auto q = q_.contiguous();
+    auto d = d_.contiguous();
+    at::Tensor mn, bias;
+    if (mn_.has_value()) mn = mn_->contiguous();
+    if (bias_.has_value()) bias = bias_->contiguous();
+    TORCH_CHECK(x.device().is_cpu() && q.device().is_cpu() && d.device().is_cpu(), "specdraft_cpu::block_linear: CPU tensors only");
+    TORCH_CHECK(x.dim() == 2 && (x.scalar_type() == at::kFloat || x.scalar_type() == at::kBFloat16),
+                "specdraft_cpu::block_linear: x # [M, K], float32 or bfloat16");
+    const int64_t M = x.size(0), K = x.size(1), G = K / 32;
+    TORCH_CHECK(K % 32 == 0 && q.scalar_type() == at::kByte && q.dim() == 3 && q.size(1) == G &&
+                (q.size(2) == 256 || q.size(2) == 512), "specdraft_cpu::block_linear: q # uint8 [P, K / 32, 256 or 512]");
+    const int64_t P = q.size(0);
+    const int BITS = q.size(2) == 256 ? 4 : 8;
+    TORCH_CHECK(P * LANES >= N && (P - 1) * LANES < N, "specdraft_cpu::block_linear: panels");
+    TORCH_CHECK(d.scalar_type() == at::kHalf && d.sizes() == at::IntArrayRef({P, G, LANES}) &&
+                (!mn.defined() || (mn.scalar_type() == at::kHalf && mn.sizes() == d.sizes())),
+                "specdraft_cpu::block_linear: d, mn # float16 [P, K / 32, 16]");
+    TORCH_CHECK(!bias.defined() || (bias.scalar_type() == x.scalar_type() && bias.numel() == N),
+                "specdraft_cpu::block_linear: bias");
+    auto out = at::empty({M, N}, x.options());
+    if (M == 0) return out;
+    // the rows widened to float32 once (exact) and each group's sum of x, added in order
+    std::vector<float> xf(M * K), xs(M * G);
+    dispatch(x.scalar_type(), [&](auto tag) {
+        using T = decltype(tag);
+        const T* px = x.data_ptr<T>();
+        for (int64_t i = 0; i < M * K; ++i) xf[i] = widen(px[i]);
+    });
+    for (int64_t m = 0; m < M; ++m)
+        for (int64_t g = 0; g < G; ++g) {
+            float sum = 0.0f;
+            for (int64_t i = 0; i < 32; ++i) sum += xf[m * K + 32 * g + i];
+            xs[m * G + g] = sum;
+        }
+    const uint8_t* pq = q.data_ptr<uint8_t>();
+    const c10::Half* pd = d.data_ptr<c10::Half>();
+    const c10::Half* pm = mn.defined() ? mn.data_ptr<c10::Half>() : nullptr;
+    const int64_t gq = q.size(2);
+    dispatch(x.scalar_type(), [&](auto tag) {
+        using T = decltype(tag);
+        if constexpr (std::is_same_v<T, c10::Half>) {
+            TORCH_CHECK(false, "specdraft_cpu::block_linear: float32 or bfloat16");
+        } else {
+            const T* pb = bias.defined() ? bias.data_ptr<T>() : nullptr;
+            T* po = out.data_ptr<T>();
+#if defined(__AVX512F__)
+            // panels in groups of 4, the groups spread over the threads
+            const int64_t NB = 4;
+            const int64_t groups = (P + NB - 1) / NB;
+            at::parallel_for(0, groups, 1, [&](int64_t begin, int64_t end) {
+                for (int64_t r = begin; r < end; ++r) {
+                    const int64_t p0 = NB * r;
+                    const uint8_t* qp = pq + p0 * G * gq;
+                    const c10::Half* dp = pd + p0 * G * LANES;
+                    const c10::Half* mp = pm ? pm + p0 * G * LANES : nullptr;
+                    const float *xr = xf.data(), *sr = xs.data();
+                    const int64_t n0 = p0 * LANES;
+                    const int64_t left = std::min(NB, P - p0);
+                    if (BITS == 4) {
+                        switch (left) {
+                            case 4: block_rows<T, 4, 4>(M, xr, sr, K, qp, dp, mp, po, N, pb, n0); break;
+                            case 3: block_rows<T, 3, 4>(M, xr, sr, K, qp, dp, mp, po, N, pb, n0); break;
+                            case 2: block_rows<T, 2, 4>(M, xr, sr, K, qp, dp, mp, po, N, pb, n0); break;
+                            default: block_rows<T, 1, 4>(M, xr, sr, K, qp, dp, mp, po, N, pb, n0); break;
+                        }
+                    } else {
+                        switch (left) {
+                            case 4: block_rows<T, 4, 8>(M, xr, sr, K, qp, dp, mp, po, N, pb, n0); break;
+                            case 3: block_rows<T, 3, 8>(M, xr, sr, K, qp, dp, mp, po, N, pb, n0); break;
+                            case 2: block_rows<T, 2, 8>(M, xr, sr, K, qp, dp, mp, po, N, pb, n0); break;
+                            default: block_rows<T, 1, 8>(M, xr, sr, K, qp, dp, mp, po, N, pb, n0); break;
+                        }
+                    }
+                }
+            });
+#else
+            // the same arithmetic, one output at a time (correct anywhere; cpu_ops.py uses it with AVX-512 only)
+            at::parallel_for(0, N, 16, [&](int64_t begin, int64_t end) {
+                for (int64_t n = begin; n < end; ++n) {
+                    const int64_t p = n / LANES, c = n % LANES;
+                    for (int64_t m = 0; m < M; ++m) {
+                        const float* xm = xf.data() + m * K;
+                        float acc = 0.0f;
+                        for (int64_t g = 0; g < G; ++g) {
+                            const uint8_t* b = pq + (p * G + g) * gq;
+                            float sa = 0.0f, sb = 0.0f;
+                            for (int64_t i = 0; i < 16; ++i) {
+                                float lo, hi;
+                                if (BITS == 4) {
+                                    lo = static_cast<float>(b[16 * i + c] & 0xF);
+                                    hi = static_cast<float>(b[16 * i + c] >> 4);
+                                } else {
+                                    lo = static_cast<float>(static_cast<int8_t>(b[16 * i + c]));
+                                    hi = static_cast<float>(static_cast<int8_t>(b[16 * (16 + i) + c]));
+                                }
+                                sa = std::fma(xm[32 * g + i], lo, sa);
+                                sb = std::fma(xm[32 * g + 16 + i], hi, sb);
+                            }
+                            acc = std::fma(static_cast<float>(pd[(p * G + g) * LANES + c]), sa + sb, acc);
+                            if (pm) acc = std::fma(static_cast<float>(pm[(p * G + g) * LANES + c]), xs[m * G + g], acc);
+                        }
+                        po[m * N + n] = static_cast<T>(pb ? acc + widen(pb[n]) : acc);
+                    }
+                }
+            });
+#endif
+        }
+    });
+    return out;
+}
+
 }  // namespace
 
 TORCH_LIBRARY(specdraft_cpu, m) {
@@ -633,6 +869,7 @@ TORCH_LIBRARY(specdraft_cpu, m) {
     m.def("attention(Tensor q, Tensor k_buf, Tensor v_buf, Tensor slot, Tensor mask, float scale, "
           "Tensor? order) -> Tensor");
     m.def("linear(Tensor x, Tensor panels, Tensor? bias, int out_features) -> Tensor");
+    m.def("block_linear(Tensor x, Tensor q, Tensor d, Tensor? mn, Tensor? bias, int out_features) -> Tensor");
 }
 
 TORCH_LIBRARY_IMPL(specdraft_cpu, CPU, m) {
@@ -642,4 +879,5 @@ TORCH_LIBRARY_IMPL(specdraft_cpu, CPU, m) {
     m.impl("rope_write", &rope_write);
     m.impl("attention", &attention);
     m.impl("linear", &linear);
+    m.impl("block_linear", &block_linear);
 }

@@ -136,6 +136,10 @@ def _register_fakes() -> None:
     def _(x, panels, bias, out_features):
         return x.new_empty(x.shape[0], out_features)
 
+    @torch.library.register_fake(lib + "block_linear")
+    def _(x, q, d, mn, bias, out_features):
+        return x.new_empty(x.shape[0], out_features)
+
 
 #: output columns per panel of :class:`PanelLinear`'s weight (one AVX-512 register of float32)
 PANEL = 16

@@ -311,7 +311,7 @@ def _version(tensor: torch.Tensor) -> int | None:
 
 
 #: weight quantizations a runner offers (None: the model's own weights)
-QUANTIZATIONS = (None, "int8", "int4")
+QUANTIZATIONS = (None, "int8", "int4", "gguf")
 
 #: converted (and quantized) models per transformers model: runners of one model share its weights
 _CONVERTED: "weakref.WeakKeyDictionary[Any, dict]" = weakref.WeakKeyDictionary()
@@ -359,7 +359,15 @@ def load_runner(hf_model, compile: bool = False, quantize: str | None = None):
         from .hf import TransformersRunner
 
         return TransformersRunner(hf_model, reason)
-    converted[quantize] = finish_model(model, quantize)
+    gguf = None
+    if quantize == "gguf":
+        from ..models import gguf_source
+
+        gguf = gguf_source(getattr(hf_model, "name_or_path", "") or "")
+        if gguf is None:
+            raise ConfigError("quantize='gguf' runs a GGUF file's own blocks: load the target from a .gguf file "
+                              "(or the default model)")
+    converted[quantize] = finish_model(model, quantize, gguf)
     return ModelRunner(model, compile=compile, quantization=quantize)
 
 
@@ -372,12 +380,21 @@ def check_quantize(quantize: str | None, device) -> None:
     if quantize == "int4" and torch.device(device).type != "cpu":
         raise ConfigError("quantize='int4' runs on CPU only (torch's int4 kernel here is the CPU one); "
                           "use quantize='int8' on a GPU")
+    if quantize == "gguf" and torch.device(device).type != "cpu":
+        raise ConfigError("quantize='gguf' runs on CPU only (the blocks' kernel is a CPU one); "
+                          "use quantize='int8' on a GPU")
 
 
-def finish_model(model: SpecdraftModel, quantize: str | None) -> SpecdraftModel:
+def finish_model(model: SpecdraftModel, quantize: str | None, gguf=None) -> SpecdraftModel:
     """``model`` (converted, or one rank's shard of it) quantized as :func:`load_runner` says and its
-    float linear layers packed (:mod:`.kernels`), in place."""
-    if quantize is not None:
+    float linear layers packed (:mod:`.kernels`), in place; ``gguf``: the file whose blocks
+    ``quantize="gguf"`` runs (:mod:`.gguf_blocks`)."""
+    blocks = {}
+    if quantize == "gguf":
+        from .gguf_blocks import use_blocks
+
+        blocks = use_blocks(model, gguf)
+    elif quantize is not None:
         from .quantize import quantize_int4, quantize_int8
 
         if model.dtype == torch.float32:
@@ -388,7 +405,7 @@ def finish_model(model: SpecdraftModel, quantize: str | None) -> SpecdraftModel:
             quantize_int8(model, compute_dtype=None if model.dtype == torch.float64 else torch.bfloat16)
         else:
             quantize_int4(model, group_size=32)  # float64 inputs take the dequantized weights in float64
-    model.kernels = pack_linears(model)  # float linears that are left: oneDNN, row-invariant (see .kernels)
+    model.kernels = blocks | pack_linears(model)  # float linears that are left: oneDNN, row-invariant (see .kernels)
     if model.device.type == "cpu" and model.dtype != torch.float64:  # the layers' glue and attention (see .cpu_ops)
         from . import cpu_ops
 

@@ -292,6 +292,8 @@ class Group:
         from .convert import from_transformers
         from .runner import ModelRunner
 
+        if quantize == "gguf":
+            raise ConfigError("quantize='gguf' runs in one process: drop tensor_parallel, or use quantize='int8'")
         with self.lock:
             shards = self._shards.setdefault(hf_model, {})
             if quantize not in shards:

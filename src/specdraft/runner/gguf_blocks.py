@@ -1,0 +1,241 @@
+"""A GGUF file's own quantized blocks as the model's products (``quantize="gguf"``, CPU).
+
+A GGUF target is dequantised into float weights when it loads (:mod:`specdraft.models`), and a
+bfloat16 model then rounds those weights again: the default model's 4.5-bit Q4_1 blocks become
+269 MB of bfloat16 that every decode step reads, where llama.cpp reads the file's 98 MB. With
+``quantize="gguf"`` each linear layer whose GGUF tensor is Q4_0, Q4_1 or Q8_0 is a
+:class:`BlockLinear` instead: the file's integers and float16 scales as they are, multiplied by
+``specdraft_cpu::block_linear`` (:mod:`.cpu_ops`), which computes ``w = d * q + m`` inside the
+product in float32 and never stores a float weight. The weights are the file's exactly (the
+float path's bfloat16 rounding of them is gone) and a step reads about as many bytes as llama.cpp's.
+
+Each output is one float32 sum in a fixed order (per group of 32 inputs: the integers times the
+inputs, then ``d`` times that plus ``m`` times the inputs' sum), so the products are row-invariant
+by construction, as :class:`~.cpu_ops.PanelLinear`'s are: a verify pass gives each token the logits
+one-token steps give it. Tensors of other types (F16, BF16, F32, the K-quants) keep the float
+path's linears; ``runner.info["kernels"]["gguf_blocks"]`` counts the layers that run on blocks. A
+float64 model (the parity tests) multiplies the dequantised blocks in float64.
+
+Which tensor feeds which layer: ``attn_q``, ``attn_k`` and ``attn_v`` (the fused ``wqkv``; q and k
+in the order llama.cpp's converter permuted them into, undone as transformers undoes it),
+``attn_output``, ``ffn_gate`` and ``ffn_up`` (``w13``), ``ffn_down``, and ``output`` (else the tied
+``token_embd``). Every block layer is checked against the loaded model's weight before it replaces
+it (equal up to the model dtype's rounding), so a file the mapping misreads fails to load, with the
+tensor's name, rather than running another model.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import numpy as np
+import torch
+from torch import nn
+
+from ..errors import ConfigError
+
+#: values per block (every block type here)
+BLOCK = 32
+#: output columns per panel (cpu_ops.PANEL)
+PANEL = 16
+#: GGUF block types this runs, and bytes per block: float16 d (and m), then the integers
+BLOCK_BYTES = {"Q4_0": 18, "Q4_1": 20, "Q8_0": 34}
+
+
+def read_blocks(raw: np.ndarray, kind: str, rows: int, cols: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
+    """A GGUF tensor's raw bytes (``kind`` one of :data:`BLOCK_BYTES`, ``rows x cols`` values) as
+    ``(q, d, m)``: ``q # [rows, cols]`` the integers (uint8 0..15 for 4-bit, int8 for Q8_0), ``d``
+    and ``m # [rows, cols / 32]`` float16 (``m`` None for Q8_0; ``-8 d`` for Q4_0), so that the
+    weight is ``d * q + m`` group by group."""
+    size = BLOCK_BYTES[kind]
+    blocks = np.ascontiguousarray(raw, dtype=np.uint8).reshape(rows, cols // BLOCK, size)
+    d = torch.from_numpy(blocks[..., 0:2].copy().view(np.float16)[..., 0])
+    if kind == "Q8_0":
+        q = torch.from_numpy(blocks[..., 2:].copy().view(np.int8)).reshape(rows, cols)
+        return q, d, None
+    start = 4 if kind == "Q4_1" else 2
+    packed = torch.from_numpy(blocks[..., start:].copy())  # [rows, groups, 16]: element j low, j + 16 high
+    q = torch.cat([packed & 0xF, packed >> 4], dim=-1).reshape(rows, cols)
+    if kind == "Q4_1":
+        m = torch.from_numpy(blocks[..., 2:4].copy().view(np.float16)[..., 0])
+    else:
+        m = d * -8  # exact in float16 (a power of two)
+    return q, d, m
+
+
+def quantize_q4_1(weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """``weight # [N, K]`` (K a multiple of 32) as Q4_1 blocks ``(q, d, m)``, as llama.cpp makes them
+    (``m`` the group's minimum, ``d = (max - min) / 15``): for tests and models that come without a
+    GGUF file."""
+    n, k = weight.shape
+    w = weight.detach().float().reshape(n, k // BLOCK, BLOCK)
+    lo, hi = w.amin(-1), w.amax(-1)
+    d = ((hi - lo) / 15).half()
+    m = lo.half()
+    scale = torch.where(d.float() == 0, torch.zeros_like(lo), 1 / d.float())
+    q = ((w - m.float()[..., None]) * scale[..., None]).round().clamp(0, 15).to(torch.uint8)
+    return q.reshape(n, k), d, m
+
+
+def dequantize(q: torch.Tensor, d: torch.Tensor, m: torch.Tensor | None, dtype=torch.float32) -> torch.Tensor:
+    """``d * q + m`` per group, in ``dtype``."""
+    n, k = q.shape
+    w = q.to(dtype).reshape(n, k // BLOCK, BLOCK) * d.to(dtype)[..., None]
+    if m is not None:
+        w = w + m.to(dtype)[..., None]
+    return w.reshape(n, k)
+
+
+def pack_blocks(q: torch.Tensor, d: torch.Tensor, m: torch.Tensor | None):
+    """``(q, d, m)`` of :func:`read_blocks` in the layout ``specdraft_cpu::block_linear`` streams:
+    panels of 16 output columns, group by group (see cpu_ops.cpp)."""
+    n, k = q.shape
+    pad = -n % PANEL
+    p, g = (n + pad) // PANEL, k // BLOCK
+
+    def panels(t: torch.Tensor) -> torch.Tensor:  # [N, ...] -> [P, 16, ...], zero columns past N
+        t = torch.cat([t, t.new_zeros(pad, *t.shape[1:])]) if pad else t
+        return t.reshape(p, PANEL, *t.shape[1:])
+
+    blocks = panels(q).reshape(p, PANEL, g, BLOCK).permute(0, 2, 3, 1)  # [P, G, i, c]
+    if q.dtype == torch.uint8:  # 4-bit: element i in the low nibble of byte i, element i + 16 in its high one
+        packed = blocks[:, :, :16] | (blocks[:, :, 16:] << 4)
+    else:
+        packed = blocks.contiguous().view(torch.uint8)
+    scales = [None if t is None else panels(t).permute(0, 2, 1).contiguous() for t in (d, m)]
+    return packed.reshape(p, g, -1).contiguous(), scales[0], scales[1]
+
+
+class BlockLinear(nn.Module):
+    """A linear layer of GGUF blocks (:func:`read_blocks`), no float weight: ``specdraft_cpu::block_linear``
+    for float32 and bfloat16 inputs, the dequantised weight for float64 ones (the parity tests)."""
+
+    def __init__(self, q: torch.Tensor, d: torch.Tensor, m: torch.Tensor | None, bias: torch.Tensor | None = None,
+                 kind: str = "") -> None:
+        super().__init__()
+        self.out_features, self.in_features = q.shape
+        self.kind = kind or ("Q8_0" if q.dtype == torch.int8 else "Q4_1")
+        packed, pd, pm = pack_blocks(q, d, m)
+        self.register_buffer("q", packed)
+        self.register_buffer("d", pd)
+        self.register_buffer("m", pm)
+        self.register_buffer("bias", bias)
+        self.nbytes = sum(t.numel() * t.element_size() for t in (packed, pd, pm) if t is not None)
+        self._blocks = (q, d, m)  # for float64 inputs, dequantised on first use
+        self._float64: torch.Tensor | None = None
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if x.dtype == torch.float64:
+            if self._float64 is None:
+                self._float64 = dequantize(*self._blocks, dtype=torch.float64)
+            bias = None if self.bias is None else self.bias.double()
+            return nn.functional.linear(x, self._float64, bias)
+        flat = x.reshape(-1, self.in_features)
+        out = torch.ops.specdraft_cpu.block_linear(flat, self.q, self.d, self.m, self.bias, self.out_features)
+        return out.reshape(*x.shape[:-1], self.out_features)
+
+    def extra_repr(self) -> str:
+        return f"in_features={self.in_features}, out_features={self.out_features}, bias={self.bias is not None}, " \
+               f"{self.kind} blocks"
+
+
+def _llama_permutation(rows: int, heads: int) -> torch.Tensor:
+    """Row order that undoes llama.cpp's converter's permutation of q or k (transformers'
+    ``reverse_permute_weights``): rows ``[heads, dim, 2]`` read as ``[heads, 2, dim]``."""
+    return torch.arange(rows).reshape(heads, rows // heads // 2, 2).transpose(1, 2).reshape(-1)
+
+
+def _tensor(reader, name: str):
+    for t in reader.tensors:
+        if t.name == name:
+            return t
+    return None
+
+
+def _file_blocks(reader, name: str, rows_perm: torch.Tensor | None = None):
+    """``(q, d, m, kind)`` of GGUF tensor ``name``, or ``(None, kind)``-like when its type has no blocks here."""
+    t = _tensor(reader, name)
+    if t is None:
+        raise ConfigError(f"quantize='gguf': the GGUF file has no tensor {name!r}; load it without --quantize gguf")
+    kind = t.tensor_type.name
+    if kind not in BLOCK_BYTES:
+        return None, kind
+    cols, rows = (int(x) for x in t.shape[:2])
+    q, d, m = read_blocks(t.data, kind, rows, cols)
+    if rows_perm is not None:
+        q, d = q[rows_perm], d[rows_perm]
+        m = None if m is None else m[rows_perm]
+    return (q, d, m), kind
+
+
+def _joined(parts: list[tuple]) -> tuple | None:
+    """One layer's blocks from several tensors' (stacked by rows), or None when their types do not mix."""
+    kinds = {("8" if p[0].dtype == torch.int8 else "4") for p in parts}
+    if len(kinds) != 1:
+        return None
+    q = torch.cat([p[0] for p in parts])
+    d = torch.cat([p[1] for p in parts])
+    m = None if parts[0][2] is None else torch.cat([p[2] for p in parts])
+    return q, d, m
+
+
+def _check(name: str, blocks: tuple, weight: torch.Tensor) -> None:
+    """ConfigError unless ``weight`` is the blocks' weight up to its dtype's rounding."""
+    want = dequantize(*blocks)
+    got = weight.detach().float()
+    eps = torch.finfo(weight.dtype).eps if weight.dtype.is_floating_point else 0.0
+    if got.shape != want.shape or not torch.all((got - want).abs() <= eps * want.abs() + 1e-6):
+        raise ConfigError(f"quantize='gguf': the GGUF file's {name} does not match the model's weight (a layout "
+                          "this loader does not know); load it without --quantize gguf")
+
+
+def use_blocks(model, gguf: str | Path) -> dict:
+    """Replace ``model``'s linear layers (a SpecdraftModel of the Llama family, CPU) by
+    :class:`BlockLinear` s of ``gguf``'s tensors where their types allow; returns
+    ``{"gguf_blocks": "n of m layers (types)"}`` for ``runner.info["kernels"]``."""
+    from gguf import GGUFReader
+
+    from . import cpu_ops
+
+    reason = cpu_ops.load()
+    if reason:
+        raise ConfigError(f"quantize='gguf' needs specdraft's C++ operators: {reason}")
+    reader = GGUFReader(str(gguf))
+    args = model.args
+    q_rows, kv_rows = args.n_heads * args.head_dim, args.n_kv_heads * args.head_dim
+    done, total, kinds = 0, 0, set()
+
+    def swap(parent, attr: str, names: list[str], perms: list) -> None:
+        nonlocal done, total
+        total += 1
+        linear = getattr(parent, attr)
+        found = [_file_blocks(reader, n, p) for n, p in zip(names, perms)]
+        kinds.update(kind for _, kind in found)
+        if any(b is None for b, _ in found):
+            return
+        blocks = _joined([b for b, _ in found])
+        if blocks is None:
+            return
+        _check(" + ".join(names), blocks, linear.weight)
+        bias = None if linear.bias is None else linear.bias.detach().clone()
+        kind = "+".join(sorted({k for _, k in found}))
+        setattr(parent, attr, BlockLinear(*blocks, bias=bias, kind=kind))
+        done += 1
+
+    for i, layer in enumerate(model.layers):
+        b = f"blk.{i}."
+        attn, ffn = layer.attention, layer.feed_forward
+        swap(attn, "wqkv", [b + "attn_q.weight", b + "attn_k.weight", b + "attn_v.weight"],
+             [_llama_permutation(q_rows, args.n_heads), _llama_permutation(kv_rows, args.n_kv_heads), None])
+        swap(attn, "wo", [b + "attn_output.weight"], [None])
+        swap(ffn, "w13", [b + "ffn_gate.weight", b + "ffn_up.weight"], [None, None])
+        swap(ffn, "w2", [b + "ffn_down.weight"], [None])
+    head = "output.weight" if _tensor(reader, "output.weight") is not None else "token_embd.weight"
+    swap(model, "output", [head], [None])
+    if not done:
+        raise ConfigError(f"quantize='gguf' runs Q4_0, Q4_1 and Q8_0 tensors; this file's layers are "
+                          f"{', '.join(sorted(kinds))}: load it without --quantize gguf")
+    return {"gguf_blocks": f"{done} of {total} layers ({', '.join(sorted(kinds))})"}
+
+
+__all__ = ["BLOCK_BYTES", "BlockLinear", "dequantize", "pack_blocks", "quantize_q4_1", "read_blocks", "use_blocks"]
