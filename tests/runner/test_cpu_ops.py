@@ -302,19 +302,53 @@ def layer_operators(make_runner) -> tuple[float, collections.Counter]:
     return sum(per_layer.values()) / 2, +per_layer
 
 
+@pytest.mark.parametrize("fused", [True, False], ids=["fused", "operator-by-operator"])
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
-def test_a_decoder_layer_dispatches_at_most_12_operators(dtype):
+def test_a_decoder_layer_dispatches_at_most_12_operators(dtype, fused):
+    """Both ways a layer runs: one ``decoder_layer`` call (products on panels or GGUF blocks) and
+    its ten operators one by one from Python (products of oneDNN: AMX machines)."""
     from transformers import AutoModelForCausalLM
 
     def make(n_layers):
         torch.manual_seed(0)
         config = tiny_config("llama")
         config.num_hidden_layers = n_layers
-        return load_runner(AutoModelForCausalLM.from_config(config).to(dtype).eval())
+        runner = load_runner(AutoModelForCausalLM.from_config(config).to(dtype).eval())
+        for block in runner.model.layers:
+            block.fused = block.fused if fused else None
+        return runner
 
     per_layer, ops_seen = layer_operators(make)
     assert per_layer <= LAYER_BOUND, f"{per_layer} operators per layer: {dict(ops_seen)}"
-    assert ops_seen["specdraft_cpu.attention"] == 2  # the C++ operators run (2 layers more)
+    # the C++ operators run (2 layers more): the whole layer in one where its products allow
+    if fused and cpu_ops.fused_layer(make(1).model.layers[0]) is not None:
+        assert ops_seen["specdraft_cpu.decoder_layer"] == 2 and per_layer <= 2, dict(ops_seen)
+    else:
+        assert ops_seen["specdraft_cpu.attention"] == 2
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+def test_a_fused_layer_gives_its_operators_bits(dtype):
+    """``decoder_layer`` calls the layer's operators from C++: every logit of prefill, one-token
+    steps and verify passes the same bits as the operators called one by one."""
+    runner = load_runner(tiny_hf("llama", dtype=dtype))
+    fused = [block.fused for block in runner.model.layers]
+    assert all(f is not None for f in fused) == cpu_ops.panels_apply(torch.nn.Linear(8, 8).to(dtype))
+    vocab = runner.model.args.vocab_size
+    tokens = torch.randint(vocab, (2, 40), generator=torch.Generator().manual_seed(3))
+    outs = []
+    for on in (True, False):
+        for block, f in zip(runner.model.layers, fused):
+            block.fused = f if on else None
+        runner.cache.reset(2, 64)
+        with torch.inference_mode():
+            got = [runner.forward(tokens[:, :30])[0]]
+            for width in (1, 2, 5):
+                runner.cache.set_lengths([30, 30])
+                got.append(runner.forward(tokens[:, 30:30 + width])[0])
+        outs.append(got)
+    for a, b in zip(*outs):
+        assert torch.equal(a, b)
 
 
 @pytest.mark.e2e
@@ -325,4 +359,4 @@ def test_a_default_model_step_dispatches_at_most_12_operators_per_layer(default_
     n_layers = runner.model.args.n_layers
     outside = work["aten.embedding"] + 40  # the step's own: embedding, positions, mask, rotary tables, head
     assert sum(work.values()) <= LAYER_BOUND * n_layers + outside, dict(work)
-    assert work["specdraft_cpu.attention"] == n_layers
+    assert work["specdraft_cpu.attention"] + work["specdraft_cpu.decoder_layer"] == n_layers

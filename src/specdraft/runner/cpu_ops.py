@@ -136,6 +136,11 @@ def _register_fakes() -> None:
     def _(x, panels, bias, out_features):
         return x.new_empty(x.shape[0], out_features)
 
+    @torch.library.register_fake(lib + "decoder_layer")
+    def _(x, attention_norm, ffn_norm, eps, kinds, outs, wqkv, wo, w13, w2, cos, sin, k_buf, v_buf, slot, positions,
+          mask, scale, order, heads, kv_heads):
+        return torch.empty_like(x)
+
     @torch.library.register_fake(lib + "block_linear")
     def _(x, q, d, mn, bias, out_features):
         return x.new_empty(x.shape[0], out_features)
@@ -227,7 +232,47 @@ def use(model) -> dict:
     for module in model.modules():
         if isinstance(module, RMSNorm) and module.kernel is None:
             module.kernel = ops.rms_norm
-    return {"cpu_ops": f"yes, on one thread: {ONE_THREAD}" if ONE_THREAD else "yes"}
+    fused = 0
+    for block in getattr(model, "layers", ()):
+        block.fused = fused_layer(block)
+        fused += block.fused is not None
+    report = {"cpu_ops": f"yes, on one thread: {ONE_THREAD}" if ONE_THREAD else "yes"}
+    return report | ({"fused_layers": fused} if fused else {})
 
 
-__all__ = ["DTYPES", "PANEL", "PanelLinear", "applies", "load", "pack_panels", "panels_apply", "use"]
+def _product(linear) -> tuple[int, list] | None:
+    """A product as ``specdraft_cpu::decoder_layer`` takes it: ``(0, [panels, bias])`` for a
+    :class:`PanelLinear`, ``(1, [q, d, mn, bias])`` for a :class:`~.gguf_blocks.BlockLinear`, else None."""
+    from .gguf_blocks import BlockLinear
+
+    if type(linear) is PanelLinear:
+        return 0, [linear.panels, linear.bias]
+    if type(linear) is BlockLinear:
+        return 1, [linear.q, linear.d, linear.m, linear.bias]
+    return None
+
+
+def fused_layer(block):
+    """``block`` (a TransformerBlock on these operators) as one call of ``specdraft_cpu::decoder_layer``
+    (the same operators, called from C++), where its four products are panels or GGUF blocks and it
+    has no per-head q/k norms; else None (each operator called from Python)."""
+    attention, ffn = block.attention, block.feed_forward
+    linears = (attention.wqkv, attention.wo, ffn.w13, ffn.w2)
+    products = [_product(m) for m in linears]
+    if any(p is None for p in products) or attention.q_norm is not None or \
+            block.attention_norm.eps != block.ffn_norm.eps:
+        return None
+    op = torch.ops.specdraft_cpu.decoder_layer.default
+    kinds, outs = [k for k, _ in products], [m.out_features for m in linears]
+    tensors = [w for _, w in products]
+    norms = (block.attention_norm.weight, block.ffn_norm.weight, block.ffn_norm.eps)
+    heads, scale = (attention.n_heads, attention.n_kv_heads), attention.head_dim**-0.5
+
+    def layer(x, cos, sin, mask, k_buf, v_buf, slot, positions, order):
+        return op(x, *norms, kinds, outs, *tensors, cos, sin, k_buf, v_buf, slot, positions, mask, scale, order,
+                  *heads)
+
+    return layer
+
+
+__all__ = ["DTYPES", "PANEL", "PanelLinear", "applies", "fused_layer", "load", "pack_panels", "panels_apply", "use"]

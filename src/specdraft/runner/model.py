@@ -237,8 +237,14 @@ class TransformerBlock(nn.Module):
         self.ffn_norm = RMSNorm(args.dim, args.norm_eps)
         self.feed_forward = FeedForward(args)
         self.lean = None  # a :class:`LeanOps` (set when the model is loaded), or None
+        #: the whole layer in one operator for passes of up to ``lean.width`` tokens (set when the
+        #: model is loaded, :func:`~.cpu_ops.use`): ``(x, cos, sin, mask, k_buf, v_buf, slot, positions,
+        #: order)``, the same operators as below in one call; or None
+        self.fused = None
 
     def forward(self, x, cos, sin, mask, k_buf, v_buf, slot, positions, gather: bool, order=None) -> torch.Tensor:
+        if self.fused is not None and x.shape[1] <= self.lean.width:
+            return self.fused(x, cos, sin, mask, k_buf, v_buf, slot, positions, order)
         if self.lean is not None:  # the residual add and the second norm in one operator
             attended = self.attention(self.attention_norm(x), cos, sin, mask, k_buf, v_buf, slot, positions, gather,
                                       order)
