@@ -327,11 +327,17 @@ def test_a_decoder_layer_dispatches_at_most_12_operators(dtype, fused):
         assert ops_seen["specdraft_cpu.attention"] == 2
 
 
+@pytest.mark.parametrize("first_norm", ["rms", "identity"])
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
-def test_a_fused_layer_gives_its_operators_bits(dtype):
+def test_a_fused_layer_gives_its_operators_bits(dtype, first_norm):
     """``decoder_layer`` calls the layer's operators from C++: every logit of prefill, one-token
-    steps and verify passes the same bits as the operators called one by one."""
+    steps and verify passes the same bits as the operators called one by one (with the layer's
+    first norm, and without, as EAGLE's layer has it)."""
     runner = load_runner(tiny_hf("llama", dtype=dtype))
+    if first_norm == "identity":
+        for block in runner.model.layers:
+            block.attention_norm = torch.nn.Identity()
+            block.fused = cpu_ops.fused_layer(block)
     fused = [block.fused for block in runner.model.layers]
     assert all(f is not None for f in fused) == cpu_ops.panels_apply(torch.nn.Linear(8, 8).to(dtype))
     vocab = runner.model.args.vocab_size

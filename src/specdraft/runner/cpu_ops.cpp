@@ -866,7 +866,7 @@ at::Tensor block_linear(const at::Tensor& x_, const at::Tensor& q_, const at::Te
 // functions on the same tensors, so the same bits, without a return to Python between them (about
 // 10 microseconds each on a 2-core Xeon, a quarter of a step). A product is given as its kind
 // (0: panels, specdraft_cpu::linear; 1: blocks, specdraft_cpu::block_linear) and its tensors
-// ([panels, bias] or [q, d, mn, bias], absent ones None).
+// ([panels, bias] or [q, d, mn, bias], absent ones None); no attention norm: the layer's input as it is.
 
 at::Tensor product(const at::Tensor& x, int64_t kind, const c10::List<c10::optional<at::Tensor>>& w, int64_t N) {
     const int64_t K = x.size(-1);
@@ -884,7 +884,7 @@ at::Tensor product(const at::Tensor& x, int64_t kind, const c10::List<c10::optio
     return out.view(shape);
 }
 
-at::Tensor decoder_layer(const at::Tensor& x, const at::Tensor& attention_norm, const at::Tensor& ffn_norm, double eps,
+at::Tensor decoder_layer(const at::Tensor& x, const c10::optional<at::Tensor>& attention_norm, const at::Tensor& ffn_norm, double eps,
                          at::IntArrayRef kinds, at::IntArrayRef outs, const c10::List<c10::optional<at::Tensor>>& wqkv,
                          const c10::List<c10::optional<at::Tensor>>& wo, const c10::List<c10::optional<at::Tensor>>& w13,
                          const c10::List<c10::optional<at::Tensor>>& w2, const at::Tensor& cos, const at::Tensor& sin,
@@ -892,7 +892,8 @@ at::Tensor decoder_layer(const at::Tensor& x, const at::Tensor& attention_norm, 
                          const at::Tensor& mask, double scale, const c10::optional<at::Tensor>& order, int64_t heads,
                          int64_t kv_heads) {
     TORCH_CHECK(kinds.size() == 4 && outs.size() == 4, "specdraft_cpu::decoder_layer: four products");
-    const auto qkv = product(rms_norm(x, attention_norm, eps), kinds[0], wqkv, outs[0]);
+    // (no attention norm: EAGLE's layer reads its input as it is)
+    const auto qkv = product(attention_norm.has_value() ? rms_norm(x, *attention_norm, eps) : x, kinds[0], wqkv, outs[0]);
     const auto q = rope_write(qkv, cos, sin, k_buf, v_buf, slot, positions, heads, kv_heads);
     const auto attended = product(attention(q, k_buf, v_buf, slot, mask, scale, order), kinds[1], wo, outs[1]);
     const auto [h, normed] = add_rms_norm(x, attended, ffn_norm, eps);
@@ -911,7 +912,7 @@ TORCH_LIBRARY(specdraft_cpu, m) {
           "Tensor? order) -> Tensor");
     m.def("linear(Tensor x, Tensor panels, Tensor? bias, int out_features) -> Tensor");
     m.def("block_linear(Tensor x, Tensor q, Tensor d, Tensor? mn, Tensor? bias, int out_features) -> Tensor");
-    m.def("decoder_layer(Tensor x, Tensor attention_norm, Tensor ffn_norm, float eps, int[] kinds, int[] outs, "
+    m.def("decoder_layer(Tensor x, Tensor? attention_norm, Tensor ffn_norm, float eps, int[] kinds, int[] outs, "
           "Tensor?[] wqkv, Tensor?[] wo, Tensor?[] w13, Tensor?[] w2, Tensor cos, Tensor sin, Tensor(a!) k_buf, "
           "Tensor(b!) v_buf, Tensor slot, Tensor positions, Tensor mask, float scale, Tensor? order, int heads, "
           "int kv_heads) -> Tensor");

@@ -255,17 +255,21 @@ def _product(linear) -> tuple[int, list] | None:
 def fused_layer(block):
     """``block`` (a TransformerBlock on these operators) as one call of ``specdraft_cpu::decoder_layer``
     (the same operators, called from C++), where its four products are panels or GGUF blocks and it
-    has no per-head q/k norms; else None (each operator called from Python)."""
+    has no per-head q/k norms (an identity for its first norm, as EAGLE's layer has, is fine); else
+    None (each operator called from Python)."""
+    from .model import RMSNorm, TransformerBlock
+
     attention, ffn = block.attention, block.feed_forward
     linears = (attention.wqkv, attention.wo, ffn.w13, ffn.w2)
     products = [_product(m) for m in linears]
-    if any(p is None for p in products) or attention.q_norm is not None or \
-            block.attention_norm.eps != block.ffn_norm.eps:
+    first = block.attention_norm  # an identity in EAGLE's layer, which reads its input unnormalised
+    if type(block) is not TransformerBlock or any(p is None for p in products) or attention.q_norm is not None or \
+            not (type(first) is torch.nn.Identity or (type(first) is RMSNorm and first.eps == block.ffn_norm.eps)):
         return None
     op = torch.ops.specdraft_cpu.decoder_layer.default
     kinds, outs = [k for k, _ in products], [m.out_features for m in linears]
     tensors = [w for _, w in products]
-    norms = (block.attention_norm.weight, block.ffn_norm.weight, block.ffn_norm.eps)
+    norms = (getattr(first, "weight", None), block.ffn_norm.weight, block.ffn_norm.eps)
     heads, scale = (attention.n_heads, attention.n_kv_heads), attention.head_dim**-0.5
 
     def layer(x, cos, sin, mask, k_buf, v_buf, slot, positions, order):
