@@ -126,3 +126,27 @@ def test_a_file_in_another_layout_is_refused(tmp_path):
 def test_gguf_blocks_need_a_gguf_target():
     with pytest.raises(ConfigError, match="load the target from a .gguf file"):
         load_runner(tiny_llama(vocab_size=64, seed=7, dtype=torch.float32), quantize="gguf")
+
+
+def test_the_blocks_are_read_once_then_from_beside_the_model(tmp_path, monkeypatch):
+    import os
+
+    import gguf
+
+    from specdraft.runner.gguf_blocks import BLOCKS_CACHE, file_blocks
+
+    path = write_gguf(tiny_llama(vocab_size=64, seed=8, dtype=torch.float32), tmp_path, "Q8_0")
+    cache = tmp_path / BLOCKS_CACHE
+    blocks, kinds = file_blocks(path, cache)
+    assert cache.is_file() and set(kinds.values()) == {"Q8_0"} and len(blocks) == len(kinds) == 15
+
+    def unreadable(*args, **kwargs):
+        raise AssertionError("the file was parsed again")
+
+    monkeypatch.setattr(gguf, "GGUFReader", unreadable)
+    again, _ = file_blocks(path, cache)
+    for name, (q, d, m) in blocks.items():
+        assert torch.equal(again[name][0], q) and torch.equal(again[name][1], d) and again[name][2] is m is None
+    os.utime(path, ns=(0, 0))  # another file now: the cache does not hold its blocks
+    with pytest.raises(AssertionError, match="parsed again"):
+        file_blocks(path, cache)

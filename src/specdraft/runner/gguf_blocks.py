@@ -145,27 +145,67 @@ def _llama_permutation(rows: int, heads: int) -> torch.Tensor:
     return torch.arange(rows).reshape(heads, rows // heads // 2, 2).transpose(1, 2).reshape(-1)
 
 
-def _tensor(reader, name: str):
+#: beside a converted GGUF folder's weights: the file's blocks as safetensors, so a second load
+#: skips parsing the file (about 6 s for the default model: its metadata holds the vocabulary)
+BLOCKS_CACHE = "gguf-blocks.safetensors"
+
+
+def _stamp(gguf: Path) -> str:
+    st = gguf.stat()
+    return f"{st.st_size}:{st.st_mtime_ns}"
+
+
+def file_blocks(gguf: str | Path, cache: Path | None = None) -> tuple[dict[str, tuple], dict[str, str]]:
+    """The blocks of ``gguf``'s tensors of a type in :data:`BLOCK_BYTES` (``{name: (q, d, m)}``, as
+    :func:`read_blocks` gives them) and every tensor's type (``{name: "Q4_1"}``); read from
+    ``cache`` when it was written from this very file, else from the file (and written to ``cache``)."""
+    import json
+
+    from safetensors.torch import load_file, save_file
+
+    gguf = Path(gguf)
+    if cache is not None and cache.is_file():
+        from safetensors import safe_open
+
+        with safe_open(str(cache), "pt") as f:
+            meta = f.metadata() or {}
+        if meta.get("source") == _stamp(gguf):
+            tensors = load_file(str(cache))
+            kinds = json.loads(meta["kinds"])
+            return {name: (tensors[f"{name}.q"], tensors[f"{name}.d"], tensors.get(f"{name}.m"))
+                    for name, kind in kinds.items() if kind in BLOCK_BYTES}, kinds
+    from gguf import GGUFReader
+
+    reader = GGUFReader(str(gguf))
+    blocks, kinds = {}, {}
     for t in reader.tensors:
-        if t.name == name:
-            return t
-    return None
+        kinds[t.name] = kind = t.tensor_type.name
+        if kind in BLOCK_BYTES and len(t.shape) == 2:
+            cols, rows = (int(x) for x in t.shape)
+            blocks[t.name] = read_blocks(t.data, kind, rows, cols)
+    if cache is not None:
+        flat = {f"{name}.{part}": t.contiguous() for name, b in blocks.items() for part, t in zip("qdm", b)
+                if t is not None}
+        tmp = cache.with_name(f"{cache.name}.tmp")
+        try:
+            save_file(flat, str(tmp), metadata={"source": _stamp(gguf), "kinds": json.dumps(kinds)})
+            tmp.replace(cache)
+        except OSError:  # a read-only cache folder: the next load reads the file again
+            tmp.unlink(missing_ok=True)
+    return blocks, kinds
 
 
-def _file_blocks(reader, name: str, rows_perm: torch.Tensor | None = None):
-    """``(q, d, m, kind)`` of GGUF tensor ``name``, or ``(None, kind)``-like when its type has no blocks here."""
-    t = _tensor(reader, name)
-    if t is None:
+def _file_blocks(blocks: dict, kinds: dict, name: str, rows_perm: torch.Tensor | None = None):
+    """``((q, d, m), kind)`` of GGUF tensor ``name``, or ``(None, kind)`` when its type has no blocks here."""
+    if name not in kinds:
         raise ConfigError(f"quantize='gguf': the GGUF file has no tensor {name!r}; load it without --quantize gguf")
-    kind = t.tensor_type.name
-    if kind not in BLOCK_BYTES:
-        return None, kind
-    cols, rows = (int(x) for x in t.shape[:2])
-    q, d, m = read_blocks(t.data, kind, rows, cols)
+    if name not in blocks:
+        return None, kinds[name]
+    q, d, m = blocks[name]
     if rows_perm is not None:
         q, d = q[rows_perm], d[rows_perm]
         m = None if m is None else m[rows_perm]
-    return (q, d, m), kind
+    return (q, d, m), kinds[name]
 
 
 def _joined(parts: list[tuple]) -> tuple | None:
@@ -189,18 +229,17 @@ def _check(name: str, blocks: tuple, weight: torch.Tensor) -> None:
                           "this loader does not know); load it without --quantize gguf")
 
 
-def use_blocks(model, gguf: str | Path) -> dict:
+def use_blocks(model, gguf: str | Path, cache: Path | None = None) -> dict:
     """Replace ``model``'s linear layers (a SpecdraftModel of the Llama family, CPU) by
-    :class:`BlockLinear` s of ``gguf``'s tensors where their types allow; returns
-    ``{"gguf_blocks": "n of m layers (types)"}`` for ``runner.info["kernels"]``."""
-    from gguf import GGUFReader
-
+    :class:`BlockLinear` s of ``gguf``'s tensors where their types allow (the blocks read through
+    ``cache``, see :func:`file_blocks`); returns ``{"gguf_blocks": "n of m layers (types)"}`` for
+    ``runner.info["kernels"]``."""
     from . import cpu_ops
 
     reason = cpu_ops.load()
     if reason:
         raise ConfigError(f"quantize='gguf' needs specdraft's C++ operators: {reason}")
-    reader = GGUFReader(str(gguf))
+    blocks, file_kinds = file_blocks(gguf, cache)
     args = model.args
     q_rows, kv_rows = args.n_heads * args.head_dim, args.n_kv_heads * args.head_dim
     done, total, kinds = 0, 0, set()
@@ -209,17 +248,17 @@ def use_blocks(model, gguf: str | Path) -> dict:
         nonlocal done, total
         total += 1
         linear = getattr(parent, attr)
-        found = [_file_blocks(reader, n, p) for n, p in zip(names, perms)]
+        found = [_file_blocks(blocks, file_kinds, n, p) for n, p in zip(names, perms)]
         kinds.update(kind for _, kind in found)
         if any(b is None for b, _ in found):
             return
-        blocks = _joined([b for b, _ in found])
-        if blocks is None:
+        joined = _joined([b for b, _ in found])
+        if joined is None:
             return
-        _check(" + ".join(names), blocks, linear.weight)
+        _check(" + ".join(names), joined, linear.weight)
         bias = None if linear.bias is None else linear.bias.detach().clone()
         kind = "+".join(sorted({k for _, k in found}))
-        setattr(parent, attr, BlockLinear(*blocks, bias=bias, kind=kind))
+        setattr(parent, attr, BlockLinear(*joined, bias=bias, kind=kind))
         done += 1
 
     for i, layer in enumerate(model.layers):
@@ -230,7 +269,7 @@ def use_blocks(model, gguf: str | Path) -> dict:
         swap(attn, "wo", [b + "attn_output.weight"], [None])
         swap(ffn, "w13", [b + "ffn_gate.weight", b + "ffn_up.weight"], [None, None])
         swap(ffn, "w2", [b + "ffn_down.weight"], [None])
-    head = "output.weight" if _tensor(reader, "output.weight") is not None else "token_embd.weight"
+    head = "output.weight" if "output.weight" in file_kinds else "token_embd.weight"
     swap(model, "output", [head], [None])
     if not done:
         raise ConfigError(f"quantize='gguf' runs Q4_0, Q4_1 and Q8_0 tensors; this file's layers are "
@@ -238,4 +277,5 @@ def use_blocks(model, gguf: str | Path) -> dict:
     return {"gguf_blocks": f"{done} of {total} layers ({', '.join(sorted(kinds))})"}
 
 
-__all__ = ["BLOCK_BYTES", "BlockLinear", "dequantize", "pack_blocks", "quantize_q4_1", "read_blocks", "use_blocks"]
+__all__ = ["BLOCKS_CACHE", "BLOCK_BYTES", "BlockLinear", "dequantize", "file_blocks", "pack_blocks", "quantize_q4_1",
+           "read_blocks", "use_blocks"]

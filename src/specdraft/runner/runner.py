@@ -28,6 +28,7 @@ from __future__ import annotations
 import threading
 import time
 import weakref
+from pathlib import Path
 from typing import Any
 
 import torch
@@ -363,10 +364,12 @@ def load_runner(hf_model, compile: bool = False, quantize: str | None = None):
     if quantize == "gguf":
         from ..models import gguf_source
 
-        gguf = gguf_source(getattr(hf_model, "name_or_path", "") or "")
+        folder = getattr(hf_model, "name_or_path", "") or ""
+        gguf = gguf_source(folder)
         if gguf is None:
             raise ConfigError("quantize='gguf' runs a GGUF file's own blocks: load the target from a .gguf file "
                               "(or the default model)")
+        gguf = (gguf, Path(folder))
     converted[quantize] = finish_model(model, quantize, gguf)
     return ModelRunner(model, compile=compile, quantization=quantize)
 
@@ -388,12 +391,12 @@ def check_quantize(quantize: str | None, device) -> None:
 def finish_model(model: SpecdraftModel, quantize: str | None, gguf=None) -> SpecdraftModel:
     """``model`` (converted, or one rank's shard of it) quantized as :func:`load_runner` says and its
     float linear layers packed (:mod:`.kernels`), in place; ``gguf``: the file whose blocks
-    ``quantize="gguf"`` runs (:mod:`.gguf_blocks`)."""
+    ``quantize="gguf"`` runs (:mod:`.gguf_blocks`) and the converted folder that caches them."""
     blocks = {}
     if quantize == "gguf":
-        from .gguf_blocks import use_blocks
+        from .gguf_blocks import BLOCKS_CACHE, use_blocks
 
-        blocks = use_blocks(model, gguf)
+        blocks = use_blocks(model, gguf[0], gguf[1] / BLOCKS_CACHE)
     elif quantize is not None:
         from .quantize import quantize_int4, quantize_int8
 
