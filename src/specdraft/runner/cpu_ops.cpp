@@ -624,66 +624,122 @@ at::Tensor linear(const at::Tensor& x_, const at::Tensor& panels_, const c10::op
 
 // --- products with a GGUF file's own blocks -----------------------------------------------------
 //
-// out[m, n] = sum over groups g of 32 inputs: d[n, g] * s + mn[n, g] * xs[m, g] (+ bias[n]), where
-// s = a + b, a = sum over i < 16 of x[m, 32g + i] * q[n, 32g + i] and b the same over i >= 16 (the
-// integers q as float32, one fused multiply-add at a time, i in order) and xs[m, g] the group's sum of
-// x, added in order: the weights w = d * q + mn of llama.cpp's Q4_0/Q4_1 (4-bit q, mn = -8 d for
-// Q4_0) and Q8_0 (8-bit signed q, no mn) used as they are, never widened into a float weight. Each
-// output's arithmetic is the same whatever the row count or tile, so row-invariant by construction,
-// as linear() above. Layout (cpu_ops.pack_blocks): panels of 16 output columns; q # [P, G, 256]
-// bytes (4-bit: byte 16 i + c holds q[c, 32g + i] in its low and q[c, 32g + 16 + i] in its high
-// nibble) or [P, G, 512] (8-bit: byte 16 i + c is q[c, 32g + i]); d, mn # [P, G, 16] float16.
+// The weights are llama.cpp's blocks as they are: per group g of 32 inputs and output n, w = d * q + m
+// (Q4_1: q 4-bit unsigned; Q4_0 as Q4_1 with m = -8 d) or w = d * q (Q8_0: q 8-bit signed), d and m
+// float16. As llama.cpp does, each row of x is quantised per group to 8 bits (sx = max |x| / 127,
+// qx = round(x / sx), ties to even), the integers multiplied and summed exactly in int32 (AVX-512
+// VNNI: 64 products per instruction), and each group's sum scaled in float32:
+//
+//     out[m, n] = sum over g in order of (d[n, g] * sx[m, g]) * isum[m, n, g] + m[n, g] * xs[m, g]
+//
+// with isum = sum_i qx[m, 32g + i] * q[n, 32g + i] and xs the group's float32 sum of x (in order).
+// Integer sums are exact in any order and the float steps run in a fixed order, so each output is
+// the same whatever the row count, tile or thread: row-invariant by construction, and the scalar
+// loop (no VNNI) gives the same bits. Layout (cpu_ops.pack_blocks): panels of 16 output columns;
+// per panel and group, chunks of 64 bytes, column c's 4 bytes at 4c of a chunk: for 4-bit blocks 4
+// chunks, chunk r holding q[c, 32g + 4r + j] in the low and q[c, 32g + 16 + 4r + j] in the high
+// nibble of byte j; for 8-bit blocks 8 chunks, chunk r holding q[c, 32g + 4r + j] + 128 (unsigned,
+// so that the activations stay the signed operand; the 128 * sum(qx) it adds is taken off).
 
-#if defined(__AVX512F__)
-// MB rows x NB panels from panel p0 of P (output columns n0 .. n0 + 16 * NB, fewer past N)
+// a row's groups: its 8-bit values, their scale, the float32 sum of x and the sum of the 8-bit values
+struct QuantRows {
+    std::vector<int8_t> q;     // [M, K]
+    std::vector<float> scale;  // [M, G]
+    std::vector<float> xsum;   // [M, G]
+    std::vector<int32_t> qsum; // [M, G]
+};
+
+template <typename T>
+QuantRows quantise_rows(const T* x, int64_t M, int64_t K) {
+    const int64_t G = K / 32;
+    QuantRows r{std::vector<int8_t>(M * K), std::vector<float>(M * G), std::vector<float>(M * G),
+                std::vector<int32_t>(M * G)};
+    for (int64_t m = 0; m < M; ++m)
+        for (int64_t g = 0; g < G; ++g) {
+            float v[32], amax = 0.0f, sum = 0.0f;
+            for (int i = 0; i < 32; ++i) {
+                v[i] = widen(x[m * K + 32 * g + i]);
+                amax = std::max(amax, std::fabs(v[i]));
+                sum += v[i];
+            }
+            const float scale = amax / 127.0f, inverse = amax > 0.0f ? 127.0f / amax : 0.0f;
+            int32_t qs = 0;
+            for (int i = 0; i < 32; ++i) {
+                const float qv = std::min(127.0f, std::max(-127.0f, std::nearbyint(v[i] * inverse)));
+                r.q[m * K + 32 * g + i] = static_cast<int8_t>(qv);
+                qs += static_cast<int32_t>(qv);
+            }
+            r.scale[m * G + g] = scale;
+            r.xsum[m * G + g] = sum;
+            r.qsum[m * G + g] = qs;
+        }
+    return r;
+}
+
+// one output's group: d * sx * isum (+ m * xs); the same expression in the vector and scalar paths
+inline float group_term(float acc, int32_t isum, float d, float sx, const c10::Half* mn, int64_t mi, float xs) {
+    acc = std::fma(static_cast<float>(isum), d * sx, acc);
+    return mn ? std::fma(static_cast<float>(mn[mi]), xs, acc) : acc;
+}
+
+#if defined(__AVX512F__) && defined(__AVX512VNNI__) && defined(__AVX512BW__)
+// MB rows x NB panels (output columns n0 .. n0 + 16 * NB, fewer past N)
 template <typename T, int MB, int NB, int BITS>
-inline void block_tile(const float* x, const float* xs, int64_t K, const uint8_t* q, const c10::Half* d,
+inline void block_tile(const QuantRows& xr, int64_t m0, int64_t K, const uint8_t* q, const c10::Half* d,
                        const c10::Half* mn, T* out, int64_t N, const T* bias, int64_t n0) {
     const int64_t G = K / 32, gq = BITS == 4 ? 256 : 512;
     __m512 acc[MB][NB];
     for (int m = 0; m < MB; ++m)
         for (int j = 0; j < NB; ++j) acc[m][j] = _mm512_setzero_ps();
-    const __m512 nibbles = _mm512_setr_ps(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15);
+    const __m512i nibble = _mm512_set1_epi8(0x0F);
     for (int64_t g = 0; g < G; ++g) {
-        // the group's first 16 inputs into a, its last 16 into b (two chains of fused multiply-adds)
-        __m512 a[MB][NB], b[MB][NB];
+        __m512i isum[MB][NB];
         for (int m = 0; m < MB; ++m)
-            for (int j = 0; j < NB; ++j) a[m][j] = b[m][j] = _mm512_setzero_ps();
-        const float* xg = x + 32 * g;
-        for (int i = 0; i < 16; ++i) {
-            __m512 lo[NB], hi[NB];
-            for (int j = 0; j < NB; ++j) {
-                const uint8_t* bytes = q + (j * G + g) * gq;
-                if constexpr (BITS == 4) {  // a nibble's float by a table lookup (which reads an index's low 4 bits)
-                    const __m512i v = _mm512_cvtepu8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(bytes + 16 * i)));
-                    lo[j] = _mm512_permutexvar_ps(v, nibbles);
-                    hi[j] = _mm512_permutexvar_ps(_mm512_srli_epi32(v, 4), nibbles);
-                } else {
-                    lo[j] = _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(
-                        _mm_loadu_si128(reinterpret_cast<const __m128i*>(bytes + 16 * i))));
-                    hi[j] = _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(
-                        _mm_loadu_si128(reinterpret_cast<const __m128i*>(bytes + 16 * (16 + i)))));
+            for (int j = 0; j < NB; ++j) isum[m][j] = _mm512_setzero_si512();
+        const int8_t* qx = xr.q.data() + m0 * K + 32 * g;
+        if constexpr (BITS == 4) {
+            for (int r = 0; r < 4; ++r) {
+                __m512i lo[NB], hi[NB];
+                for (int j = 0; j < NB; ++j) {
+                    const __m512i v = _mm512_loadu_si512(q + (j * G + g) * gq + 64 * r);
+                    lo[j] = _mm512_and_si512(v, nibble);
+                    hi[j] = _mm512_and_si512(_mm512_srli_epi16(v, 4), nibble);
+                }
+                for (int m = 0; m < MB; ++m) {
+                    int32_t a, b;
+                    std::memcpy(&a, qx + m * K + 4 * r, 4);
+                    std::memcpy(&b, qx + m * K + 16 + 4 * r, 4);
+                    const __m512i xa = _mm512_set1_epi32(a), xb = _mm512_set1_epi32(b);
+                    for (int j = 0; j < NB; ++j) {
+                        isum[m][j] = _mm512_dpbusd_epi32(isum[m][j], lo[j], xa);
+                        isum[m][j] = _mm512_dpbusd_epi32(isum[m][j], hi[j], xb);
+                    }
                 }
             }
-            for (int m = 0; m < MB; ++m) {
-                const __m512 xa = _mm512_set1_ps(xg[m * K + i]), xb = _mm512_set1_ps(xg[m * K + 16 + i]);
-                for (int j = 0; j < NB; ++j) {
-                    a[m][j] = _mm512_fmadd_ps(xa, lo[j], a[m][j]);
-                    b[m][j] = _mm512_fmadd_ps(xb, hi[j], b[m][j]);
+        } else {
+            for (int r = 0; r < 8; ++r) {
+                __m512i w[NB];
+                for (int j = 0; j < NB; ++j) w[j] = _mm512_loadu_si512(q + (j * G + g) * gq + 64 * r);
+                for (int m = 0; m < MB; ++m) {
+                    int32_t a;
+                    std::memcpy(&a, qx + m * K + 4 * r, 4);
+                    const __m512i xa = _mm512_set1_epi32(a);
+                    for (int j = 0; j < NB; ++j) isum[m][j] = _mm512_dpbusd_epi32(isum[m][j], w[j], xa);
                 }
             }
         }
         for (int j = 0; j < NB; ++j) {
             const __m512 dj = _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(d + (j * G + g) * LANES)));
-            if (mn) {
-                const __m512 mj = _mm512_cvtph_ps(
-                    _mm256_loadu_si256(reinterpret_cast<const __m256i*>(mn + (j * G + g) * LANES)));
-                for (int m = 0; m < MB; ++m) {
-                    acc[m][j] = _mm512_fmadd_ps(dj, _mm512_add_ps(a[m][j], b[m][j]), acc[m][j]);
-                    acc[m][j] = _mm512_fmadd_ps(mj, _mm512_set1_ps(xs[m * G + g]), acc[m][j]);
-                }
-            } else {
-                for (int m = 0; m < MB; ++m) acc[m][j] = _mm512_fmadd_ps(dj, _mm512_add_ps(a[m][j], b[m][j]), acc[m][j]);
+            const __m512 mj = mn ? _mm512_cvtph_ps(_mm256_loadu_si256(
+                                       reinterpret_cast<const __m256i*>(mn + (j * G + g) * LANES)))
+                                 : _mm512_setzero_ps();
+            for (int m = 0; m < MB; ++m) {
+                const int64_t mg = (m0 + m) * G + g;
+                __m512i si = isum[m][j];
+                if constexpr (BITS == 8) si = _mm512_sub_epi32(si, _mm512_set1_epi32(128 * xr.qsum[mg]));
+                const __m512 scale = _mm512_mul_ps(dj, _mm512_set1_ps(xr.scale[mg]));
+                acc[m][j] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(si), scale, acc[m][j]);
+                if (mn) acc[m][j] = _mm512_fmadd_ps(mj, _mm512_set1_ps(xr.xsum[mg]), acc[m][j]);
             }
         }
     }
@@ -697,49 +753,45 @@ inline void block_tile(const float* x, const float* xs, int64_t K, const uint8_t
         const __m512 b = _mm512_load_ps(widened);
         for (int m = 0; m < MB; ++m) {
             const __m512 v = bias ? _mm512_add_ps(acc[m][j], b) : acc[m][j];
+            T* o = out + (m0 + m) * N;
             if constexpr (std::is_same_v<T, float>) {
-                _mm512_mask_storeu_ps(out + m * N + col, columns_left(count), v);
+                _mm512_mask_storeu_ps(o + col, columns_left(count), v);
             } else {  // rounded once to the dtype
                 alignas(64) float lanes[LANES];
                 _mm512_store_ps(lanes, v);
-                for (int64_t i = 0; i < count; ++i) out[m * N + col + i] = static_cast<T>(lanes[i]);
+                for (int64_t i = 0; i < count; ++i) o[col + i] = static_cast<T>(lanes[i]);
             }
         }
     }
 }
 
-// all M rows against NB panels: one row against 4 panels (more chains in flight), more rows 6 at a
-// time against one panel (each panel's integers widened once for 6 rows; 6 x 2 chains in flight)
+// all M rows against NB panels: one row against all NB, more rows 6 at a time against one panel
 template <typename T, int NB, int BITS>
-inline void block_rows(int64_t M, const float* x, const float* xs, int64_t K, const uint8_t* q, const c10::Half* d,
+inline void block_rows(int64_t M, const QuantRows& xr, int64_t K, const uint8_t* q, const c10::Half* d,
                        const c10::Half* mn, T* out, int64_t N, const T* bias, int64_t n0) {
-    const int64_t G = K / 32;
     if (M == 1) {
-        block_tile<T, 1, NB, BITS>(x, xs, K, q, d, mn, out, N, bias, n0);
+        block_tile<T, 1, NB, BITS>(xr, 0, K, q, d, mn, out, N, bias, n0);
         return;
     }
-    const int64_t gq = BITS == 4 ? 256 : 512;
+    const int64_t G = K / 32, gq = BITS == 4 ? 256 : 512;
     for (int j = 0; j < NB; ++j) {
         const uint8_t* qj = q + j * G * gq;
         const c10::Half* dj = d + j * G * LANES;
         const c10::Half* mj = mn ? mn + j * G * LANES : nullptr;
         const int64_t nj = n0 + j * LANES;
         int64_t m = 0;
-        for (; m + 6 <= M; m += 6)
-            block_tile<T, 6, 1, BITS>(x + m * K, xs + m * G, K, qj, dj, mj, out + m * N, N, bias, nj);
-        const float* xm = x + m * K;
-        const float* sm = xs + m * G;
-        T* om = out + m * N;
+        for (; m + 6 <= M; m += 6) block_tile<T, 6, 1, BITS>(xr, m, K, qj, dj, mj, out, N, bias, nj);
         switch (M - m) {
-            case 5: block_tile<T, 5, 1, BITS>(xm, sm, K, qj, dj, mj, om, N, bias, nj); break;
-            case 4: block_tile<T, 4, 1, BITS>(xm, sm, K, qj, dj, mj, om, N, bias, nj); break;
-            case 3: block_tile<T, 3, 1, BITS>(xm, sm, K, qj, dj, mj, om, N, bias, nj); break;
-            case 2: block_tile<T, 2, 1, BITS>(xm, sm, K, qj, dj, mj, om, N, bias, nj); break;
-            case 1: block_tile<T, 1, 1, BITS>(xm, sm, K, qj, dj, mj, om, N, bias, nj); break;
+            case 5: block_tile<T, 5, 1, BITS>(xr, m, K, qj, dj, mj, out, N, bias, nj); break;
+            case 4: block_tile<T, 4, 1, BITS>(xr, m, K, qj, dj, mj, out, N, bias, nj); break;
+            case 3: block_tile<T, 3, 1, BITS>(xr, m, K, qj, dj, mj, out, N, bias, nj); break;
+            case 2: block_tile<T, 2, 1, BITS>(xr, m, K, qj, dj, mj, out, N, bias, nj); break;
+            case 1: block_tile<T, 1, 1, BITS>(xr, m, K, qj, dj, mj, out, N, bias, nj); break;
             default: break;
         }
     }
 }
+#define SPECDRAFT_BLOCKS_VNNI 1
 #endif
 
 // x # [M, K] (float32 or bfloat16), q # uint8 [P, G, 256] (4-bit) or [P, G, 512] (8-bit), d and mn
@@ -768,19 +820,11 @@ at::Tensor block_linear(const at::Tensor& x_, const at::Tensor& q_, const at::Te
                 "specdraft_cpu::block_linear: bias");
     auto out = at::empty({M, N}, x.options());
     if (M == 0) return out;
-    // the rows widened to float32 once (exact) and each group's sum of x, added in order
-    std::vector<float> xf(M * K), xs(M * G);
+    QuantRows xr;
     dispatch(x.scalar_type(), [&](auto tag) {
         using T = decltype(tag);
-        const T* px = x.data_ptr<T>();
-        for (int64_t i = 0; i < M * K; ++i) xf[i] = widen(px[i]);
+        xr = quantise_rows(x.data_ptr<T>(), M, K);
     });
-    for (int64_t m = 0; m < M; ++m)
-        for (int64_t g = 0; g < G; ++g) {
-            float sum = 0.0f;
-            for (int64_t i = 0; i < 32; ++i) sum += xf[m * K + 32 * g + i];
-            xs[m * G + g] = sum;
-        }
     const uint8_t* pq = q.data_ptr<uint8_t>();
     const c10::Half* pd = d.data_ptr<c10::Half>();
     const c10::Half* pm = mn.defined() ? mn.data_ptr<c10::Half>() : nullptr;
@@ -792,7 +836,7 @@ at::Tensor block_linear(const at::Tensor& x_, const at::Tensor& q_, const at::Te
         } else {
             const T* pb = bias.defined() ? bias.data_ptr<T>() : nullptr;
             T* po = out.data_ptr<T>();
-#if defined(__AVX512F__)
+#if defined(SPECDRAFT_BLOCKS_VNNI)
             // panels in groups of 4, the groups spread over the threads
             const int64_t NB = 4;
             const int64_t groups = (P + NB - 1) / NB;
@@ -802,51 +846,51 @@ at::Tensor block_linear(const at::Tensor& x_, const at::Tensor& q_, const at::Te
                     const uint8_t* qp = pq + p0 * G * gq;
                     const c10::Half* dp = pd + p0 * G * LANES;
                     const c10::Half* mp = pm ? pm + p0 * G * LANES : nullptr;
-                    const float *xr = xf.data(), *sr = xs.data();
                     const int64_t n0 = p0 * LANES;
                     const int64_t left = std::min(NB, P - p0);
                     if (BITS == 4) {
                         switch (left) {
-                            case 4: block_rows<T, 4, 4>(M, xr, sr, K, qp, dp, mp, po, N, pb, n0); break;
-                            case 3: block_rows<T, 3, 4>(M, xr, sr, K, qp, dp, mp, po, N, pb, n0); break;
-                            case 2: block_rows<T, 2, 4>(M, xr, sr, K, qp, dp, mp, po, N, pb, n0); break;
-                            default: block_rows<T, 1, 4>(M, xr, sr, K, qp, dp, mp, po, N, pb, n0); break;
+                            case 4: block_rows<T, 4, 4>(M, xr, K, qp, dp, mp, po, N, pb, n0); break;
+                            case 3: block_rows<T, 3, 4>(M, xr, K, qp, dp, mp, po, N, pb, n0); break;
+                            case 2: block_rows<T, 2, 4>(M, xr, K, qp, dp, mp, po, N, pb, n0); break;
+                            default: block_rows<T, 1, 4>(M, xr, K, qp, dp, mp, po, N, pb, n0); break;
                         }
                     } else {
                         switch (left) {
-                            case 4: block_rows<T, 4, 8>(M, xr, sr, K, qp, dp, mp, po, N, pb, n0); break;
-                            case 3: block_rows<T, 3, 8>(M, xr, sr, K, qp, dp, mp, po, N, pb, n0); break;
-                            case 2: block_rows<T, 2, 8>(M, xr, sr, K, qp, dp, mp, po, N, pb, n0); break;
-                            default: block_rows<T, 1, 8>(M, xr, sr, K, qp, dp, mp, po, N, pb, n0); break;
+                            case 4: block_rows<T, 4, 8>(M, xr, K, qp, dp, mp, po, N, pb, n0); break;
+                            case 3: block_rows<T, 3, 8>(M, xr, K, qp, dp, mp, po, N, pb, n0); break;
+                            case 2: block_rows<T, 2, 8>(M, xr, K, qp, dp, mp, po, N, pb, n0); break;
+                            default: block_rows<T, 1, 8>(M, xr, K, qp, dp, mp, po, N, pb, n0); break;
                         }
                     }
                 }
             });
 #else
-            // the same arithmetic, one output at a time (correct anywhere; cpu_ops.py uses it with AVX-512 only)
+            // the same arithmetic, one output at a time (exact integer sums, the float steps in the
+            // same order): correct anywhere, and the same bits as the VNNI path
             at::parallel_for(0, N, 16, [&](int64_t begin, int64_t end) {
                 for (int64_t n = begin; n < end; ++n) {
                     const int64_t p = n / LANES, c = n % LANES;
                     for (int64_t m = 0; m < M; ++m) {
-                        const float* xm = xf.data() + m * K;
                         float acc = 0.0f;
                         for (int64_t g = 0; g < G; ++g) {
                             const uint8_t* b = pq + (p * G + g) * gq;
-                            float sa = 0.0f, sb = 0.0f;
-                            for (int64_t i = 0; i < 16; ++i) {
-                                float lo, hi;
-                                if (BITS == 4) {
-                                    lo = static_cast<float>(b[16 * i + c] & 0xF);
-                                    hi = static_cast<float>(b[16 * i + c] >> 4);
-                                } else {
-                                    lo = static_cast<float>(static_cast<int8_t>(b[16 * i + c]));
-                                    hi = static_cast<float>(static_cast<int8_t>(b[16 * (16 + i) + c]));
-                                }
-                                sa = std::fma(xm[32 * g + i], lo, sa);
-                                sb = std::fma(xm[32 * g + 16 + i], hi, sb);
+                            const int8_t* qx = xr.q.data() + m * K + 32 * g;
+                            int32_t isum = 0;
+                            if (BITS == 4) {
+                                for (int r = 0; r < 4; ++r)
+                                    for (int j = 0; j < 4; ++j) {
+                                        const uint8_t v = b[64 * r + 4 * c + j];
+                                        isum += (v & 0xF) * qx[4 * r + j] + (v >> 4) * qx[16 + 4 * r + j];
+                                    }
+                            } else {
+                                for (int r = 0; r < 8; ++r)
+                                    for (int j = 0; j < 4; ++j) isum += b[64 * r + 4 * c + j] * qx[4 * r + j];
+                                isum -= 128 * xr.qsum[m * G + g];
                             }
-                            acc = std::fma(static_cast<float>(pd[(p * G + g) * LANES + c]), sa + sb, acc);
-                            if (pm) acc = std::fma(static_cast<float>(pm[(p * G + g) * LANES + c]), xs[m * G + g], acc);
+                            const int64_t mi = (p * G + g) * LANES + c;
+                            acc = group_term(acc, isum, static_cast<float>(pd[mi]), xr.scale[m * G + g], pm, mi,
+                                             xr.xsum[m * G + g]);
                         }
                         po[m * N + n] = static_cast<T>(pb ? acc + widen(pb[n]) : acc);
                     }

@@ -5,23 +5,27 @@ bfloat16 model then rounds those weights again: the default model's 4.5-bit Q4_1
 269 MB of bfloat16 that every decode step reads, where llama.cpp reads the file's 98 MB. With
 ``quantize="gguf"`` each linear layer whose GGUF tensor is Q4_0, Q4_1 or Q8_0 is a
 :class:`BlockLinear` instead: the file's integers and float16 scales as they are, multiplied by
-``specdraft_cpu::block_linear`` (:mod:`.cpu_ops`), which computes ``w = d * q + m`` inside the
-product in float32 and never stores a float weight. The weights are the file's exactly (the
-float path's bfloat16 rounding of them is gone) and a step reads about as many bytes as llama.cpp's.
+``specdraft_cpu::block_linear`` (:mod:`.cpu_ops`), which never stores a float weight. As llama.cpp
+does, the product's inputs are rounded to 8 bits per group of 32 (one scale per group of a row),
+the integers multiplied and summed exactly (AVX-512 VNNI where the processor has it), and each
+group's sum scaled in float32; so a step reads about as many bytes as llama.cpp's and does a
+quarter of the float work. The model is the file's, with llama.cpp's kind of rounding: close to
+the float model (a test bounds it), not equal to it.
 
-Each output is one float32 sum in a fixed order (per group of 32 inputs: the integers times the
-inputs, then ``d`` times that plus ``m`` times the inputs' sum), so the products are row-invariant
-by construction, as :class:`~.cpu_ops.PanelLinear`'s are: a verify pass gives each token the logits
-one-token steps give it. Tensors of other types (F16, BF16, F32, the K-quants) keep the float
-path's linears; ``runner.info["kernels"]["gguf_blocks"]`` counts the layers that run on blocks. A
-float64 model (the parity tests) multiplies the dequantised blocks in float64.
+Each output is one fixed sequence of steps over its own row (exact integer sums, then the groups'
+float32 terms in order), so the products are row-invariant by construction, as
+:class:`~.cpu_ops.PanelLinear`'s are: a verify pass gives each token the logits one-token steps
+give it, and speculation stays exact. Tensors of other types (F16, BF16, F32, the K-quants) keep
+the float path's linears; ``runner.info["kernels"]["gguf_blocks"]`` counts the layers that run on
+blocks. A float64 model (the parity tests) multiplies the dequantised blocks in float64.
 
 Which tensor feeds which layer: ``attn_q``, ``attn_k`` and ``attn_v`` (the fused ``wqkv``; q and k
 in the order llama.cpp's converter permuted them into, undone as transformers undoes it),
 ``attn_output``, ``ffn_gate`` and ``ffn_up`` (``w13``), ``ffn_down``, and ``output`` (else the tied
 ``token_embd``). Every block layer is checked against the loaded model's weight before it replaces
 it (equal up to the model dtype's rounding), so a file the mapping misreads fails to load, with the
-tensor's name, rather than running another model.
+tensor's name, rather than running another model. The blocks are cached beside the converted
+model (:data:`BLOCKS_CACHE`), so only the first load parses the file.
 """
 
 from __future__ import annotations
@@ -88,7 +92,9 @@ def dequantize(q: torch.Tensor, d: torch.Tensor, m: torch.Tensor | None, dtype=t
 
 def pack_blocks(q: torch.Tensor, d: torch.Tensor, m: torch.Tensor | None):
     """``(q, d, m)`` of :func:`read_blocks` in the layout ``specdraft_cpu::block_linear`` streams:
-    panels of 16 output columns, group by group (see cpu_ops.cpp)."""
+    panels of 16 output columns, group by group, chunks of 64 bytes holding 4 inputs of each column
+    (4-bit: input 4r + j in the low nibble, 16 + 4r + j in the high one; 8-bit: q + 128, unsigned;
+    see cpu_ops.cpp)."""
     n, k = q.shape
     pad = -n % PANEL
     p, g = (n + pad) // PANEL, k // BLOCK
@@ -97,11 +103,14 @@ def pack_blocks(q: torch.Tensor, d: torch.Tensor, m: torch.Tensor | None):
         t = torch.cat([t, t.new_zeros(pad, *t.shape[1:])]) if pad else t
         return t.reshape(p, PANEL, *t.shape[1:])
 
-    blocks = panels(q).reshape(p, PANEL, g, BLOCK).permute(0, 2, 3, 1)  # [P, G, i, c]
-    if q.dtype == torch.uint8:  # 4-bit: element i in the low nibble of byte i, element i + 16 in its high one
-        packed = blocks[:, :, :16] | (blocks[:, :, 16:] << 4)
-    else:
-        packed = blocks.contiguous().view(torch.uint8)
+    def chunks(t: torch.Tensor) -> torch.Tensor:  # [P, G, c, 4r] -> [P, G, r, c, j]
+        return t.reshape(p, g, PANEL, -1, 4).permute(0, 1, 3, 2, 4)
+
+    blocks = panels(q).reshape(p, PANEL, g, BLOCK).permute(0, 2, 1, 3)  # [P, G, c, i]
+    if q.dtype == torch.uint8:  # 4-bit
+        packed = chunks(blocks[..., :16]) | (chunks(blocks[..., 16:]) << 4)
+    else:  # 8-bit, as unsigned q + 128 (the sign bit flipped)
+        packed = chunks(blocks.contiguous().view(torch.uint8) ^ 0x80)
     scales = [None if t is None else panels(t).permute(0, 2, 1).contiguous() for t in (d, m)]
     return packed.reshape(p, g, -1).contiguous(), scales[0], scales[1]
 
