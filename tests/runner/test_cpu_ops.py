@@ -17,7 +17,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 
 from specdraft.runner import cpu_ops, load_runner
 from specdraft.runner.model import rms_norm as torch_rms_norm
-from specdraft.testing import differing_widths
+from specdraft.testing import differing_widths, on_one_thread
 from specdraft.testing.architectures import tiny_config, tiny_hf
 
 pytestmark = pytest.mark.skipif(cpu_ops.load() != "", reason=f"no C++ extension here: {cpu_ops.load()}")
@@ -224,13 +224,7 @@ def test_panel_products_do_not_depend_on_the_threads():
     torch.manual_seed(1)
     panel = cpu_ops.PanelLinear(torch.nn.Linear(96, 300))
     x = torch.randn(30, 96)
-    threads = torch.get_num_threads()
-    try:
-        torch.set_num_threads(1)
-        one = panel(x)
-    finally:
-        torch.set_num_threads(threads)
-    assert torch.equal(panel(x), one)
+    assert torch.equal(panel(x), on_one_thread(panel, x))
 
 
 def test_panels_replace_float32_products_and_bfloat16_ones_without_native_bfloat16(monkeypatch):

@@ -14,7 +14,7 @@ import torch
 from specdraft import ConfigError, SpeculativeDecoder
 from specdraft.runner import cpu_ops, load_runner
 from specdraft.runner.gguf_blocks import BlockLinear, dequantize, read_blocks
-from specdraft.testing import repetitive_prompts, tiny_llama
+from specdraft.testing import on_one_thread, repetitive_prompts, tiny_llama
 from specdraft.testing.gguf import write_gguf
 
 pytestmark = pytest.mark.skipif(cpu_ops.load() != "", reason=f"no C++ extension here: {cpu_ops.load()}")
@@ -91,13 +91,7 @@ def test_block_products_do_not_depend_on_the_threads():
     raw, _ = _blocks("Q4_1", 300, 96)
     linear = BlockLinear(*read_blocks(raw, "Q4_1", 300, 96))
     x = torch.randn(7, 96)
-    threads = torch.get_num_threads()
-    try:
-        torch.set_num_threads(1)
-        one = linear(x)
-    finally:
-        torch.set_num_threads(threads)
-    assert torch.equal(linear(x), one)
+    assert torch.equal(linear(x), on_one_thread(linear, x))
 
 
 @pytest.fixture(scope="module")

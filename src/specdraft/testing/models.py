@@ -159,6 +159,19 @@ def plain_reference(decoder):
     return RunnerAsModel(runner.__class__(runner.model, quantization=runner.quantization), vocab)
 
 
+def on_one_thread(fn, *args):
+    """``fn(*args)`` with torch held to one thread (its thread count restored after): a kernel's
+    result there must equal its result on all threads."""
+    import torch
+
+    threads = torch.get_num_threads()
+    try:
+        torch.set_num_threads(1)
+        return fn(*args)
+    finally:
+        torch.set_num_threads(threads)
+
+
 def differing_widths(runner, vocab_size: int, widths, prompt_lengths=(9, 4, 13), seed: int = 0, subset=(0, 2)):
     """Where ``runner`` is not row-invariant: rows with prompts of ``prompt_lengths`` tokens (one
     cache slot each; three by default), their one-token steps (each row alone) against passes of
