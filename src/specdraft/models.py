@@ -264,7 +264,7 @@ def _record_source(out: Path, gguf: Path) -> None:
 def gguf_source(folder: str | os.PathLike) -> Path | None:
     """The GGUF file a converted folder came from (None for other folders, or when it has moved)."""
     record = Path(folder) / GGUF_SOURCE
-    if not record.is_file():
+    if not str(folder) or not record.is_file():
         return None
     path = Path(record.read_text())
     return path if path.is_file() else None

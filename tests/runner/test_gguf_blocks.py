@@ -11,10 +11,10 @@ import numpy as np
 import pytest
 import torch
 
-from specdraft import ConfigError, SpeculativeDecoder
+from specdraft import ConfigError, SamplingParams, SpeculativeDecoder
 from specdraft.runner import cpu_ops, load_runner
 from specdraft.runner.gguf_blocks import BlockLinear, dequantize, read_blocks
-from specdraft.testing import on_one_thread, repetitive_prompts, tiny_llama
+from specdraft.testing import SIGNIFICANCE, on_one_thread, repetitive_prompts, sampled_joint_pvalue, tiny_llama
 from specdraft.testing.gguf import write_gguf
 
 pytestmark = pytest.mark.skipif(cpu_ops.load() != "", reason=f"no C++ extension here: {cpu_ops.load()}")
@@ -116,6 +116,20 @@ def test_a_model_on_its_gguf_blocks_speculates_exactly(gguf_model, drafter, k):
     results = dec.generate_ids(prompts, max_new_tokens=24)
     assert [r.token_ids for r in results] == expected
     assert sum(r.stats.accepted_tokens for r in results) > 0  # drafts were accepted, not just bonus tokens
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_sampling_on_gguf_blocks_keeps_the_targets_distribution(tmp_path, dtype):
+    """Sampled speculation on the blocks: the first K + 1 tokens of many samples against the blocks
+    model's exact distribution (enumerated from its own plain decoding), chi-square at SIGNIFICANCE."""
+    model = tiny_llama(vocab_size=64, seed=9, dtype=dtype)
+    write_gguf(model, tmp_path, "Q4_1")
+    dec = SpeculativeDecoder(model, None, drafter="ngram", spec_length=3, quantize="gguf", adaptive=False,
+                             max_batch=512)
+    assert dec.runner_info["kernels"]["gguf_blocks"] == "9 of 9 layers (Q4_1)"
+    pvalue, results = sampled_joint_pvalue(dec, [3, 5, 3, 5, 3], SamplingParams(temperature=0.8, top_k=4), seed=3)
+    assert sum(r.stats.drafted_tokens for r in results) >= len(results)  # every row drafted
+    assert pvalue > SIGNIFICANCE
 
 
 def test_the_blocks_are_the_files_model(gguf_model):

@@ -115,6 +115,24 @@ def pack_blocks(q: torch.Tensor, d: torch.Tensor, m: torch.Tensor | None):
     return packed.reshape(p, g, -1).contiguous(), scales[0], scales[1]
 
 
+def unpack_blocks(packed: torch.Tensor, d: torch.Tensor, m: torch.Tensor | None, n: int):
+    """The inverse of :func:`pack_blocks`: ``(q, d, m)`` of the first ``n`` output columns."""
+    p, g, size = packed.shape
+
+    def columns(t: torch.Tensor) -> torch.Tensor:  # [P, G, 16, ...] -> [N, G, ...]
+        return t.transpose(1, 2).reshape(p * PANEL, g, *t.shape[3:])[:n]
+
+    def inputs(t: torch.Tensor) -> torch.Tensor:  # [P, G, r, c, j] -> [P, G, c, 4r]
+        return t.permute(0, 1, 3, 2, 4).reshape(p, g, PANEL, -1)
+
+    chunks = packed.reshape(p, g, size // 64, PANEL, 4)
+    if size == 256:  # 4-bit
+        blocks = torch.cat([inputs(chunks & 0xF), inputs(chunks >> 4)], dim=-1)
+    else:
+        blocks = inputs((chunks ^ 0x80).view(torch.int8))
+    return columns(blocks).reshape(n, -1), columns(d), None if m is None else columns(m)
+
+
 class BlockLinear(nn.Module):
     """A linear layer of GGUF blocks (:func:`read_blocks`), no float weight: ``specdraft_cpu::block_linear``
     for float32 and bfloat16 inputs, the dequantised weight for float64 ones (the parity tests)."""
@@ -130,13 +148,13 @@ class BlockLinear(nn.Module):
         self.register_buffer("m", pm)
         self.register_buffer("bias", bias)
         self.nbytes = sum(t.numel() * t.element_size() for t in (packed, pd, pm) if t is not None)
-        self._blocks = (q, d, m)  # for float64 inputs, dequantised on first use
-        self._float64: torch.Tensor | None = None
+        self._float64: torch.Tensor | None = None  # the dequantised weight, made on first float64 use
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if x.dtype == torch.float64:
             if self._float64 is None:
-                self._float64 = dequantize(*self._blocks, dtype=torch.float64)
+                blocks = unpack_blocks(self.q, self.d, self.m, self.out_features)
+                self._float64 = dequantize(*blocks, dtype=torch.float64)
             bias = None if self.bias is None else self.bias.double()
             return nn.functional.linear(x, self._float64, bias)
         flat = x.reshape(-1, self.in_features)
@@ -148,7 +166,7 @@ class BlockLinear(nn.Module):
                f"{self.kind} blocks"
 
 
-def _llama_permutation(rows: int, heads: int) -> torch.Tensor:
+def llama_permutation(rows: int, heads: int) -> torch.Tensor:
     """Row order that undoes llama.cpp's converter's permutation of q or k (transformers'
     ``reverse_permute_weights``): rows ``[heads, dim, 2]`` read as ``[heads, 2, dim]``."""
     return torch.arange(rows).reshape(heads, rows // heads // 2, 2).transpose(1, 2).reshape(-1)
@@ -238,17 +256,20 @@ def _check(name: str, blocks: tuple, weight: torch.Tensor) -> None:
                           "this loader does not know); load it without --quantize gguf")
 
 
-def use_blocks(model, gguf: str | Path, cache: Path | None = None) -> dict:
+def use_blocks(model, folder: str | Path) -> dict:
     """Replace ``model``'s linear layers (a SpecdraftModel of the Llama family, CPU) by
-    :class:`BlockLinear` s of ``gguf``'s tensors where their types allow (the blocks read through
-    ``cache``, see :func:`file_blocks`); returns ``{"gguf_blocks": "n of m layers (types)"}`` for
-    ``runner.info["kernels"]``."""
-    from . import cpu_ops
+    :class:`BlockLinear` s of the tensors of the GGUF file ``folder`` was converted from
+    (:func:`~specdraft.models.gguf_source`) where their types allow (read through the folder's
+    :data:`BLOCKS_CACHE`, see :func:`file_blocks`); returns ``{"gguf_blocks": "n of m layers
+    (types)"}`` for ``runner.info["kernels"]``. The caller has loaded :mod:`.cpu_ops`, whose operator
+    the layers call."""
+    from ..models import gguf_source
 
-    reason = cpu_ops.load()
-    if reason:
-        raise ConfigError(f"quantize='gguf' needs specdraft's C++ operators: {reason}")
-    blocks, file_kinds = file_blocks(gguf, cache)
+    gguf = gguf_source(folder)
+    if gguf is None:
+        raise ConfigError("quantize='gguf' runs a GGUF file's own blocks: load the target from a .gguf file "
+                          "(or the default model)")
+    blocks, file_kinds = file_blocks(gguf, Path(folder) / BLOCKS_CACHE)
     args = model.args
     q_rows, kv_rows = args.n_heads * args.head_dim, args.n_kv_heads * args.head_dim
     done, total, kinds = 0, 0, set()
@@ -274,7 +295,7 @@ def use_blocks(model, gguf: str | Path, cache: Path | None = None) -> dict:
         b = f"blk.{i}."
         attn, ffn = layer.attention, layer.feed_forward
         swap(attn, "wqkv", [b + "attn_q.weight", b + "attn_k.weight", b + "attn_v.weight"],
-             [_llama_permutation(q_rows, args.n_heads), _llama_permutation(kv_rows, args.n_kv_heads), None])
+             [llama_permutation(q_rows, args.n_heads), llama_permutation(kv_rows, args.n_kv_heads), None])
         swap(attn, "wo", [b + "attn_output.weight"], [None])
         swap(ffn, "w13", [b + "ffn_gate.weight", b + "ffn_up.weight"], [None, None])
         swap(ffn, "w2", [b + "ffn_down.weight"], [None])
@@ -287,4 +308,4 @@ def use_blocks(model, gguf: str | Path, cache: Path | None = None) -> dict:
 
 
 __all__ = ["BLOCKS_CACHE", "BLOCK_BYTES", "BlockLinear", "dequantize", "file_blocks", "pack_blocks", "quantize_q4_1",
-           "read_blocks", "use_blocks"]
+           "llama_permutation", "read_blocks", "unpack_blocks", "use_blocks"]

@@ -28,7 +28,6 @@ from __future__ import annotations
 import threading
 import time
 import weakref
-from pathlib import Path
 from typing import Any
 
 import torch
@@ -314,6 +313,9 @@ def _version(tensor: torch.Tensor) -> int | None:
 #: weight quantizations a runner offers (None: the model's own weights)
 QUANTIZATIONS = (None, "int8", "int4", "gguf")
 
+#: quantizations whose kernels are CPU ones, and why
+CPU_ONLY = {"int4": "torch's int4 kernel here is the CPU one", "gguf": "the blocks' kernel is a CPU one"}
+
 #: converted (and quantized) models per transformers model: runners of one model share its weights
 _CONVERTED: "weakref.WeakKeyDictionary[Any, dict]" = weakref.WeakKeyDictionary()
 
@@ -360,17 +362,8 @@ def load_runner(hf_model, compile: bool = False, quantize: str | None = None):
         from .hf import TransformersRunner
 
         return TransformersRunner(hf_model, reason)
-    gguf = None
-    if quantize == "gguf":
-        from ..models import gguf_source
-
-        folder = getattr(hf_model, "name_or_path", "") or ""
-        gguf = gguf_source(folder)
-        if gguf is None:
-            raise ConfigError("quantize='gguf' runs a GGUF file's own blocks: load the target from a .gguf file "
-                              "(or the default model)")
-        gguf = (gguf, Path(folder))
-    converted[quantize] = finish_model(model, quantize, gguf)
+    folder = getattr(hf_model, "name_or_path", "") or ""  # where quantize="gguf" finds the file's blocks
+    converted[quantize] = finish_model(model, quantize, folder)
     return ModelRunner(model, compile=compile, quantization=quantize)
 
 
@@ -380,23 +373,25 @@ def check_quantize(quantize: str | None, device) -> None:
 
     if quantize not in QUANTIZATIONS:
         raise ConfigError(f"quantize must be one of {', '.join(map(repr, QUANTIZATIONS))} (got {quantize!r})")
-    if quantize == "int4" and torch.device(device).type != "cpu":
-        raise ConfigError("quantize='int4' runs on CPU only (torch's int4 kernel here is the CPU one); "
-                          "use quantize='int8' on a GPU")
-    if quantize == "gguf" and torch.device(device).type != "cpu":
-        raise ConfigError("quantize='gguf' runs on CPU only (the blocks' kernel is a CPU one); "
-                          "use quantize='int8' on a GPU")
+    why = CPU_ONLY.get(quantize)
+    if why and torch.device(device).type != "cpu":
+        raise ConfigError(f"quantize={quantize!r} runs on CPU only ({why}); use quantize='int8' on a GPU")
 
 
-def finish_model(model: SpecdraftModel, quantize: str | None, gguf=None) -> SpecdraftModel:
+def finish_model(model: SpecdraftModel, quantize: str | None, folder: str = "") -> SpecdraftModel:
     """``model`` (converted, or one rank's shard of it) quantized as :func:`load_runner` says and its
-    float linear layers packed (:mod:`.kernels`), in place; ``gguf``: the file whose blocks
-    ``quantize="gguf"`` runs (:mod:`.gguf_blocks`) and the converted folder that caches them."""
+    float linear layers packed (:mod:`.kernels`), in place; ``folder``: the converted GGUF folder
+    whose file's blocks ``quantize="gguf"`` runs (:mod:`.gguf_blocks`)."""
     blocks = {}
     if quantize == "gguf":
-        from .gguf_blocks import BLOCKS_CACHE, use_blocks
+        from ..errors import ConfigError
+        from . import cpu_ops
+        from .gguf_blocks import use_blocks
 
-        blocks = use_blocks(model, gguf[0], gguf[1] / BLOCKS_CACHE)
+        reason = cpu_ops.load()
+        if reason:
+            raise ConfigError(f"quantize='gguf' needs specdraft's C++ operators: {reason}")
+        blocks = use_blocks(model, folder)
     elif quantize is not None:
         from .quantize import quantize_int4, quantize_int8
 

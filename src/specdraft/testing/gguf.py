@@ -29,7 +29,7 @@ def write_gguf(hf_model, folder: str | Path, kind: str = "Q4_1", permute: bool =
     import gguf
 
     from ..models import GGUF_SOURCE
-    from ..runner.gguf_blocks import _llama_permutation
+    from ..runner.gguf_blocks import llama_permutation
 
     qtype = getattr(gguf.GGMLQuantizationType, kind)
     config = hf_model.config
@@ -50,7 +50,7 @@ def write_gguf(hf_model, folder: str | Path, kind: str = "Q4_1", permute: bool =
             raw = gguf.quants.quantize(np.ascontiguousarray(weight), qtype)
             values = torch.from_numpy(gguf.quants.dequantize(raw, qtype).reshape(weight.shape).copy())
             if group and permute:
-                values = values[_llama_permutation(values.shape[0], group)]
+                values = values[llama_permutation(values.shape[0], group)]
             module.weight.copy_(values.to(module.weight.dtype))
             writer.add_tensor(name, raw, raw_shape=raw.shape, raw_dtype=qtype)  # the shape in bytes
     writer.write_header_to_file()
