@@ -91,6 +91,16 @@ class DrafterServices:
             linear.bias = torch.nn.Parameter(bias.detach(), requires_grad=False)
         return cpu_ops.PanelLinear(linear) if cpu_ops.panels_apply(linear) else None
 
+    def cpu_operator(self, name: str):
+        """specdraft's C++ operator ``name`` on CPU (``torch.ops.specdraft_cpu.<name>``: for example
+        ``copy_choose``, greedy drafting through a copy gate), or None where the extension does not
+        load (no compiler, ``SPECDRAFT_CPU_OPS=torch``)."""
+        import torch
+
+        from .runner import cpu_ops
+
+        return None if cpu_ops.load() else getattr(torch.ops.specdraft_cpu, name)
+
     def attention_backends(self, device):
         """The attention kernels specdraft allows on ``device`` (on CUDA: no cuDNN, which plans per
         key length), as a context; for a drafter's own modules run outside a runner (training)."""

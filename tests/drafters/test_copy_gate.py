@@ -54,3 +54,37 @@ def test_device_candidates_are_lookups():
             row = ids[b, : lengths[b]].tolist()
             follow, matched = lookup(row, 1, 1, 3)
             assert (int(candidate[b]), int(n[b])) == (follow[0] if follow else -1, matched), (trial, row)
+
+
+@pytest.mark.parametrize("trimmed", [False, True])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_the_cpu_operator_chooses_as_python_does(trimmed, dtype):
+    """``specdraft_cpu::copy_choose`` (greedy drafting's candidates and choice in one C++ call on
+    CPU) gives the tokens of :func:`device_candidates` then :meth:`CopyDrafting.choose`, and their
+    mixture probabilities within float32 rounding, for padded rows of different lengths, with
+    and without a candidate, in and outside a trimmed head."""
+    from specdraft.drafters.common.copy_gate import DraftedRows, device_candidates
+    from specdraft.services import DrafterServices
+
+    if DrafterServices().cpu_operator("copy_choose") is None:
+        pytest.skip("no C++ extension here")
+    gen = torch.Generator().manual_seed(5)
+    vocab, hidden, rows = 48, 16, 64
+    head_ids = torch.randperm(vocab, generator=gen)[:30].sort().values if trimmed else None
+    gate = CopyGate(hidden)
+    for p in gate.parameters():
+        torch.nn.init.normal_(p, std=1.0)
+    drafting = CopyDrafting(gate, head_ids, vocab, DrafterServices())
+    small = (torch.randn(rows, vocab if head_ids is None else len(head_ids), generator=gen) * 3).to(dtype)
+    features = torch.randn(rows, hidden, generator=gen).to(dtype)
+    lengths = torch.randint(1, 40, (rows,), generator=gen)
+    ids = torch.randint(6, (rows, int(lengths.max()) + 2), generator=gen)  # few tokens: many matches
+    ids[: rows // 2] = torch.randint(vocab, (rows // 2, ids.shape[1]), generator=gen)  # and rows with few
+
+    assert drafting._native(small)
+    token, confidence = drafting._native_choose(small, features, DraftedRows(ids, lengths))
+    copy_ids, match = device_candidates(ids, lengths, gate.min_ngram, gate.max_ngram)
+    want, want_confidence = drafting.choose(small.float(), features.float(), copy_ids, match)
+    assert torch.equal(token, want)
+    torch.testing.assert_close(confidence, want_confidence, rtol=1e-5, atol=1e-6)
+    assert (match > 0).any() and (match == 0).any() and (token == copy_ids).any() and (token != copy_ids).any()

@@ -604,3 +604,35 @@ def test_layer_runner_names_what_it_cannot_run(tiny_model):
     module = build_heads("eagle", tiny_model.config)
     with pytest.raises(ConfigError, match="pass attention_norm=False"):
         default_services().layer_runner(module.layer, module.llama_config, compile=False)  # EAGLE-1's layer has no input norm
+
+
+@pytest.mark.parametrize("kind", ["eagle", "mlp-speculator"])
+def test_heads_draft_on_the_product_the_services_lend(tiny_model, tmp_path, monkeypatch, kind):
+    """The shared LM head's rows run on ``services.fast_linear``'s product when it lends one (a
+    class attribute once hid the assigned module, so drafting ran ``F.linear`` instead), and the
+    output stays plain decoding's."""
+    from specdraft.services import DrafterServices
+
+    calls = []
+
+    class Recording(torch.nn.Linear):
+        def forward(self, x):
+            calls.append(x.shape)
+            return super().forward(x)
+
+    def lend(self, weight, bias=None):
+        linear = Recording(weight.shape[1], weight.shape[0], bias=bias is not None, dtype=weight.dtype)
+        linear.weight.data.copy_(weight)
+        if bias is not None:
+            linear.bias.data.copy_(bias)
+        return linear
+
+    monkeypatch.setattr(DrafterServices, "fast_linear", lend)
+    heads = random_heads(kind, tiny_model, tmp_path / kind, seed=1)
+    dec = SpeculativeDecoder(tiny_model, None, drafter=kind, spec_length=3, adaptive=False,
+                             drafter_options={"heads": str(heads), "min_confidence": 0})
+    assert isinstance(dec.drafter.head.product, Recording)
+    prompts = [[1, 2, 3, 4, 5], [9, 10, 11, 12]]
+    for p, r in zip(prompts, dec.generate_ids(prompts, max_new_tokens=8)):
+        assert r.token_ids == plain_greedy(tiny_model, p, 8)
+    assert calls

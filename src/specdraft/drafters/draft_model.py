@@ -119,7 +119,7 @@ class DraftModelDrafter(Drafter):
         if gate is not None:
             from .common.copy_gate import CopyDrafting
 
-            self.copier = CopyDrafting(gate, model.lm_head.head_ids, target.vocab_size)
+            self.copier = CopyDrafting(gate, model.lm_head.head_ids, target.vocab_size, getattr(target, "services", None))
         super().__init__(options, target)
 
     def reset(self) -> None:

@@ -134,13 +134,19 @@ class CopyDrafting:
     """Draws tokens from the copy mixture of a drafter whose output head covers ``head_ids``.
 
     ``head_ids # [N]`` are the token ids of the head's logits (None: the head covers the whole
-    vocabulary, column = id); ``vocab_size`` is the target's.
+    vocabulary, column = id); ``vocab_size`` is the target's; ``services`` the target's
+    (``TargetInfo.services``), for the C++ operator of greedy drafting on CPU.
     """
 
-    def __init__(self, gate: CopyGate, head_ids: torch.Tensor | None, vocab_size: int) -> None:
+    def __init__(self, gate: CopyGate, head_ids: torch.Tensor | None, vocab_size: int, services=None) -> None:
         self.gate, self.head_ids, self.vocab_size = gate, head_ids, vocab_size
+        #: greedy drafting's candidates and choice in one call on CPU (``specdraft_cpu::copy_choose``,
+        #: lent by ``services.cpu_operator``), or None: torch's operators
+        lend = getattr(services, "cpu_operator", None)
+        self.operator = lend("copy_choose") if lend is not None else None
         # token id -> its column in the head's logits (-1: not in the head)
         self.slot = None if head_ids is None else column_table(head_ids, vocab_size)
+        self._weights: tuple | None = None  # the gate's weights for the operator, made on first use
 
     def gated(self, small: torch.Tensor, hidden: torch.Tensor, copy_ids: torch.Tensor, match: torch.Tensor):
         """``(logp # [..., N], gate, logp_copy # [...])`` for head logits ``small # [..., N]`` read
@@ -171,6 +177,25 @@ class CopyDrafting:
         token = torch.where((gate > 0) & (copy_weight >= top_weight), copy_ids, best)
         return token, torch.maximum(copy_weight, top_weight)
 
+    def _native(self, small: torch.Tensor) -> bool:
+        """Whether :meth:`_native_choose` serves: an operator lent, 2-D logits on a CPU."""
+        if self.operator is None or small.device.type != "cpu" or small.dim() != 2 or small.dtype not in (
+                torch.float32, torch.bfloat16, torch.float16):
+            return False
+        if self._weights is None:
+            gate = self.gate
+            self._weights = (gate.proj.weight.detach().float().reshape(-1).contiguous(),
+                             float(gate.proj.bias.detach().float()),
+                             gate.match.weight.detach().float().reshape(-1).contiguous(), float(gate.agree.detach().float()))
+        return True
+
+    def _native_choose(self, small: torch.Tensor, hidden: torch.Tensor, rows: DraftedRows):
+        """:func:`device_candidates` and :meth:`choose` as one C++ operator (``specdraft_cpu::copy_choose``):
+        the same rule in float32, without some fifty small operators per drafted token."""
+        proj, bias, match, agree = self._weights
+        return self.operator(small, hidden, rows.ids, rows.lengths, self.slot, self.head_ids, proj, bias, match, agree,
+                             self.gate.min_ngram, self.gate.max_ngram)
+
     def full_logits(self, small: torch.Tensor) -> torch.Tensor:
         """The head's logits ``small # [B, N]`` over the target's whole vocabulary (float32; the
         lowest float outside the head's tokens).  # [B, vocab]"""
@@ -189,10 +214,14 @@ class CopyDrafting:
         each row's tokens so far (context plus what was drafted this round: :func:`drafted_rows`), ``counts`` the
         penalties' context at this position (the head's distribution is penalized before mixing).
         """
-        copy_ids, match = copy_candidates(rows, self.gate, small.device)
         if sampling.greedy and not sampling.penalized:
+            if isinstance(rows, DraftedRows) and self._native(small):  # candidates and choice in one call
+                token, confidence = self._native_choose(small, hidden, rows)
+                return token, None, confidence
+            copy_ids, match = copy_candidates(rows, self.gate, small.device)
             token, confidence = self.choose(small, hidden, copy_ids, match)
             return token, None, confidence
+        copy_ids, match = copy_candidates(rows, self.gate, small.device)
         gate = self.gated(small, hidden, copy_ids, match)[1]
         full = self.full_logits(small)
         if sampling.greedy:  # with penalties: the mixture of the penalized distribution, its argmax

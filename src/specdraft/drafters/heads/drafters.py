@@ -51,7 +51,7 @@ class HeadDrafter(Drafter):
             services.fast_linears(self.module, skip=("layer", "midlayer", "lm_head", "copy_gate"))
             self.head.product = services.fast_linear(self.head.weight, self.head.bias)
         gate = getattr(self.module, "copy_gate", None) if options.copy_gate else None
-        self.copier = CopyDrafting(gate, self.head.head_ids, target.vocab_size) if gate is not None else None
+        self.copier = CopyDrafting(gate, self.head.head_ids, target.vocab_size, services) if gate is not None else None
         super().__init__(options, target)
 
     def reset(self) -> None:

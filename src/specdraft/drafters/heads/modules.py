@@ -54,9 +54,10 @@ class SharedHead(nn.Module):
             self.bias = self.bias[self.head_ids]
         #: a norm applied before the rows (EAGLE-3's own final norm), or None
         self.norm = norm
-
-    #: the rows' product for drafting (``TargetInfo.services.fast_linear``), or None: ``F.linear``
-    product = None
+        #: the rows' product for drafting (``TargetInfo.services.fast_linear``), or None: ``F.linear``.
+        #: An instance attribute: a module assigned later is registered as a submodule, which a class
+        #: attribute of the same name would hide (it did: drafting ran ``F.linear`` for months)
+        self.product = None
 
     def small(self, hidden: torch.Tensor) -> torch.Tensor:
         if self.norm is not None:
