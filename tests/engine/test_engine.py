@@ -179,6 +179,37 @@ def test_stats_count_positions(tiny_model):
     assert s.prefill_time_s + s.draft_time_s + s.verify_time_s <= s.total_time_s
 
 
+def test_drafting_time_is_the_drafters_calls_not_the_engines_bookkeeping(tiny_model, step_clock, monkeypatch):
+    """A round's drafting time is its proposal and the drafter's calls after the verify pass;
+    the engine's own bookkeeping (committing the tokens, the policy, the reports) is "other"."""
+    from specdraft.engine import engine
+
+    prompt = repetitive_prompts(64)[0]
+    reference = plain_greedy(tiny_model, prompt, 12)
+
+    class Timed(OracleDrafter):
+        def propose(self, ctx, k):
+            step_clock.now += 1.0
+            return super().propose(ctx, k)
+
+        def on_verified(self, ctx, accepted):
+            step_clock.now += 0.5
+
+    commit = engine.Engine._commit
+
+    def slow_commit(self, *args):
+        step_clock.now += 100.0
+        return commit(self, *args)
+
+    monkeypatch.setattr(engine.Engine, "_commit", slow_commit)
+    dec = SpeculativeDecoder(tiny_model, None, drafter=Timed({tuple(prompt): reference}, correct=2), spec_length=3,
+                             adaptive=False)
+    s = dec.generate_ids([prompt], max_new_tokens=12)[0].stats
+    assert s.target_passes == 4
+    # 1.5 s of the drafter's own per round, and a few 1 ms clock readings; none of the 100 s commits
+    assert 4 * 1.5 <= s.draft_time_s < 4 * 1.5 + 0.1
+
+
 def test_adaptive_verifier_stops_verifying_hopeless_drafts(tiny_model, step_clock):
     """A drafter that is always wrong: the adaptive loop soon stops paying verify width for it,
     even with wide passes costing no more than one-token ones (the clock is a fixed step)."""

@@ -116,6 +116,7 @@ class Engine:
         #: draft-length policies per batch-size bucket: verify costs differ with the batch
         self.policies: dict[int, AdaptiveDraftLength] = {}
         self._drafted_last = False
+        self._drafter_s = 0.0  # seconds spent in the drafter's calls (a clock the rounds read)
         self._shared: torch.Generator | None = None  # the round's one generator (``ctx.generator``)
         #: called on the engine's thread with a StepReport per round, prefill pass and leaving
         #: sequence (see :mod:`specdraft.engine.report`); a failing one is logged once, never raised
@@ -201,7 +202,7 @@ class Engine:
         outcome = self.verifier.accept(proposal, logits, plan.ctx.sampling, self._generators(batch), plan.ctx.counts,
                                        hidden)
         logprobs = round_logprobs(batch, outcome, raw_logits, logits, plan.ctx.counts)  # rows that asked
-        t2 = time.perf_counter()
+        t2, called = time.perf_counter(), self._drafter_s
         committed = self._commit(batch, outcome, logprobs)
         for s, n in zip(batch, committed):  # each grammar's matcher over its row's new tokens
             if s.grammar is not None and s.finish_reason is None and n > 0:
@@ -211,9 +212,9 @@ class Engine:
             s.events.put(("tokens", s.tokens[len(s.tokens) - n:]))
         self._learn(batch, plan, proposal, outcome, draft_s=t1 - t0, verify_s=t2 - t1)
         self._report(plan, outcome, committed)
-        t3 = time.perf_counter()
-        for s in batch:
-            s.stats.draft_time_s += (t1 - t0) + (t3 - t2)
+        heard = self._drafter_s - called  # the drafter's calls after the verify pass (its states, what was kept)
+        for s in batch:  # the engine's own bookkeeping is neither (the report's "other")
+            s.stats.draft_time_s += (t1 - t0) + heard
             s.stats.verify_time_s += t2 - t1
         for s in [s for s in batch if s.finish_reason is not None]:
             self._leave(s, s.finish_reason)
@@ -563,6 +564,7 @@ class Engine:
         self._call("on_hidden_states", ctx, rows)
 
     def _call(self, method: str, *args):
+        start = time.perf_counter()
         try:
             return getattr(self._drafting, method)(*args)
         except SpecdraftError:
@@ -571,6 +573,8 @@ class Engine:
             raise DrafterError(
                 f"drafter {self.verifier.who} raised {type(exc).__name__} in {method}(): {exc}"
             ) from exc
+        finally:
+            self._drafter_s += time.perf_counter() - start
 
 
 def release_openmp_workers() -> None:
