@@ -9,6 +9,7 @@ verifier's and the engine's tests'."""
 from __future__ import annotations
 
 import collections
+import copy
 
 import pytest
 import torch
@@ -360,3 +361,38 @@ def test_a_default_model_step_dispatches_at_most_12_operators_per_layer(default_
     outside = work["aten.embedding"] + 40  # the step's own: embedding, positions, mask, rotary tables, head
     assert sum(work.values()) <= LAYER_BOUND * n_layers + outside, dict(work)
     assert work["specdraft_cpu.attention"] + work["specdraft_cpu.decoder_layer"] == n_layers
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+def test_weights_on_huge_pages_give_the_same_bits(dtype, monkeypatch):
+    """The products' weights moved into one mapping advised for transparent huge pages (where the
+    system has them): every panel inside it, 2 MiB aligned at its start, and every logit of
+    prefill and steps the same bits as with the weights where torch put them."""
+    if cpu_ops.huge_pages_reason():
+        pytest.skip(cpu_ops.huge_pages_reason())
+    if not cpu_ops.panels_apply(torch.nn.Linear(8, 8).to(dtype)):
+        pytest.skip(f"{dtype} products are not panels here")
+    model = tiny_hf("llama", dtype=dtype)
+    tokens = torch.randint(model.config.vocab_size, (2, 36), generator=torch.Generator().manual_seed(4))
+    outs = []
+    for on in ("1", "0"):
+        monkeypatch.setenv("SPECDRAFT_HUGE_PAGES", on)
+        runner = load_runner(copy.deepcopy(model))
+        panels = [m.panels for m in runner.model.modules() if type(m) is cpu_ops.PanelLinear]
+        assert panels
+        if on == "1":
+            assert runner.model.kernels["huge_pages"].endswith(" MB")
+            starts = sorted(p.data_ptr() for p in panels)
+            assert starts[0] % cpu_ops.HUGE_PAGE == 0
+            assert starts[-1] - starts[0] < sum(p.numel() * p.element_size() + 64 for p in panels)  # one region
+        else:
+            assert "huge_pages" not in runner.model.kernels
+        runner.cache.reset(2, 64)
+        with torch.inference_mode():
+            got = [runner.forward(tokens[:, :30])[0]]
+            for width in (1, 3):
+                runner.cache.set_lengths([30, 30])
+                got.append(runner.forward(tokens[:, 30:30 + width])[0])
+        outs.append(got)
+    for a, b in zip(*outs):
+        assert torch.equal(a, b)

@@ -232,12 +232,67 @@ def use(model) -> dict:
     for module in model.modules():
         if isinstance(module, RMSNorm) and module.kernel is None:
             module.kernel = ops.rms_norm
+    pages = on_huge_pages(model)  # before the fused layers take their tensors
     fused = 0
     for block in getattr(model, "layers", ()):
         block.fused = fused_layer(block)
         fused += block.fused is not None
     report = {"cpu_ops": f"yes, on one thread: {ONE_THREAD}" if ONE_THREAD else "yes"}
-    return report | ({"fused_layers": fused} if fused else {})
+    return report | ({"fused_layers": fused} if fused else {}) | ({"huge_pages": pages} if pages else {})
+
+
+#: 2 MiB: the size of a transparent huge page on x86-64 and arm64 Linux
+HUGE_PAGE = 2 << 20
+
+
+def huge_pages_reason() -> str:
+    """``""`` where the weights can be put on transparent huge pages (Linux, THP not ``never``,
+    ``SPECDRAFT_HUGE_PAGES`` not ``0``), else why not."""
+    import mmap
+
+    if os.environ.get("SPECDRAFT_HUGE_PAGES", "") == "0":
+        return "SPECDRAFT_HUGE_PAGES=0"
+    if not hasattr(mmap, "MADV_HUGEPAGE"):
+        return "no transparent huge pages on this system"
+    try:
+        mode = Path("/sys/kernel/mm/transparent_hugepage/enabled").read_text()
+    except OSError:
+        return "no transparent huge pages on this system"
+    return "transparent huge pages are off ([never])" if "[never]" in mode else ""
+
+
+def on_huge_pages(model) -> str:
+    """Move the products' weights (panels, GGUF blocks) into one anonymous mapping advised
+    ``MADV_HUGEPAGE``; returns ``"N MB"`` moved, or ``""`` (nothing to move, or why not in
+    :func:`huge_pages_reason`).
+
+    A step reads every weight once, so with 4 KiB pages every 4 KiB of weights is a TLB miss a
+    step (67,000 for the default model's 269 MB); a 2 MiB page is one. Where transparent huge pages
+    are ``madvise`` (many distributions' default) torch's allocations never get them. The same
+    values at new addresses: the bits of every product are unchanged."""
+    import mmap
+
+    from .gguf_blocks import BlockLinear
+
+    if huge_pages_reason():
+        return ""
+    owners = [(m, "panels") for m in model.modules() if type(m) is PanelLinear] + \
+             [(m, "q") for m in model.modules() if type(m) is BlockLinear]
+    if not owners:
+        return ""
+    sizes = [getattr(m, name).numel() * getattr(m, name).element_size() for m, name in owners]
+    total = sum(n + (-n % 64) for n in sizes)
+    region = mmap.mmap(-1, total + HUGE_PAGE, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
+    region.madvise(mmap.MADV_HUGEPAGE)
+    raw = torch.frombuffer(region, dtype=torch.uint8)  # keeps the mapping alive as long as a view of it lives
+    offset = -raw.data_ptr() % HUGE_PAGE
+    for (module, name), n in zip(owners, sizes):
+        old = getattr(module, name)
+        new = raw[offset : offset + n].view(old.dtype).view(old.shape)
+        new.copy_(old)
+        setattr(module, name, new)
+        offset += n + (-n % 64)
+    return f"{total / 1e6:.0f} MB"
 
 
 def _product(linear) -> tuple[int, list] | None:
