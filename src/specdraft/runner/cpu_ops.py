@@ -276,8 +276,8 @@ def on_huge_pages(model) -> str:
 
     if huge_pages_reason():
         return ""
-    owners = [(m, "panels") for m in model.modules() if type(m) is PanelLinear] + \
-             [(m, "q") for m in model.modules() if type(m) is BlockLinear]
+    names = {PanelLinear: "panels", BlockLinear: "q"}  # each product's weight tensor
+    owners = [(m, names[type(m)]) for m in model.modules() if type(m) in names]
     if not owners:
         return ""
     sizes = [getattr(m, name).numel() * getattr(m, name).element_size() for m, name in owners]

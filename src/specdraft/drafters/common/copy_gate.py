@@ -146,7 +146,10 @@ class CopyDrafting:
         self.operator = lend("copy_choose") if lend is not None else None
         # token id -> its column in the head's logits (-1: not in the head)
         self.slot = None if head_ids is None else column_table(head_ids, vocab_size)
-        self._weights: tuple | None = None  # the gate's weights for the operator, made on first use
+        # the gate's weights as the operator takes them (the drafter's weights are loaded by now)
+        self._weights = None if self.operator is None else (
+            gate.proj.weight.detach().float().reshape(-1).contiguous(), float(gate.proj.bias.detach().float()),
+            gate.match.weight.detach().float().reshape(-1).contiguous(), float(gate.agree.detach().float()))
 
     def gated(self, small: torch.Tensor, hidden: torch.Tensor, copy_ids: torch.Tensor, match: torch.Tensor):
         """``(logp # [..., N], gate, logp_copy # [...])`` for head logits ``small # [..., N]`` read
@@ -179,15 +182,8 @@ class CopyDrafting:
 
     def _native(self, small: torch.Tensor) -> bool:
         """Whether :meth:`_native_choose` serves: an operator lent, 2-D logits on a CPU."""
-        if self.operator is None or small.device.type != "cpu" or small.dim() != 2 or small.dtype not in (
-                torch.float32, torch.bfloat16, torch.float16):
-            return False
-        if self._weights is None:
-            gate = self.gate
-            self._weights = (gate.proj.weight.detach().float().reshape(-1).contiguous(),
-                             float(gate.proj.bias.detach().float()),
-                             gate.match.weight.detach().float().reshape(-1).contiguous(), float(gate.agree.detach().float()))
-        return True
+        return self.operator is not None and small.device.type == "cpu" and small.dim() == 2 and small.dtype in (
+            torch.float32, torch.bfloat16, torch.float16)
 
     def _native_choose(self, small: torch.Tensor, hidden: torch.Tensor, rows: DraftedRows):
         """:func:`device_candidates` and :meth:`choose` as one C++ operator (``specdraft_cpu::copy_choose``):
@@ -214,14 +210,14 @@ class CopyDrafting:
         each row's tokens so far (context plus what was drafted this round: :func:`drafted_rows`), ``counts`` the
         penalties' context at this position (the head's distribution is penalized before mixing).
         """
-        if sampling.greedy and not sampling.penalized:
-            if isinstance(rows, DraftedRows) and self._native(small):  # candidates and choice in one call
-                token, confidence = self._native_choose(small, hidden, rows)
-                return token, None, confidence
-            copy_ids, match = copy_candidates(rows, self.gate, small.device)
-            token, confidence = self.choose(small, hidden, copy_ids, match)
+        greedy = sampling.greedy and not sampling.penalized
+        if greedy and isinstance(rows, DraftedRows) and self._native(small):  # candidates and choice in one call
+            token, confidence = self._native_choose(small, hidden, rows)
             return token, None, confidence
         copy_ids, match = copy_candidates(rows, self.gate, small.device)
+        if greedy:
+            token, confidence = self.choose(small, hidden, copy_ids, match)
+            return token, None, confidence
         gate = self.gated(small, hidden, copy_ids, match)[1]
         full = self.full_logits(small)
         if sampling.greedy:  # with penalties: the mixture of the penalized distribution, its argmax
