@@ -25,6 +25,10 @@ namespace {
 constexpr int64_t LANES = 16;
 // row loops spread over torch's threads from this many rows on (each row wholly on one thread)
 constexpr int64_t ROW_GRAIN = 8;
+// how far ahead of its reads a product asks for its weights (_mm_prefetch): the hardware prefetcher
+// alone stops at each 4 KiB page and ramps up again; 2 KiB ahead took a whole step's one-row
+// products from 14.7 to 16.3 GB/s on a 2-core Xeon (family 6 model 85; 4 KiB and 8 KiB gained less)
+constexpr int64_t PREFETCH_BYTES = 2048;
 
 // the dtype's value as a float32 (bfloat16: its bits shifted, which the compiler vectorises)
 inline float widen(float v) { return v; }
@@ -490,8 +494,12 @@ inline void panel_tile(const float* x, int64_t K, const T* p, T* out, int64_t N,
     for (int m = 0; m < MB; ++m)
         for (int j = 0; j < NB; ++j) acc[m][j] = _mm512_setzero_ps();
     const int64_t ps = K * LANES;
+    constexpr int64_t per_line = 64 / (LANES * sizeof(T));  // k steps per cache line of a panel
     for (int64_t k = 0; k < K; ++k) {
         __m512 w[NB];
+        if (k % per_line == 0)  // each panel's line PREFETCH_BYTES ahead (the next panel's, near its end)
+            for (int j = 0; j < NB; ++j)
+                _mm_prefetch(reinterpret_cast<const char*>(p + j * ps + k * LANES) + PREFETCH_BYTES, _MM_HINT_T0);
         for (int j = 0; j < NB; ++j) w[j] = load16(p + j * ps + k * LANES);
         for (int m = 0; m < MB; ++m) {
             const __m512 xb = _mm512_set1_ps(x[m * K + k]);
