@@ -140,3 +140,22 @@ def test_same_input_gives_bit_identical_logits(hf_factory):
         runs.append(torch.cat([first, model(step, cache).logits], dim=1))
     assert runs[0].dtype == torch.float32
     assert torch.equal(runs[0], runs[1]) and torch.equal(runs[0], runs[2])
+
+
+@pytest.mark.parametrize("head_dim", [48, 64, 80, 128])
+@pytest.mark.parametrize("dtype", [torch.float64, torch.float32, torch.bfloat16, torch.float16])
+def test_rope_lookup_gives_the_bits_rope_tables_computes(head_dim, dtype):
+    """Passes read cos and sin from tables made once (rope_lookup); every entry must be the one
+    rope_tables computes for that pass alone, whatever the pass's width and rows, or logits would
+    change with the table."""
+    from specdraft.runner.model import rope_lookup, rope_tables
+
+    g = torch.Generator().manual_seed(head_dim)
+    for theta in (10_000.0, 500_000.0):
+        inv_freq = 1.0 / (theta ** (torch.arange(0, head_dim, 2).float() / head_dim))
+        for width in (1, 2, 3, 5, 16):
+            positions = torch.randint(0, 4000, (3, width), generator=g)
+            for computed, looked_up in zip(rope_tables(inv_freq, positions, dtype),
+                                           rope_lookup(inv_freq, positions, dtype, 4096)):
+                assert looked_up.dtype == dtype and looked_up.shape == (3, 1, width, head_dim)
+                assert torch.equal(computed, looked_up), (theta, width)

@@ -305,7 +305,8 @@ def pass_positions(starts: torch.Tensor, width: int) -> torch.Tensor:
 
 
 def attention_mask(starts: torch.Tensor, width: int, max_len: int, tree_mask: torch.Tensor | None = None,
-                   window: int | None = None, depths: torch.Tensor | None = None) -> torch.Tensor:
+                   window: int | None = None, depths: torch.Tensor | None = None,
+                   positions: torch.Tensor | None = None) -> torch.Tensor:
     """Which cache positions each token of a pass may attend to.  # [B, 1, W, max_len] bool
 
     ``starts # [B]``: each row's length before the pass (its tokens sit at ``starts + 0..W-1``).
@@ -320,12 +321,14 @@ def attention_mask(starts: torch.Tensor, width: int, max_len: int, tree_mask: to
     own included), as Mistral's ``sliding_window``, measured from each query's position
     (``starts + depths`` in a tree, else its index). Positions past the pass are never visible.
 
+    ``positions``: ``pass_positions(starts, width)``, where the caller has it already.
+
     Example: ``starts=[0, 2]``, ``width=2``, ``max_len=5`` gives rows ``[[1,0,0,0,0], [1,1,0,0,0]]``
     for the first sequence and ``[[1,1,1,0,0], [1,1,1,1,0]]`` for the second.
     """
     device = starts.device
     cols = torch.arange(max_len, device=device)  # [L]
-    query_pos = pass_positions(starts, width)  # [B, W]
+    query_pos = pass_positions(starts, width) if positions is None else positions  # [B, W]
     if tree_mask is None:
         visible = cols[None, None, :] <= query_pos[:, :, None]  # [B, W, L]
     else:

@@ -23,6 +23,7 @@ from typing import NamedTuple
 import torch
 import torch.nn.functional as F
 from torch import nn
+from torch.utils.weak import WeakIdKeyDictionary
 
 from ..cache.static import KVCache, attention_mask, pass_positions, write_kv
 from .kernels import decode_attention, decode_attention_applies, tree_attention, tree_order
@@ -122,6 +123,24 @@ def rope_tables(inv_freq: torch.Tensor, positions: torch.Tensor,
     freqs = positions[..., None].float() * inv_freq.float()  # [B, W, head_dim // 2]
     emb = torch.cat((freqs, freqs), dim=-1)
     return emb.cos().to(dtype)[:, None], emb.sin().to(dtype)[:, None]
+
+
+#: inv_freq -> its cos and sin tables ``[L, head_dim]`` (:func:`rope_lookup`), dropped with the tensor
+_ROPE_TABLES = WeakIdKeyDictionary()
+
+
+def rope_lookup(inv_freq: torch.Tensor, positions: torch.Tensor, dtype: torch.dtype,
+                length: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """:func:`rope_tables` at ``positions # [B, W]`` (each below ``length``), read from tables of every
+    position below ``length`` made once by :func:`rope_tables` per ``inv_freq`` and dtype: two index
+    operations a pass where computing them takes nine (a fifth of a drafter's one-layer step's glue
+    on CPU). The same values: each entry is the same float32 product, cosine and cast wherever it
+    sits in a tensor (a test holds the two to the same bits).  # [B, 1, W, head_dim] each"""
+    table = _ROPE_TABLES.get(inv_freq)
+    if table is None or table[0].shape[0] < length or table[0].dtype != dtype or table[0].device != positions.device:
+        cos, sin = rope_tables(inv_freq, torch.arange(length, device=positions.device)[None], dtype)
+        table = _ROPE_TABLES[inv_freq] = (cos[0, 0], sin[0, 0])  # [length, head_dim]
+    return table[0][positions][:, None], table[1][positions][:, None]
 
 
 def rotate_half(x: torch.Tensor) -> torch.Tensor:
@@ -279,9 +298,10 @@ def run_blocks(blocks, x: torch.Tensor, cache: KVCache, rows: torch.Tensor | Non
     span = cache.max_len if span is None else span
     starts = cache.starts(rows)  # [B]
     positions = pass_positions(starts, width)  # [B, W]
-    mask = attention_mask(starts, width, span, tree_mask, window, depths)  # [B, 1, W, span]
+    mask = attention_mask(starts, width, span, tree_mask, window, depths, positions)  # [B, 1, W, span]
     rotated = positions if depths is None else starts[:, None] + depths  # [B, W]
-    cos, sin = rope_tables(inv_freq, rotated, x.dtype)  # [B, 1, W, head_dim]
+    # every position a pass writes (or rotates a tree's token to) is below the cache's length
+    cos, sin = rope_lookup(inv_freq, rotated, x.dtype, cache.max_len)  # [B, 1, W, head_dim]
     order = tree_order(mask) if tree_mask is not None and width <= CUDA_DECODE_WIDTH else None  # [B, W, span]
     slot = torch.arange(cache.slots, device=x.device) if rows is None else rows  # [B]
     for i, block in enumerate(blocks):
