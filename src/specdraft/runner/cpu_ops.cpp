@@ -336,12 +336,14 @@ inline int64_t attend(const float* qf, int64_t G, int64_t D, const T* keys, int6
     constexpr int64_t GB = G_ > 0 ? G_ : 1;
     int64_t n = 0;
     for (int64_t g = 0; g < G; ++g) top[g] = -INFINITY;
-    for (int64_t j = 0; j < L; ++j) {
-        const int64_t p = ord ? ord[j] : j;
-        if (!visible[p]) continue;
-        const T* krow = keys + p * kstride;
 #if defined(__AVX512F__)
-        if (G_ > 0 && D % LANES == 0) {
+    if (G_ > 0 && D % LANES == 0) {  // the G heads' maxima in registers, not through memory
+        float high[GB];
+        for (int64_t g = 0; g < GB; ++g) high[g] = -INFINITY;
+        for (int64_t j = 0; j < L; ++j) {
+            const int64_t p = ord ? ord[j] : j;
+            if (!visible[p]) continue;
+            const T* krow = keys + p * kstride;
             __m512 a[GB];
             for (int64_t g = 0; g < GB; ++g) a[g] = _mm512_setzero_ps();
             for (int64_t i = 0; i < D; i += LANES) {
@@ -351,12 +353,17 @@ inline int64_t attend(const float* qf, int64_t G, int64_t D, const T* keys, int6
             for (int64_t g = 0; g < GB; ++g) {
                 const float s = _mm512_reduce_add_ps(a[g]) * scale;
                 scores[g * L + n] = s;
-                top[g] = s > top[g] ? s : top[g];
+                high[g] = s > high[g] ? s : high[g];
             }
             seen[n++] = values + p * vstride;
-            continue;
         }
+        for (int64_t g = 0; g < GB; ++g) top[g] = high[g];
+    } else
 #endif
+    for (int64_t j = 0; j < L; ++j) {
+        const int64_t p = ord ? ord[j] : j;
+        if (!visible[p]) continue;
+        const T* krow = keys + p * kstride;
         for (int64_t g = 0; g < G; ++g) {
             const float s = dot<T>(qf + g * D, krow, D) * scale;
             scores[g * L + n] = s;
@@ -364,11 +371,19 @@ inline int64_t attend(const float* qf, int64_t G, int64_t D, const T* keys, int6
         }
         seen[n++] = values + p * vstride;
     }
-    for (int64_t g = 0; g < G; ++g) {
-        exp_shifted(scores + g * L, n, top[g]);
-        float t = 0.0f;
-        for (int64_t j = 0; j < n; ++j) t += scores[g * L + j];
-        total[g] = t;
+    for (int64_t g = 0; g < G; ++g) exp_shifted(scores + g * L, n, top[g]);
+    if constexpr (G_ > 0) {  // each head's sum in order, the G heads' chains side by side
+        float t[GB];
+        for (int64_t g = 0; g < GB; ++g) t[g] = 0.0f;
+        for (int64_t j = 0; j < n; ++j)
+            for (int64_t g = 0; g < GB; ++g) t[g] += scores[g * L + j];
+        for (int64_t g = 0; g < GB; ++g) total[g] = t[g];
+    } else {
+        for (int64_t g = 0; g < G; ++g) {
+            float t = 0.0f;
+            for (int64_t j = 0; j < n; ++j) t += scores[g * L + j];
+            total[g] = t;
+        }
     }
     int64_t i = 0;
 #if defined(__AVX512F__)
