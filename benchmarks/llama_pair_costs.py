@@ -107,7 +107,11 @@ def time_pass(runner, width, context, reps, device):
 
 
 def read_bandwidth(device, megabytes: int = 1024) -> float:
-    """Bytes per second the device reads: the best of a few sums over a buffer far larger than its caches."""
+    """Bytes per second the device reads: the best of a few sums over a buffer far larger than its
+    caches. On a CPU with specdraft's C++ operators, also the best of a one-row panel product over
+    a weight that size, where that reads faster: torch's sum reads about 12.5 GB/s on the 2 threads
+    of the model 85 Xeon, a streaming product 20-23 GB/s, and a floor from the slower reader would
+    flatter every step measured against it."""
     x = torch.ones(megabytes * 2**20 // 4, dtype=torch.float32, device=device)
     best = float("inf")
     for _ in range(5):
@@ -116,7 +120,21 @@ def read_bandwidth(device, megabytes: int = 1024) -> float:
         x.sum()
         sync(device)
         best = min(best, time.perf_counter() - start)
-    return x.numel() * 4 / best
+    rate = x.numel() * 4 / best
+    del x
+    if torch.device(device).type == "cpu":
+        from specdraft.models import cpu_flags
+        from specdraft.runner import cpu_ops
+
+        if "avx512f" in cpu_flags() and cpu_ops.load() == "":  # the panel loop (else a scalar one)
+            k = 576  # panels [P, K, 16] bfloat16 of about `megabytes`
+            panels = torch.ones((megabytes * 2**20 // (2 * 16 * k), k, 16), dtype=torch.bfloat16)
+            row = torch.ones((1, k), dtype=torch.bfloat16)
+            for _ in range(3):
+                start = time.perf_counter()
+                torch.ops.specdraft_cpu.linear(row, panels, None, panels.shape[0] * 16)
+                rate = max(rate, panels.numel() * 2 / (time.perf_counter() - start))
+    return rate
 
 
 def weight_bytes(runner) -> int:
