@@ -322,6 +322,33 @@ at::Tensor rope_write(const at::Tensor& qkv_, const at::Tensor& cos_, const at::
     return q;
 }
 
+
+#if defined(__AVX512F__)
+inline __mmask16 columns_left(int64_t left) {
+    return left >= LANES ? __mmask16(0xffff) : __mmask16((1u << left) - 1);
+}
+
+// the sums of a[0..15]'s lanes, sum m in lane m, each by the tree of GCC's _mm512_reduce_add_ps
+// (lanes i + 8 and i, then i + 4 and i, then i + 2 and i, then the two left), four transposing
+// steps for 16 vectors where one vector at a time takes four extracts and adds each
+inline __m512 sum_lanes16(const __m512* a) {
+    __m512 s1[8], s2[4], s3[2];
+    for (int k = 0; k < 8; ++k)  // lanes i + 8 and i: vector 2k's 8 sums, then 2k + 1's
+        s1[k] = _mm512_add_ps(_mm512_shuffle_f32x4(a[2 * k], a[2 * k + 1], _MM_SHUFFLE(3, 2, 3, 2)),
+                              _mm512_shuffle_f32x4(a[2 * k], a[2 * k + 1], _MM_SHUFFLE(1, 0, 1, 0)));
+    for (int k = 0; k < 4; ++k)  // i + 4 and i: 128-bit lane c holds vector 4k + c's 4 sums
+        s2[k] = _mm512_add_ps(_mm512_shuffle_f32x4(s1[2 * k], s1[2 * k + 1], _MM_SHUFFLE(3, 1, 3, 1)),
+                              _mm512_shuffle_f32x4(s1[2 * k], s1[2 * k + 1], _MM_SHUFFLE(2, 0, 2, 0)));
+    for (int k = 0; k < 2; ++k)  // i + 2 and i: lane c holds vectors 8k + c's and 8k + 4 + c's 2 sums
+        s3[k] = _mm512_add_ps(_mm512_shuffle_ps(s2[2 * k], s2[2 * k + 1], _MM_SHUFFLE(1, 0, 1, 0)),
+                              _mm512_shuffle_ps(s2[2 * k], s2[2 * k + 1], _MM_SHUFFLE(3, 2, 3, 2)));
+    // the last two: element e of 128-bit lane c is vector c + 4e's sum; back in order
+    const __m512 r = _mm512_add_ps(_mm512_shuffle_ps(s3[0], s3[1], _MM_SHUFFLE(2, 0, 2, 0)),
+                                   _mm512_shuffle_ps(s3[0], s3[1], _MM_SHUFFLE(3, 1, 3, 1)));
+    return _mm512_permutexvar_ps(_mm512_setr_epi32(0, 4, 8, 12, 1, 5, 9, 13, 2, 6, 10, 14, 3, 7, 11, 15), r);
+}
+#endif
+
 // One token's attention for the G query heads sharing a KV head (qf: their G rows of D, float32):
 // scores over the visible positions (in order, or in `ord`'s order), softmax, weighted sum of the
 // values; acc gets G rows of D, total the G softmax sums (top: scratch for the G maxima); returns
@@ -337,27 +364,40 @@ inline int64_t attend(const float* qf, int64_t G, int64_t D, const T* keys, int6
     int64_t n = 0;
     for (int64_t g = 0; g < G; ++g) top[g] = -INFINITY;
 #if defined(__AVX512F__)
-    if (G_ > 0 && D % LANES == 0) {  // the G heads' maxima in registers, not through memory
-        float high[GB];
-        for (int64_t g = 0; g < GB; ++g) high[g] = -INFINITY;
-        for (int64_t j = 0; j < L; ++j) {
-            const int64_t p = ord ? ord[j] : j;
-            if (!visible[p]) continue;
-            const T* krow = keys + p * kstride;
-            __m512 a[GB];
-            for (int64_t g = 0; g < GB; ++g) a[g] = _mm512_setzero_ps();
-            for (int64_t i = 0; i < D; i += LANES) {
-                const __m512 k = load16(krow + i);
-                for (int64_t g = 0; g < GB; ++g) a[g] = _mm512_fmadd_ps(_mm512_loadu_ps(qf + g * D + i), k, a[g]);
+    if (G_ > 0 && D % LANES == 0) {
+        // 16 visible positions at a time: each head's 16 dot products as 16 independent chains, then
+        // their 16 lane sums at once by sum_lanes16 (the tree of _mm512_reduce_add_ps, so the same
+        // scores as one position at a time), the maxima in registers
+        __m512 high[GB];
+        for (int64_t g = 0; g < GB; ++g) high[g] = _mm512_set1_ps(-INFINITY);
+        const __m512 vscale = _mm512_set1_ps(scale);
+        int64_t j = 0;
+        while (true) {
+            int64_t ps[LANES];
+            int64_t count = 0;
+            for (; j < L && count < LANES; ++j) {
+                const int64_t p = ord ? ord[j] : j;
+                if (visible[p]) ps[count++] = p;
             }
+            if (count == 0) break;
+            const T* krows[LANES];
+            for (int64_t m = 0; m < LANES; ++m) krows[m] = keys + ps[m < count ? m : 0] * kstride;  // padding: any row
+            const __mmask16 kept = columns_left(count);
             for (int64_t g = 0; g < GB; ++g) {
-                const float s = _mm512_reduce_add_ps(a[g]) * scale;
-                scores[g * L + n] = s;
-                high[g] = s > high[g] ? s : high[g];
+                __m512 a[LANES];
+                for (int m = 0; m < LANES; ++m) a[m] = _mm512_setzero_ps();
+                for (int64_t i = 0; i < D; i += LANES) {
+                    const __m512 qi = _mm512_loadu_ps(qf + g * D + i);
+                    for (int m = 0; m < LANES; ++m) a[m] = _mm512_fmadd_ps(qi, load16(krows[m] + i), a[m]);
+                }
+                const __m512 s = _mm512_mul_ps(sum_lanes16(a), vscale);
+                _mm512_mask_storeu_ps(scores + g * L + n, kept, s);
+                high[g] = _mm512_mask_max_ps(high[g], kept, high[g], s);
             }
-            seen[n++] = values + p * vstride;
+            for (int64_t m = 0; m < count; ++m) seen[n + m] = values + ps[m] * vstride;
+            n += count;
         }
-        for (int64_t g = 0; g < GB; ++g) top[g] = high[g];
+        for (int64_t g = 0; g < GB; ++g) top[g] = _mm512_reduce_max_ps(high[g]);
     } else
 #endif
     for (int64_t j = 0; j < L; ++j) {
@@ -498,9 +538,6 @@ at::Tensor attention(const at::Tensor& q_, const at::Tensor& k_buf, const at::Te
 constexpr int64_t PANEL_ROW_CHUNK = 96;
 
 #if defined(__AVX512F__)
-inline __mmask16 columns_left(int64_t left) {
-    return left >= LANES ? __mmask16(0xffff) : __mmask16((1u << left) - 1);
-}
 
 // MB rows x NB panels from panel p (output columns n0 .. n0 + 16 * NB, fewer past N)
 template <typename T, int MB, int NB>
