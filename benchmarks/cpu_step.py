@@ -11,7 +11,8 @@ machine does not favour one of them:
 
 For each: the median and best time of a one-token step and of a 5-token pass after ``--context``
 tokens (bfloat16 where the CPU has native bfloat16 products), the weight-read floor (weight
-bytes over the bandwidth of a sum over 1 GiB), and the operators a one-token step dispatches per
+bytes over the best read bandwidth seen: a sum over 1 GiB, or a one-row panel product over a 1 GiB
+weight where that reads faster: llama_pair_costs.read_bandwidth), and the operators a one-token step dispatches per
 layer that do work (views not counted; eager only: dynamo refuses a dispatch mode).
 
     python benchmarks/cpu_step.py                       # all three, 3 rounds
