@@ -322,7 +322,6 @@ at::Tensor rope_write(const at::Tensor& qkv_, const at::Tensor& cos_, const at::
     return q;
 }
 
-
 #if defined(__AVX512F__)
 inline __mmask16 columns_left(int64_t left) {
     return left >= LANES ? __mmask16(0xffff) : __mmask16((1u << left) - 1);
@@ -538,7 +537,6 @@ at::Tensor attention(const at::Tensor& q_, const at::Tensor& k_buf, const at::Te
 constexpr int64_t PANEL_ROW_CHUNK = 96;
 
 #if defined(__AVX512F__)
-
 // MB rows x NB panels from panel p (output columns n0 .. n0 + 16 * NB, fewer past N)
 template <typename T, int MB, int NB>
 inline void panel_tile(const float* x, int64_t K, const T* p, T* out, int64_t N, const T* bias, int64_t n0) {

@@ -125,7 +125,8 @@ def rope_tables(inv_freq: torch.Tensor, positions: torch.Tensor,
     return emb.cos().to(dtype)[:, None], emb.sin().to(dtype)[:, None]
 
 
-#: inv_freq -> its cos and sin tables ``[L, head_dim]`` (:func:`rope_lookup`), dropped with the tensor
+#: inv_freq -> its cos and sin tables side by side, ``[2, L, head_dim]`` (:func:`rope_lookup`), dropped
+#: with the tensor
 _ROPE_TABLES = WeakIdKeyDictionary()
 
 
@@ -135,12 +136,16 @@ def rope_lookup(inv_freq: torch.Tensor, positions: torch.Tensor, dtype: torch.dt
     position below ``length`` made once by :func:`rope_tables` per ``inv_freq`` and dtype: two index
     operations a pass where computing them takes nine (a fifth of a drafter's one-layer step's glue
     on CPU). The same values: each entry is the same float32 product, cosine and cast wherever it
-    sits in a tensor (a test holds the two to the same bits).  # [B, 1, W, head_dim] each"""
+    sits in a tensor (a test holds the two to the same bits).  # [B, 1, W, head_dim] each
+
+    A table is made again only when ``length`` (a cache's) grows, which reallocates the cache and
+    so makes its runner capture its CUDA graphs again (their warm-up makes the table first)."""
     table = _ROPE_TABLES.get(inv_freq)
-    if table is None or table[0].shape[0] < length or table[0].dtype != dtype or table[0].device != positions.device:
+    if table is None or table.shape[1] < length or table.dtype != dtype or table.device != positions.device:
         cos, sin = rope_tables(inv_freq, torch.arange(length, device=positions.device)[None], dtype)
-        table = _ROPE_TABLES[inv_freq] = (cos[0, 0], sin[0, 0])  # [length, head_dim]
-    return table[0][positions][:, None], table[1][positions][:, None]
+        table = _ROPE_TABLES[inv_freq] = torch.stack([cos[0, 0], sin[0, 0]])  # [2, length, head_dim]
+    cos, sin = table[:, positions][:, :, None]  # one gather, [2, B, 1, W, head_dim]
+    return cos, sin
 
 
 def rotate_half(x: torch.Tensor) -> torch.Tensor:
