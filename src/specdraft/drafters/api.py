@@ -25,7 +25,8 @@ from ..sampling import (RowSampling, SamplingParams, TokenCounts, draw, greedy_t
                         restrict, sample_rows)
 from ..types import Draft, DraftContext, TargetInfo, default_services
 from .common.base import (MIN_CONFIDENCE, DraftChain, Drafter, HeadOptions, LearntDrafterOptions, NoOptions,
-                          SequenceSlots, TreeHeadOptions, draw_scored, generators, row_ids)
+                          SequenceSlots, TreeHeadOptions, chain_whole, drafts_whole, draw_scored, generators,
+                          row_ids)
 from .common.dynamic_tree import grow_tree, node_contexts, processed_probs
 from .common.lookup import lookup, lookup_all, prompt_lookup
 from .common.tree import MAX_TREE_BUDGET, TreeOptions, tree_draft, trie
@@ -41,8 +42,8 @@ __all__ = [
     # sampling: the target's pipeline, which a drafter's reported probabilities must follow
     "RowSampling", "SamplingParams", "TokenCounts", "draw", "draw_scored", "greedy_tokens", "logits_to_probs",
     "penalize", "restrict", "sample_rows",
-    # rows, sequences and chains
-    "DraftChain", "SequenceSlots", "generators", "row_ids",
+    # rows, sequences and chains (a greedy chain whole: one CUDA graph per round)
+    "DraftChain", "SequenceSlots", "chain_whole", "drafts_whole", "generators", "row_ids",
     # trees
     "grow_tree", "node_contexts", "processed_probs", "tree_draft", "trie",
     # n-gram lookup

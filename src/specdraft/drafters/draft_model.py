@@ -22,8 +22,8 @@ from typing import Any
 from pydantic import Field
 
 from .api import (ConfigError, Draft, DraftChain, DraftContext, Drafter, DrafterError, LearntDrafterOptions,
-                  ModelLoadError, SequenceSlots, TargetInfo, TreeOptions, draw_scored, generators, grow_tree,
-                  node_contexts, processed_probs, row_ids)
+                  ModelLoadError, SequenceSlots, TargetInfo, TreeOptions, chain_whole, drafts_whole, draw_scored,
+                  generators, grow_tree, node_contexts, processed_probs, row_ids)
 
 LLAMA_1B = "meta-llama/Llama-3.2-1B-Instruct"
 
@@ -74,6 +74,10 @@ class DraftModelDrafter(Drafter):
     """
 
     api_version = 2
+
+    #: greedy chains drafted whole (:func:`~specdraft.drafters.common.base.chain_whole`: one CUDA
+    #: graph per round): None, where the draft's runner has CUDA graphs; True or False to choose
+    whole_chain: bool | None = None
 
     class Options(LearntDrafterOptions, TreeOptions):
         model: str | None = Field(None, description="hub id, local folder or .gguf file of the draft model "
@@ -210,6 +214,13 @@ class DraftModelDrafter(Drafter):
         if tree:
             return self._tree(ctx, k, step_logits, step_hidden, slots)
 
+        if drafts_whole(self.whole_chain, self.runner, ctx, gated):
+            tokens, lengths = chain_whole(self.runner, step_logits, k, self.options.min_confidence,
+                                          self._to_target_vocab, lambda _, token, step: step(token[:, None])[0][:, -1],
+                                          slots, key=("draft-model", k, self.options.min_confidence))
+            if k > 1:  # every row fed k - 1 drafted tokens
+                self._drafts_fed.update((i, k - 1) for i in seq_ids)
+            return Draft(token_ids=tokens, lengths=lengths)
         chain = DraftChain(ctx.batch_size, device, self.options.min_confidence, ctx.sampling.greedy)
         fed_now = 0  # drafted tokens fed below (never copied to the host: the accepted ones come back in the context)
         for i in range(k):

@@ -198,10 +198,7 @@ class ModelRunner(RunnerBase):
         bucket = width_bucket(width, self.buckets) if self.compiled else None
         bound = self.cache.grow(slots, width)
         span = span_for(bound + (bucket or width), self.cache.kv.max_len)
-        cache, first = self.cache.kv, None
-        if slots is not None and slots == list(range(slots[0], slots[0] + len(slots))):  # a run: views, no gather
-            cache, first, slots = cache.narrow(slots[0], len(slots)), slots[0], None
-        rows_t = None if slots is None else as_long(slots, inputs.device)
+        cache, rows_t, first = self._rows_of(slots, inputs.device)
         if bucket is None:  # eager: any width
             return self._run(inputs, cache, rows_t, logits_at, hidden, advance, span, tree, run_block)
         if bucket > width:  # pad; the padding's keys land past each row's new length
@@ -224,6 +221,56 @@ class ModelRunner(RunnerBase):
         if states is not None and bucket > width:
             states = states[:, :width]
         return logits, states
+
+    def _rows_of(self, slots: list[int] | None, device):
+        """The cache a pass on ``slots`` runs over: ``(cache, rows # [rows] long | None, first)``; a
+        run of consecutive slots is a view of the cache (``first``: its first row), with no gather."""
+        cache, first = self.cache.kv, None
+        if slots is not None and slots == list(range(slots[0], slots[0] + len(slots))):
+            cache, first, slots = cache.narrow(slots[0], len(slots)), slots[0], None
+        return cache, None if slots is None else as_long(slots, device), first
+
+    def loop(self, fn, inputs: tuple[torch.Tensor, ...], steps: int, slots=None, key=()):
+        """``fn(*inputs, step)``, whose ``step(x # [rows, 1, ...])`` is a one-position pass (the
+        forward's ``(logits or output, hidden or None)``) and which makes at most ``steps`` of them:
+        a drafter's whole chain, its heads and choices included, with no host work between steps.
+
+        On CUDA with graphs (:attr:`cuda_graphs`) ``fn`` is captured as one CUDA graph per ``key``
+        (what ``fn`` is: it must not read the device, nor make tensors from host data), batch and
+        span, and replayed on copies of ``inputs``; its outputs are returned as new tensors. Elsewhere
+        it runs as it is. Every pass attends over the span of the last one, and each slot's bound
+        grows by ``steps`` whether or not ``fn`` makes them all (the rows' lengths are the device's).
+        """
+        rows = inputs[0].shape[0]
+        slots = self._slots(slots, rows)
+        bound = self.cache.grow(slots, steps)
+        span = span_for(bound + steps, self.cache.kv.max_len)
+        cache, rows_t, first = self._rows_of(slots, inputs[0].device)
+        with attention_backends(inputs[0].device):
+            if not self.cuda_graphs:
+                return fn(*inputs, self._stepper(cache, rows_t, span))
+            self._check_epoch()
+            key = ("loop", key, rows, steps, span, first, rows_t is None)
+            graph = self._graphs.get(key)
+            if graph is None:
+                graph = self._graphs[key] = self._capture_loop(fn, inputs, cache, rows_t, span)
+            cuda_graph, static_in, static_out = graph
+            for buf, value in zip(static_in, inputs + (rows_t,)):
+                if buf is not None:
+                    buf.copy_(value)
+            cuda_graph.replay()
+            return tuple(t.clone() for t in static_out)
+
+    def _stepper(self, cache, rows, span):
+        def step(x):
+            return self._run(x, cache, rows, None, False, None, span, None, self._block_fn)
+        return step
+
+    def _capture_loop(self, fn, inputs, cache, rows, span):
+        static_in = tuple(None if t is None else t.clone() for t in inputs + (rows,))
+        step = self._stepper(cache, static_in[-1], span)
+        cuda_graph, static_out = self._graph_of(lambda: fn(*static_in[:-1], step))
+        return cuda_graph, static_in, static_out
 
     def _run(self, inputs, cache, rows, logits_at, hidden, advance, span, tree, block_fn):
         """The model's forward over ``cache``: ``(logits, hidden states or None)``."""
@@ -255,6 +302,13 @@ class ModelRunner(RunnerBase):
             return self._run(static_in[0], cache, static_in[3], static_in[1], hidden, static_in[2], span,
                              static_tree, self._block_fn)
 
+        cuda_graph, static_out = self._graph_of(run)
+        return cuda_graph, static_in, static_out
+
+    def _graph_of(self, run):
+        """``run()`` (passes over the cache) captured as a CUDA graph, after two warm-up runs on a
+        side stream (they compile); the cache's lengths are as they were before: the replays advance
+        them. Returns ``(graph, run's outputs)``, the outputs being the graph's static buffers."""
         saved = self.cache.lengths.clone()  # [rows]
         stream = torch.cuda.Stream(self.device)
         stream.wait_stream(torch.cuda.current_stream(self.device))
@@ -267,8 +321,8 @@ class ModelRunner(RunnerBase):
         cuda_graph = torch.cuda.CUDAGraph()
         with torch.cuda.graph(cuda_graph):
             static_out = run()
-        self.cache.lengths.copy_(saved)  # the capture did not run the pass; the replay will
-        return cuda_graph, static_in, static_out
+        self.cache.lengths.copy_(saved)  # the capture did not run the passes; the replays will
+        return cuda_graph, static_out
 
 
 def _tree_kwargs(tree) -> dict:

@@ -47,14 +47,19 @@ def _caller() -> str | None:
 
 class HostSyncs(TorchDispatchMode):
     """Counts the copies of the module's docstring inside its ``with`` block: ``count``, and
-    ``where`` (a Counter of the specdraft lines that asked)."""
+    ``where`` (a Counter of the specdraft lines that asked).
+
+    ``host_data=True`` also counts tensors made from host data (``torch.tensor(list)``,
+    ``aten::lift_fresh``): a copy the other way, which a CUDA graph cannot hold either (what
+    it captures must read nothing from the host and write nothing to it)."""
 
     METHODS = ("tolist", "numpy", "cpu", "item", "__int__", "__float__", "__bool__", "__index__")
 
-    def __init__(self) -> None:
+    def __init__(self, host_data: bool = False) -> None:
         super().__init__()
         self.where: collections.Counter = collections.Counter()
         self._saved: dict[str, object] = {}
+        self._made = (torch.ops.aten.lift_fresh.default, torch.ops.aten.lift_fresh_copy.default) if host_data else ()
 
     @property
     def count(self) -> int:
@@ -66,7 +71,7 @@ class HostSyncs(TorchDispatchMode):
             self.where[caller] += 1
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-        if func is torch.ops.aten._local_scalar_dense.default:
+        if func is torch.ops.aten._local_scalar_dense.default or func in self._made:
             self._record()
         elif func in (torch.ops.aten._to_copy.default,) and (kwargs or {}).get("device") == torch.device("cpu"):
             self._record()

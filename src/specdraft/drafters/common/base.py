@@ -249,6 +249,53 @@ class DraftChain:
                      lengths=lengths)
 
 
+#: ``SPECDRAFT_WHOLE_CHAIN=0``: no chain is drafted whole unless a drafter chooses it (to measure the loop)
+WHOLE_CHAIN_ENV = "SPECDRAFT_WHOLE_CHAIN"
+
+
+def drafts_whole(choice: bool | None, runner, ctx: DraftContext, gated: bool = False) -> bool:
+    """Whether a drafter drafts this round's greedy chain whole (:func:`chain_whole`): its ``choice``
+    (None: where ``runner`` has CUDA graphs and :data:`WHOLE_CHAIN_ENV` is not ``0``), greedy rows
+    without penalties, no copy gate (``gated``): what a graph can hold, the argmax and the
+    confidence that stops a row."""
+    import os
+
+    if choice is None:
+        whole = getattr(runner, "cuda_graphs", False) and os.environ.get(WHOLE_CHAIN_ENV, "") != "0"
+    else:
+        whole = choice
+    return bool(whole) and hasattr(runner, "loop") and ctx.sampling.greedy and not ctx.sampling.penalized \
+        and not gated
+
+
+def chain_whole(runner, state, k: int, threshold: float, logits_of, next_state, slots: list[int], key=()):
+    """A greedy chain of ``k`` tokens per row as one device function: ``runner.loop`` runs it, as one
+    CUDA graph per round on a GPU, with no host work between tokens.
+
+    ``state # [batch, ...]``: the drafter's state after its first pass; ``logits_of(state)`` gives
+    the next token's logits ``[batch, vocab]`` and ``next_state(state, tokens # [batch], step)`` the
+    state after them (``step``: the runner's one-position pass). Rows stop as :class:`DraftChain`
+    stops them (at the first token below ``threshold``: the length stays), but every row drafts
+    ``k`` tokens, one pass after each but the last. Returns ``(tokens # [batch, k], lengths # [batch])``.
+    """
+    import torch
+
+    from ...sampling import SamplingParams
+
+    greedy = SamplingParams()
+
+    def chain_of(state, step):
+        chain = DraftChain(state.shape[0], state.device, threshold)
+        for i in range(k):
+            token, _, confidence = draw_scored(logits_of(state), greedy, None, chain.scored)
+            chain.add(token, None, confidence)
+            if i + 1 < k:
+                state = next_state(state, token, step)
+        return torch.stack(chain.tokens, 1), chain.lengths
+
+    return runner.loop(chain_of, (state,), k - 1, slots, key=key)
+
+
 def draw_scored(logits, sampling, generator=None, scored: bool = False, counts=None):
     """:func:`~specdraft.sampling.draw` on ``logits # [batch, vocab]`` with the penalties' context
     ``counts`` (see :meth:`DraftContext.counts_after`) plus, when greedy and ``scored`` (see

@@ -18,7 +18,7 @@ from typing import ClassVar
 import torch
 
 from ..api import (ConfigError, Draft, DraftChain, DraftContext, Drafter, HeadOptions, SequenceSlots, TargetInfo,
-                   TreeHeadOptions, draw_scored, generators, row_ids)
+                   TreeHeadOptions, chain_whole, drafts_whole, draw_scored, generators, row_ids)
 from ..common.copy_gate import CopyDrafting, drafted_rows
 
 
@@ -168,6 +168,11 @@ class EagleDrafter(HeadDrafter):
     kind = "eagle"
     Options = TreeHeadOptions
 
+    #: greedy chains drafted whole (:func:`~specdraft.drafters.common.base.chain_whole`: one CUDA
+    #: graph per round, no host work between tokens): None, where the layer's runner has CUDA
+    #: graphs; True or False to choose (tests run it on a CPU)
+    whole_chain: bool | None = None
+
     def __init__(self, options: HeadOptions, target: TargetInfo) -> None:
         super().__init__(options, target)
         self.runner = self._layer_runner()
@@ -210,8 +215,12 @@ class EagleDrafter(HeadDrafter):
         """Feed pairs ``(features # [B, n, H], tokens # [B, n])``; returns guessed next features ``[B, n, H]``.
         Each row's cache grows by ``n``, or by ``advance[b]`` (rows padded past their pairs).
         ``tree_mask``, ``depths``: the pairs are tree nodes (see :mod:`.tree`)."""
-        return self.runner.forward(self.module.fc_in(features, self.target.embeddings(tokens)), advance=advance,
-                                   slots=slots, tree_mask=tree_mask, depths=depths)
+        return self.runner.forward(self.layer_input(features, tokens), advance=advance, slots=slots,
+                                   tree_mask=tree_mask, depths=depths)
+
+    def layer_input(self, features: torch.Tensor, tokens: torch.Tensor) -> torch.Tensor:
+        """The layer's input for pairs ``(features # [B, n, H], tokens # [B, n])``: ``fc([embed(x) ; f])``."""
+        return self.module.fc_in(features, self.target.embeddings(tokens))
 
     def _catch_up(self, ctx: DraftContext, ids: list[int], counts: list[int]) -> torch.Tensor:
         """Feed every row's pending true states; returns each row's newest guessed feature ``[batch, H]``."""
@@ -259,6 +268,8 @@ class EagleDrafter(HeadDrafter):
             from .tree import eagle_tree
 
             return eagle_tree(self, ctx, k, feature, slots)
+        if drafts_whole(self.whole_chain, self.runner, ctx, self.copier is not None):
+            return self._draft_whole(ctx, k, feature, slots)
         chain = self._chain(ctx)
         for i in range(k):
             drawn = self._draw(feature, ctx, chain)  # [batch], [batch, vocab], [batch]
@@ -267,6 +278,16 @@ class EagleDrafter(HeadDrafter):
             if i + 1 < k:  # the guessed pair: one position per row
                 feature = self.step(feature[:, None], drawn[0][:, None], slots)[:, 0]
         return chain.draft(self._lengths(k))
+
+    def _draft_whole(self, ctx: DraftContext, k: int, feature: torch.Tensor, slots: list[int]) -> Draft:
+        """The greedy chain of :meth:`propose` as one device function (:func:`chain_whole`)."""
+
+        def next_feature(feature, tokens, step):
+            return step(self.layer_input(feature[:, None], tokens[:, None]))[0][:, 0]
+
+        tokens, lengths = chain_whole(self.runner, feature, k, self.options.min_confidence, self.head, next_feature,
+                                      slots, key=(type(self).__name__, k, self.options.min_confidence))
+        return Draft(token_ids=tokens, probs=None, lengths=torch.minimum(lengths, self._lengths(k).to(lengths.device)))
 
 
 class Eagle3Drafter(EagleDrafter):
@@ -294,7 +315,5 @@ class Eagle3Drafter(EagleDrafter):
     def on_hidden_states(self, ctx: DraftContext, hidden_states: list[torch.Tensor]) -> None:
         super().on_hidden_states(ctx, [self.module.fc(h) for h in hidden_states])  # [n_b, 3H] -> [n_b, H]
 
-    def step(self, features: torch.Tensor, tokens: torch.Tensor, slots: list[int], advance=None,
-             tree_mask=None, depths=None) -> torch.Tensor:
-        inputs = torch.cat([self.target.embeddings(tokens), features], dim=-1)  # [B, n, 2H]
-        return self.runner.forward(inputs, advance=advance, slots=slots, tree_mask=tree_mask, depths=depths)
+    def layer_input(self, features: torch.Tensor, tokens: torch.Tensor) -> torch.Tensor:
+        return torch.cat([self.target.embeddings(tokens), features], dim=-1)  # [B, n, 2H]
