@@ -30,7 +30,11 @@
 #   machine      as above, and which shipped drafter weights are here
 #   bench-eager  Spec-Bench (specdraft bench) over the questions file, bfloat16, --no-compile: plain,
 #                the drafters, and transformers' generate as a peer (PEERS); mismatches vs plain
-#   bench-graphs the same with --compile (CUDA graphs), no peers
+#   bench-graphs the same with --compile (CUDA graphs), no peers; greedy chains (eagle, eagle3, the
+#                draft model) drafted whole, one CUDA graph per round
+#   bench-graphs-stock  the same with SPECDRAFT_CUDA_KERNELS=stock (STOCK_DRAFTERS, default ngram,prompt-lookup)
+#   bench-graphs-loop   the same with SPECDRAFT_WHOLE_CHAIN=0: chains drafted token by token, each
+#                pass its own graph (LOOP_DRAFTERS, default eagle): what drafting whole gains
 #   ri-model     row invariance of the default model itself, bfloat16, eager and CUDA graphs
 #
 # Steps run in the order above (the most wanted first), each timed and under `timeout` (SIGINT,
@@ -69,11 +73,11 @@ SPEC_BENCH=../shared/data/spec_bench/question.jsonl
 DEVICE=${DEVICE:-cuda}
 CONFORMANCE_SAMPLES=${CONFORMANCE_SAMPLES:-0}
 
-usage() { sed -n '2,58p' "$0" | sed 's/^# \{0,1\}//' >&2; exit 2; }
+usage() { sed -n '2,62p' "$0" | sed 's/^# \{0,1\}//' >&2; exit 2; }
 
 case $PHASE in  # the steps of each phase, in their order
     synthetic) KNOWN="machine ri-default ri-default-stock ri-3b costs-graphs costs-graphs-stock conformance costs-eager costs-eager-stock ri-1b launches launches-stock" ;;
-    model) KNOWN="machine bench-eager bench-graphs bench-graphs-stock ri-model" ;;
+    model) KNOWN="machine bench-eager bench-graphs bench-graphs-stock bench-graphs-loop ri-model" ;;
 esac
 STEPS=${STEPS:-}
 for s in ${STEPS//,/ }; do
@@ -256,6 +260,8 @@ else
     step bench-graphs 240 "Spec-Bench, default model, bfloat16, CUDA graphs" tables bench bench-graphs --compile
     step bench-graphs-stock 150 "Spec-Bench, CUDA graphs, SPECDRAFT_CUDA_KERNELS=stock (the kernels before)" tables \
         env SPECDRAFT_CUDA_KERNELS=stock DRAFTERS=${STOCK_DRAFTERS:-ngram,prompt-lookup} bash -c 'bench bench-graphs-stock --compile'
+    step bench-graphs-loop 150 "Spec-Bench, CUDA graphs, SPECDRAFT_WHOLE_CHAIN=0 (chains drafted token by token)" \
+        tables env SPECDRAFT_WHOLE_CHAIN=0 DRAFTERS=${LOOP_DRAFTERS:-eagle} bash -c 'bench bench-graphs-loop --compile'
     step ri-model 90 "Row invariance: the default model itself" lines \
         $RI --shape gguf --dtype bfloat16 --modes eager compile --widths 1-16,24,32
 fi
