@@ -194,14 +194,18 @@ class Engine:
         draft = self._call("propose", plan.ctx, plan.k) if plan.k > 0 else None
         proposal = self.verifier.proposal(draft, plan.caps, plan.predicted)  # validated once; a chain or a tree
         t1 = time.perf_counter()
-        logits, hidden = self.verifier.verify(proposal, [s.tokens[-1] for s in batch], [s.slot for s in batch],
-                                              max(s.cached for s in batch), hidden=self.wants_hidden)
-        raw_logits = logits  # the model's own (logprobs_mode "raw"); the processors make copies
-        logits = process(self.processors, self._rows(batch), proposal, logits)
-        self._grammar_failures(batch)
-        outcome = self.verifier.accept(proposal, logits, plan.ctx.sampling, self._generators(batch), plan.ctx.counts,
-                                       hidden)
-        logprobs = round_logprobs(batch, outcome, raw_logits, logits, plan.ctx.counts)  # rows that asked
+        last, slots, longest = [s.tokens[-1] for s in batch], [s.slot for s in batch], max(s.cached for s in batch)
+        if self._greedy_alone(batch, plan) and self.verifier.greedy_in_pass(proposal):  # acceptance in the pass
+            outcome = self.verifier.verify_greedy(proposal, last, slots, longest, hidden=self.wants_hidden)
+            logprobs = {}
+        else:
+            logits, hidden = self.verifier.verify(proposal, last, slots, longest, hidden=self.wants_hidden)
+            raw_logits = logits  # the model's own (logprobs_mode "raw"); the processors make copies
+            logits = process(self.processors, self._rows(batch), proposal, logits)
+            self._grammar_failures(batch)
+            outcome = self.verifier.accept(proposal, logits, plan.ctx.sampling, self._generators(batch),
+                                           plan.ctx.counts, hidden)
+            logprobs = round_logprobs(batch, outcome, raw_logits, logits, plan.ctx.counts)  # rows that asked
         t2, called = time.perf_counter(), self._drafter_s
         committed = self._commit(batch, outcome, logprobs)
         for s, n in zip(batch, committed):  # each grammar's matcher over its row's new tokens
@@ -218,6 +222,14 @@ class Engine:
             s.stats.verify_time_s += t2 - t1
         for s in [s for s in batch if s.finish_reason is not None]:
             self._leave(s, s.finish_reason)
+
+    @staticmethod
+    def _greedy_alone(batch: list[Sequence], plan: "_Plan") -> bool:
+        """Whether only greedy acceptance reads this round's logits: every row greedy, with no
+        penalty, logit bias, grammar, ``min_tokens`` hold (the processors) or logprobs."""
+        return plan.ctx.counts is None and all(
+            s.sampling.greedy and not s.sampling.penalized and s.grammar is None and not s.logit_bias
+            and s.logprobs is None and s.min_tokens <= len(s.new_tokens) for s in batch)
 
     def _plan(self, batch: list[Sequence]) -> _Plan:
         """How far each row may draft this round (the length policy's choice, its budget and

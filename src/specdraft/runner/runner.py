@@ -160,7 +160,7 @@ class ModelRunner(RunnerBase):
 
     def forward(self, tokens: torch.Tensor, logits_at: torch.Tensor | None = None, hidden: bool = False,
                 advance=None, slots=None, tree_mask: torch.Tensor | None = None,
-                depths: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor | None]:
+                depths: torch.Tensor | None = None, then=None) -> tuple[torch.Tensor, ...]:
         """Run ``tokens # [rows, W]`` (long, on the device) after each row's stored tokens.
 
         Returns ``(logits, hidden)``: logits ``[rows, W, vocab]``, or ``[rows, N, vocab]`` at the
@@ -172,10 +172,19 @@ class ModelRunner(RunnerBase):
         pass runs on (default: every row, in order).
         ``tree_mask # [B, W, P]`` bool and ``depths # [B, W]`` long: a tree of tokens (see
         :meth:`SpecdraftModel.forward <specdraft.runner.model.SpecdraftModel.forward>`).
+
+        ``then=(fn, tensors, name)``: returns ``fn(logits, hidden, *tensors)`` instead (a tuple of
+        tensors), computed in the pass's CUDA graph where it has one (captured per ``name`` and
+        width, the ``tensors`` copied in like the inputs): what the caller does with the logits
+        at once, e.g. greedy acceptance, with no kernel launched after the graph. ``fn`` must
+        not read the device nor make tensors from host data.
         """
         tree = None if tree_mask is None else (tree_mask, depths)
         with attention_backends(tokens.device):
-            return self._forward(tokens, logits_at, hidden, advance, self._slots(slots, tokens.shape[0]), tree)
+            return self._forward(tokens, logits_at, hidden, advance, self._slots(slots, tokens.shape[0]), tree, then)
+
+    #: :meth:`forward` takes ``then``
+    passes_then = True
 
     #: passes may carry a tree mask (:meth:`forward`)
     supports_tree = True
@@ -189,9 +198,10 @@ class ModelRunner(RunnerBase):
             raise ValueError(f"{len(slots)} slots for a pass of {rows} rows")
         return None if slots == list(range(self.cache.kv.slots)) else slots
 
-    def _forward(self, inputs, logits_at, hidden, advance, slots, tree=None):
+    def _forward(self, inputs, logits_at, hidden, advance, slots, tree=None, then=None):
         """A pass of ``inputs # [rows, W, ...]`` (token ids, or hidden states for a :class:`LayerRunner`): the
-        span it attends over, the width bucket and its padding, and the compiled or CUDA-graphed call."""
+        span it attends over, the width bucket and its padding, and the compiled or CUDA-graphed call
+        (and ``then``, :meth:`forward`'s)."""
         rows, width = inputs.shape[:2]
         if advance is not None:
             advance = as_long(advance, inputs.device)
@@ -200,7 +210,8 @@ class ModelRunner(RunnerBase):
         span = span_for(bound + (bucket or width), self.cache.kv.max_len)
         cache, rows_t, first = self._rows_of(slots, inputs.device)
         if bucket is None:  # eager: any width
-            return self._run(inputs, cache, rows_t, logits_at, hidden, advance, span, tree, run_block)
+            out = self._run(inputs, cache, rows_t, logits_at, hidden, advance, span, tree, run_block)
+            return out if then is None else then[0](*out, *then[1])
         if bucket > width:  # pad; the padding's keys land past each row's new length
             inputs = torch.cat([inputs, inputs.new_zeros((rows, bucket - width) + tuple(inputs.shape[2:]))], dim=1)
             if advance is None:
@@ -209,18 +220,25 @@ class ModelRunner(RunnerBase):
         key = (rows, bucket, span, None if logits_at is None else tuple(logits_at.shape), hidden, advance is None,
                rows_t is None, first, None if tree is None else tree[0].shape[-1])
         start = time.perf_counter() if key not in self._seen else None
-        if self.cuda_graphs:
-            logits, states = self._replay(key, inputs, logits_at, hidden, advance, span, rows_t, cache, tree)
+
+        def finish(logits, states, then=then):  # the padding cut off, then ``then``
+            if logits_at is None and bucket > width:
+                logits = logits[:, :width]
+            if states is not None and bucket > width:
+                states = states[:, :width]
+            return (logits, states) if then is None else then[0](logits, states, *then[1])
+
+        if self.cuda_graphs:  # ``then`` in the graph (captured per width: it reads the cut), the cut after it
+            key += () if then is None else (then[2], width)
+            out = self._replay(key, inputs, logits_at, hidden, advance, span, rows_t, cache, tree, then, finish)
+            if then is None:
+                out = finish(*out)
         else:
-            logits, states = self._run(inputs, cache, rows_t, logits_at, hidden, advance, span, tree, self._block_fn)
+            out = finish(*self._run(inputs, cache, rows_t, logits_at, hidden, advance, span, tree, self._block_fn))
         if start is not None:
             self._seen.add(key)
             self.compile_seconds += time.perf_counter() - start
-        if logits_at is None and bucket > width:
-            logits = logits[:, :width]
-        if states is not None and bucket > width:
-            states = states[:, :width]
-        return logits, states
+        return out
 
     def _rows_of(self, slots: list[int] | None, device):
         """The cache a pass on ``slots`` runs over: ``(cache, rows # [rows] long | None, first)``; a
@@ -278,29 +296,34 @@ class ModelRunner(RunnerBase):
                          span=span, block_fn=block_fn, **_tree_kwargs(tree))
         return out.logits, out.hidden
 
-    def _replay(self, key, inputs, logits_at, hidden, advance, span, rows, cache, tree=None):
-        """The pass as a CUDA graph: captured on first use of ``key``, replayed on static buffers."""
+    def _replay(self, key, inputs, logits_at, hidden, advance, span, rows, cache, tree, then, finish):
+        """The pass as a CUDA graph, with ``finish`` (the padding cut and ``then``) when there is a
+        ``then``: captured on first use of ``key``, replayed on static buffers; its outputs are
+        returned as new tensors."""
         self._check_epoch()
+        extras = () if then is None else tuple(then[1])
         graph = self._graphs.get(key)
         if graph is None:
-            graph = self._capture(inputs, logits_at, hidden, advance, span, rows, cache, tree)
+            graph = self._capture(inputs, logits_at, hidden, advance, span, rows, cache, tree, then, finish)
             self._graphs[key] = graph
         cuda_graph, static_in, static_out = graph
-        for buf, value in zip(static_in, (inputs, logits_at, advance, rows) + (tree or (None, None))):
+        for buf, value in zip(static_in, (inputs, logits_at, advance, rows) + (tree or (None, None)) + extras):
             if buf is not None:
                 buf.copy_(value)
         cuda_graph.replay()
-        logits, states = static_out
-        return logits.clone(), None if states is None else states.clone()
+        return tuple(None if t is None else t.clone() for t in static_out)
 
-    def _capture(self, inputs, logits_at, hidden, advance, span, rows, cache, tree=None):
+    def _capture(self, inputs, logits_at, hidden, advance, span, rows, cache, tree, then, finish):
+        extras = () if then is None else tuple(then[1])
         static_in = tuple(None if t is None else t.clone()
-                          for t in (inputs, logits_at, advance, rows) + (tree or (None, None)))
-        static_tree = None if tree is None else static_in[4:]
+                          for t in (inputs, logits_at, advance, rows) + (tree or (None, None)) + extras)
+        static_tree = None if tree is None else static_in[4:6]
+        static_then = None if then is None else (then[0], static_in[6:], then[2])  # on the static copies
 
         def run():
-            return self._run(static_in[0], cache, static_in[3], static_in[1], hidden, static_in[2], span,
-                             static_tree, self._block_fn)
+            out = self._run(static_in[0], cache, static_in[3], static_in[1], hidden, static_in[2], span,
+                            static_tree, self._block_fn)
+            return out if then is None else finish(*out, then=static_then)
 
         cuda_graph, static_out = self._graph_of(run)
         return cuda_graph, static_in, static_out

@@ -4,6 +4,11 @@
     proposal = verifier.proposal(draft, caps)                # validated; a chain or a tree, decided here
     logits, hidden = verifier.verify(proposal, last, slots, longest)   # [last, d_1..d_k] in one pass
     outcome = verifier.accept(proposal, logits, sampling, generators, counts, hidden)
+    outcome = verifier.verify_greedy(proposal, last, slots, longest)   # greedy chains: both at once
+
+``verify_greedy`` is a greedy round whose logits nothing else reads (no penalty, bias, grammar,
+``min_tokens`` hold or logprobs): its acceptance runs inside the pass (``runner.forward(then=)``),
+in the pass's CUDA graph on a GPU, so nothing is launched between the graph and the round's copy.
 
 Acceptance keeps the target's output law exactly: greedy rows take the longest prefix (a tree: the
 path) the target's argmax agrees with; sampled rows run rejection sampling, each with its own
@@ -96,6 +101,29 @@ class Verifier:
         ``b``'s settings, ``generators[b]`` its generator (unused for greedy rows); ``counts`` the
         penalties' context of the rows (None: no penalty)."""
         num_accepted, next_token, path = accept(proposal, logits, sampling, generators, proposal.counts_along(counts))
+        return self._outcome(proposal, num_accepted, next_token, path, hidden)
+
+    def greedy_in_pass(self, proposal: Proposal) -> bool:
+        """Whether :meth:`verify_greedy` can verify ``proposal`` (the caller knows its rows are
+        greedy and that nothing else reads their logits): a chain, on a runner that takes ``then``."""
+        return proposal.tree is None and getattr(self.runner, "passes_then", False)
+
+    def verify_greedy(self, proposal: Proposal, last: list[int], slots: list[int], longest: int,
+                      hidden: bool | tuple[int, ...] = False) -> Outcome:
+        """:meth:`verify` and greedy acceptance of a chain in one call, acceptance inside the pass
+        (in its CUDA graph on a GPU): the :class:`Outcome` :meth:`accept` gives for greedy rows
+        whose logits nothing processes (see :meth:`greedy_in_pass`)."""
+        self.runner.cache.reserve(longest + proposal.width + 1)
+        tokens, _ = proposal.pass_inputs(torch.tensor([[t] for t in last], device=self.device))
+        num_accepted, next_token, *states = self.runner.forward(
+            tokens, hidden=hidden, slots=slots, then=(_greedy_chain, (proposal.token_ids, proposal.lengths), "greedy"))
+        path = torch.arange(proposal.width, device=num_accepted.device).expand(num_accepted.shape[0], proposal.width)
+        return self._outcome(proposal, num_accepted, next_token, path, states[0] if states else None)
+
+    @staticmethod
+    def _outcome(proposal: Proposal, num_accepted: torch.Tensor, next_token: torch.Tensor, path: torch.Tensor,
+                 hidden: torch.Tensor | None) -> Outcome:
+        """The round's :class:`Outcome`, in the round's one copy to the host."""
         width = proposal.width
         kept = proposal.token_ids.gather(1, path.clamp(max=max(width - 1, 0))) if width else path
         rows = torch.cat([num_accepted[:, None], next_token[:, None], proposal.lengths[:, None],
@@ -103,6 +131,15 @@ class Verifier:
         return Outcome(num_accepted=[r[0] for r in rows], next_token=[r[1] for r in rows],
                        paths=[r[4 : 4 + width][: r[0]] for r in rows], tokens=[r[4 + width :][: r[0]] for r in rows],
                        drafted=[r[2] for r in rows], depths=[r[3] for r in rows], hidden=hidden)
+
+
+def _greedy_chain(logits: torch.Tensor, hidden: torch.Tensor | None, token_ids: torch.Tensor,
+                  lengths: torch.Tensor) -> tuple[torch.Tensor, ...]:
+    """Greedy acceptance of a chain from its pass's ``logits # [batch, width + 1, vocab]``, as
+    :func:`accept` does it for greedy rows without penalties: ``(num_accepted, next_token)``, and
+    ``hidden`` when the pass gave states."""
+    num_accepted, next_token = greedy_accept(token_ids, lengths, logits.argmax(-1))
+    return (num_accepted, next_token) + (() if hidden is None else (hidden,))
 
 
 def accept(proposal: Proposal, logits: torch.Tensor, sampling: RowSampling, generators: list,
