@@ -1,5 +1,6 @@
 """Greedy chains drafted whole (``whole_chain``: ``chain_whole`` through ``runner.loop``, one CUDA
-graph per round on a GPU) by EAGLE, EAGLE-3 and a draft model: run here on a CPU, they draft what
+graph per round on a GPU) by EAGLE (through its copy gate too), EAGLE-3 and a draft model: run here
+on a CPU, they draft what
 the token-by-token loop drafts, keep decoding exact, and hold nothing a CUDA graph could not (no
 device read, no tensor made from host data)."""
 
@@ -16,11 +17,25 @@ from specdraft.testing import random_heads, repetitive_prompts, tiny_llama
 from specdraft.testing.syncs import HostSyncs
 
 KINDS = {"eagle": EagleDrafter, "eagle3": EagleDrafter, "draft-model": DraftModelDrafter}
+GATED = "eagle-copy-gate"  # eagle's heads with a copy gate (the shipped heads have one)
+GATED_ON_DEVICE = "eagle-copy-gate-on-device"  # the same, its choice by tensor operators as on a GPU
+
+
+def _device_gate(kind, monkeypatch):
+    """For :data:`GATED_ON_DEVICE`: the copy gate chooses as it does on a GPU (``device_candidates``
+    and ``choose``), not through the CPU's C++ operator."""
+    if kind == GATED_ON_DEVICE:
+        from specdraft.drafters.common.copy_gate import CopyDrafting
+
+        monkeypatch.setattr(CopyDrafting, "_native", lambda self, small: False)
 _PROPOSE = {cls: cls.propose for cls in KINDS.values()}
 
 
 def _options(kind, model, path, **more):
-    """The drafter's options on ``model``: random heads, or a saved 1-layer random draft."""
+    """The drafter's options on ``model``: random heads (with a copy gate for :data:`GATED`), or a
+    saved 1-layer random draft."""
+    if kind in (GATED, GATED_ON_DEVICE):
+        return _options("eagle", model, path, copy_gate=True, **more)
     if kind == "draft-model":
         tiny_llama(vocab_size=64, seed=7, layers=1, dtype=model.dtype).save_pretrained(path)
         return {"model": str(path), **more}
@@ -30,6 +45,7 @@ def _options(kind, model, path, **more):
 def _run(model, options, kind, whole, monkeypatch, prompts, **settings):
     """Greedy outputs, and every proposal as ``(k, tokens cut at each row's length, lengths, a draft
     model's count of drafted tokens fed)``."""
+    kind = "eagle" if kind in (GATED, GATED_ON_DEVICE) else kind
     cls, drafts = KINDS[kind], []
 
     def recorded(self, ctx, k):
@@ -48,11 +64,12 @@ def _run(model, options, kind, whole, monkeypatch, prompts, **settings):
 
 
 @pytest.mark.parametrize("dtype", [torch.float64, torch.float32, torch.bfloat16], ids=str)
-@pytest.mark.parametrize("kind", list(KINDS))
+@pytest.mark.parametrize("kind", [*KINDS, GATED, GATED_ON_DEVICE])
 def test_a_whole_chain_drafts_what_the_loop_drafts(tmp_path, monkeypatch, kind, dtype):
     """Same greedy outputs as plain decoding, and the same drafts, token for token and length for
     length, as the loop that stops at the first row's doubt; the threshold (0.3) stops some rows
     early, so the lengths the whole chain keeps on the device are tested."""
+    _device_gate(kind, monkeypatch)
     model = tiny_llama(vocab_size=64, seed=0, dtype=dtype)
     prompts = repetitive_prompts(64, seed=3)[:3]
     with SpeculativeDecoder(model, None, drafter=None) as dec:
@@ -70,7 +87,7 @@ def test_a_whole_chain_drafts_what_the_loop_drafts(tmp_path, monkeypatch, kind, 
         assert bool(stopped) == (threshold > 0), stopped
 
 
-@pytest.mark.parametrize("kind", ["eagle", "draft-model"])
+@pytest.mark.parametrize("kind", ["eagle", GATED_ON_DEVICE, "draft-model"])
 def test_a_whole_chain_holds_nothing_a_graph_cannot(tiny_model, tmp_path, monkeypatch, kind):
     """The function ``runner.loop`` would capture reads nothing from the device and makes no
     tensor from host data, over batched rounds of three rows of different lengths."""
@@ -85,11 +102,12 @@ def test_a_whole_chain_holds_nothing_a_graph_cannot(tiny_model, tmp_path, monkey
 
         return loop(self, watched, inputs, steps, slots, key)
 
+    _device_gate(kind, monkeypatch)
     monkeypatch.setattr(ModelRunner, "loop", checked)
-    monkeypatch.setattr(KINDS[kind], "whole_chain", True)
+    monkeypatch.setattr(KINDS.get(kind, EagleDrafter), "whole_chain", True)
     options = _options(kind, tiny_model, tmp_path / kind, min_confidence=0.3)
-    with SpeculativeDecoder(tiny_model, None, drafter=kind, spec_length=4, adaptive=False,
-                            drafter_options=options) as dec:
+    with SpeculativeDecoder(tiny_model, None, drafter=kind if kind in KINDS else "eagle", spec_length=4,
+                            adaptive=False, drafter_options=options) as dec:
         dec.generate_ids(repetitive_prompts(64, seed=0)[:3], max_new_tokens=12)
     assert len(found) >= 3
     assert all(not where for where in found), [where for where in found if where]
@@ -97,8 +115,8 @@ def test_a_whole_chain_holds_nothing_a_graph_cannot(tiny_model, tmp_path, monkey
 
 @pytest.mark.parametrize("kind", ["eagle", "draft-model"])
 def test_a_whole_chain_is_not_used_where_a_graph_cannot_hold_the_draws(tiny_model, tmp_path, monkeypatch, kind):
-    """Sampling, penalties and (EAGLE's) copy gate draft token by token: their draws read per-row
-    generators, the context's counts or the row's text. The whole chain is never entered."""
+    """Sampling and penalties draft token by token (their draws read per-row generators or the
+    context's counts), and so does the draft model's copy gate: the whole chain is never entered."""
 
     def refuse(*args, **kwargs):
         raise AssertionError("a whole chain was drafted")
@@ -106,8 +124,6 @@ def test_a_whole_chain_is_not_used_where_a_graph_cannot_hold_the_draws(tiny_mode
     monkeypatch.setattr(ModelRunner, "loop", refuse)
     monkeypatch.setattr(KINDS[kind], "whole_chain", True)
     cases = [({}, {"temperature": 0.8, "seed": 1}), ({}, {"repetition_penalty": 1.3})]
-    if kind == "eagle":
-        cases.append(({"copy_gate": True}, {}))
     for i, (options, settings) in enumerate(cases):
         options = _options(kind, tiny_model, tmp_path / f"{kind}-{i}", **options)
         with SpeculativeDecoder(tiny_model, None, drafter=kind, spec_length=3, adaptive=False,

@@ -256,8 +256,8 @@ WHOLE_CHAIN_ENV = "SPECDRAFT_WHOLE_CHAIN"
 def drafts_whole(choice: bool | None, runner, ctx: DraftContext, gated: bool = False) -> bool:
     """Whether a drafter drafts this round's greedy chain whole (:func:`chain_whole`): its ``choice``
     (None: where ``runner`` has CUDA graphs and :data:`WHOLE_CHAIN_ENV` is not ``0``), greedy rows
-    without penalties, no copy gate (``gated``): what a graph can hold, the argmax and the
-    confidence that stops a row."""
+    without penalties, and ``gated`` False (a copy gate that needs the rows' text as host lists):
+    what a graph can hold, the choice and the confidence that stops a row."""
     import os
 
     if choice is None:
@@ -268,7 +268,8 @@ def drafts_whole(choice: bool | None, runner, ctx: DraftContext, gated: bool = F
         and not gated
 
 
-def chain_whole(runner, state, k: int, threshold: float, logits_of, next_state, slots: list[int], key=()):
+def chain_whole(runner, state, k: int, threshold: float, logits_of, next_state, slots: list[int], key=(),
+                draw=None, extras: tuple = ()):
     """A greedy chain of ``k`` tokens per row as one device function: ``runner.loop`` runs it, as one
     CUDA graph per round on a GPU, with no host work between tokens.
 
@@ -276,7 +277,11 @@ def chain_whole(runner, state, k: int, threshold: float, logits_of, next_state, 
     the next token's logits ``[batch, vocab]`` and ``next_state(state, tokens # [batch], step)`` the
     state after them (``step``: the runner's one-position pass). Rows stop as :class:`DraftChain`
     stops them (at the first token below ``threshold``: the length stays), but every row drafts
-    ``k`` tokens, one pass after each but the last. Returns ``(tokens # [batch, k], lengths # [batch])``.
+    ``k`` tokens, one pass after each but the last. ``draw(state, drafted, *extras)``: the choice
+    ``(tokens # [batch], confidence # [batch])`` instead of the argmax of ``logits_of(state)`` (a
+    copy gate's), ``drafted`` the chain's tokens so far (``[batch]`` tensors) and ``extras`` the
+    tensors it reads, copied into the graph like the state (their shapes are part of the graph's
+    key: pad them to a few sizes). Returns ``(tokens # [batch, k], lengths # [batch])``.
     """
     import torch
 
@@ -284,16 +289,21 @@ def chain_whole(runner, state, k: int, threshold: float, logits_of, next_state, 
 
     greedy = SamplingParams()
 
-    def chain_of(state, step):
+    def chain_of(state, *rest):
+        *read, step = rest
         chain = DraftChain(state.shape[0], state.device, threshold)
         for i in range(k):
-            token, _, confidence = draw_scored(logits_of(state), greedy, None, chain.scored)
+            if draw is None:
+                token, _, confidence = draw_scored(logits_of(state), greedy, None, chain.scored)
+            else:
+                token, confidence = draw(state, chain.tokens, *read)
             chain.add(token, None, confidence)
             if i + 1 < k:
                 state = next_state(state, token, step)
         return torch.stack(chain.tokens, 1), chain.lengths
 
-    return runner.loop(chain_of, (state,), k - 1, slots, key=key)
+    shapes = tuple(tuple(t.shape) for t in extras)
+    return runner.loop(chain_of, (state, *extras), k - 1, slots, key=(key, shapes))
 
 
 def draw_scored(logits, sampling, generator=None, scored: bool = False, counts=None):

@@ -19,7 +19,7 @@ import torch
 
 from ..api import (ConfigError, Draft, DraftChain, DraftContext, Drafter, HeadOptions, SequenceSlots, TargetInfo,
                    TreeHeadOptions, chain_whole, drafts_whole, draw_scored, generators, row_ids)
-from ..common.copy_gate import CopyDrafting, drafted_rows
+from ..common.copy_gate import CopyDrafting, DraftedRows, drafted_rows
 
 
 class HeadDrafter(Drafter):
@@ -268,7 +268,7 @@ class EagleDrafter(HeadDrafter):
             from .tree import eagle_tree
 
             return eagle_tree(self, ctx, k, feature, slots)
-        if drafts_whole(self.whole_chain, self.runner, ctx, self.copier is not None):
+        if drafts_whole(self.whole_chain, self.runner, ctx):  # the copy gate too
             return self._draft_whole(ctx, k, feature, slots)
         chain = self._chain(ctx)
         for i in range(k):
@@ -280,14 +280,39 @@ class EagleDrafter(HeadDrafter):
         return chain.draft(self._lengths(k))
 
     def _draft_whole(self, ctx: DraftContext, k: int, feature: torch.Tensor, slots: list[int]) -> Draft:
-        """The greedy chain of :meth:`propose` as one device function (:func:`chain_whole`)."""
+        """The greedy chain of :meth:`propose` as one device function (:func:`chain_whole`); through
+        the copy gate, if any, over the rows' tokens padded to a power of two (a graph per width)."""
 
         def next_feature(feature, tokens, step):
             return step(self.layer_input(feature[:, None], tokens[:, None]))[0][:, 0]
 
+        draw, extras = None, ()
+        if self.copier is not None:
+            extras = padded_rows(ctx.token_ids, k, feature.device)
+
+            def draw(feature, drafted, ids, lengths):
+                if drafted:  # the rows' tokens and this round's drafts, as drafted_rows gives them
+                    at = lengths[:, None] + torch.arange(len(drafted), device=ids.device)
+                    ids = ids.scatter(1, at, torch.stack(drafted, 1))
+                rows = DraftedRows(ids, lengths + len(drafted))
+                token, _, confidence = self.copier.draw(self.head.small(feature), feature, rows, ctx.sampling, None)
+                return token, confidence
+
         tokens, lengths = chain_whole(self.runner, feature, k, self.options.min_confidence, self.head, next_feature,
-                                      slots, key=(type(self).__name__, k, self.options.min_confidence))
+                                      slots, key=(type(self).__name__, k, self.options.min_confidence), draw=draw,
+                                      extras=extras)
         return Draft(token_ids=tokens, probs=None, lengths=torch.minimum(lengths, self._lengths(k).to(lengths.device)))
+
+
+def padded_rows(rows: list[list[int]], k: int, device) -> tuple[torch.Tensor, torch.Tensor]:
+    """``(ids # [B, W], lengths # [B])``: each row's tokens, zero-padded to a width ``W`` with room
+    for ``k`` more, a power of two (at least 64), so that graphs are captured for a few widths."""
+    longest = max((len(r) for r in rows), default=0)
+    width = max(64, 1 << (longest + k - 1).bit_length())
+    ids = torch.zeros((len(rows), width), dtype=torch.long)
+    for b, r in enumerate(rows):
+        ids[b, : len(r)] = torch.tensor(r, dtype=torch.long)
+    return ids.to(device), torch.tensor([len(r) for r in rows], dtype=torch.long).to(device)
 
 
 class Eagle3Drafter(EagleDrafter):
