@@ -10,6 +10,7 @@ from specdraft.drafters.draft_model import check_tokenizers
 from specdraft.runner import load_runner
 from specdraft.testing import SIGNIFICANCE as ALPHA
 from specdraft.testing import (
+    gated_draft,
     plain_greedy,
     repetitive_prompts,
     sampled_joint_pvalue,
@@ -212,22 +213,9 @@ def test_target_fingerprint_ignores_precision_but_not_the_weights():
     assert target_fingerprint(w[:2999]) != fp
 
 
-def _draft_with_copy_gate(target, path, head_tokens, seed=0, match_bias=2.0):
-    """A compact draft (1 layer, the ``head_tokens`` first ids in its head) with a copy gate that
-    trusts its candidate often: both halves of the mixture get drafted."""
-    from specdraft.drafters.common.compact_draft import build_compact_draft, save_compact_draft, target_fingerprint
-    from specdraft.testing import trusting_copy_gate
-
-    torch.manual_seed(seed)
-    draft = build_compact_draft(target, 1, torch.arange(head_tokens), init_layers=[1])
-    draft.copy_gate = trusting_copy_gate(target.config.hidden_size, match_bias, dtype=target.dtype)
-    save_compact_draft(draft, path, "tiny", target_fingerprint(target.get_input_embeddings().weight), dtype=torch.float64)
-    return str(path)
-
-
 @pytest.fixture(scope="module")
 def gated_dir(tiny_model, tmp_path_factory):
-    return _draft_with_copy_gate(tiny_model, tmp_path_factory.mktemp("gated"), head_tokens=48)
+    return gated_draft(tiny_model, tmp_path_factory.mktemp("gated"), head_tokens=48)
 
 
 def test_copy_gate_changes_the_drafts(tiny_model, gated_dir):
@@ -265,6 +253,6 @@ def test_greedy_parity_with_a_copy_gate(tiny_model, gated_dir, k):
 def test_sampling_with_a_copy_gate_matches_target_joint_distribution(small_vocab_model, tmp_path):
     """The drafts come from the copy mixture (head of 12 of the 16 tokens, so the candidate is
     sometimes a token the draft itself gives probability 0); the output is still the target's."""
-    path = _draft_with_copy_gate(small_vocab_model, tmp_path / "gated", head_tokens=12, seed=3)
+    path = gated_draft(small_vocab_model, tmp_path / "gated", head_tokens=12, seed=3)
     # the prompt 3 5 3 5 3: "3" was followed by "5", so a candidate exists from the first round on
     _check_sampling_exactness(small_vocab_model, path, SamplingParams(temperature=0.8, top_k=4), seed=7)

@@ -1,6 +1,6 @@
 """Greedy chains drafted whole (``whole_chain``: ``chain_whole`` through ``runner.loop``, one CUDA
-graph per round on a GPU) by EAGLE (through its copy gate too), EAGLE-3 and a draft model: run here
-on a CPU, they draft what
+graph per round on a GPU) by EAGLE, EAGLE-3 and a draft model (both through a copy gate too): run
+here on a CPU, they draft what
 the token-by-token loop drafts, keep decoding exact, and hold nothing a CUDA graph could not (no
 device read, no tensor made from host data)."""
 
@@ -13,18 +13,23 @@ from specdraft import SpeculativeDecoder
 from specdraft.drafters.draft_model import DraftModelDrafter
 from specdraft.drafters.heads.drafters import EagleDrafter
 from specdraft.runner.runner import ModelRunner
-from specdraft.testing import random_heads, repetitive_prompts, tiny_llama
+from specdraft.testing import gated_draft, random_heads, repetitive_prompts, tiny_llama
 from specdraft.testing.syncs import HostSyncs
 
 KINDS = {"eagle": EagleDrafter, "eagle3": EagleDrafter, "draft-model": DraftModelDrafter}
-GATED = "eagle-copy-gate"  # eagle's heads with a copy gate (the shipped heads have one)
-GATED_ON_DEVICE = "eagle-copy-gate-on-device"  # the same, its choice by tensor operators as on a GPU
+#: a drafter with a copy gate (the shipped EAGLE heads and draft have one) -> the drafter; "-on-device":
+#: its choice by tensor operators as on a GPU, not by the CPU's C++ operator
+GATED = {f"{kind}-copy-gate{where}": kind for kind in ("eagle", "draft-model") for where in ("", "-on-device")}
+
+
+def _drafter(kind):
+    return GATED.get(kind, kind)
 
 
 def _device_gate(kind, monkeypatch):
-    """For :data:`GATED_ON_DEVICE`: the copy gate chooses as it does on a GPU (``device_candidates``
+    """For the ``-on-device`` kinds: the copy gate chooses as it does on a GPU (``device_candidates``
     and ``choose``), not through the CPU's C++ operator."""
-    if kind == GATED_ON_DEVICE:
+    if kind.endswith("-on-device"):
         from specdraft.drafters.common.copy_gate import CopyDrafting
 
         monkeypatch.setattr(CopyDrafting, "_native", lambda self, small: False)
@@ -32,9 +37,11 @@ _PROPOSE = {cls: cls.propose for cls in KINDS.values()}
 
 
 def _options(kind, model, path, **more):
-    """The drafter's options on ``model``: random heads (with a copy gate for :data:`GATED`), or a
-    saved 1-layer random draft."""
-    if kind in (GATED, GATED_ON_DEVICE):
+    """The drafter's options on ``model``: random heads, or a saved 1-layer random draft (with a
+    copy gate that often trusts its candidate for :data:`GATED`)."""
+    if GATED.get(kind) == "draft-model":
+        return {"model": gated_draft(model, path, seed=5), **more}
+    if kind in GATED:
         return _options("eagle", model, path, copy_gate=True, **more)
     if kind == "draft-model":
         tiny_llama(vocab_size=64, seed=7, layers=1, dtype=model.dtype).save_pretrained(path)
@@ -45,7 +52,7 @@ def _options(kind, model, path, **more):
 def _run(model, options, kind, whole, monkeypatch, prompts, **settings):
     """Greedy outputs, and every proposal as ``(k, tokens cut at each row's length, lengths, a draft
     model's count of drafted tokens fed)``."""
-    kind = "eagle" if kind in (GATED, GATED_ON_DEVICE) else kind
+    kind = _drafter(kind)
     cls, drafts = KINDS[kind], []
 
     def recorded(self, ctx, k):
@@ -64,7 +71,7 @@ def _run(model, options, kind, whole, monkeypatch, prompts, **settings):
 
 
 @pytest.mark.parametrize("dtype", [torch.float64, torch.float32, torch.bfloat16], ids=str)
-@pytest.mark.parametrize("kind", [*KINDS, GATED, GATED_ON_DEVICE])
+@pytest.mark.parametrize("kind", [*KINDS, *GATED])
 def test_a_whole_chain_drafts_what_the_loop_drafts(tmp_path, monkeypatch, kind, dtype):
     """Same greedy outputs as plain decoding, and the same drafts, token for token and length for
     length, as the loop that stops at the first row's doubt; the threshold (0.3) stops some rows
@@ -87,7 +94,8 @@ def test_a_whole_chain_drafts_what_the_loop_drafts(tmp_path, monkeypatch, kind, 
         assert bool(stopped) == (threshold > 0), stopped
 
 
-@pytest.mark.parametrize("kind", ["eagle", GATED_ON_DEVICE, "draft-model"])
+@pytest.mark.parametrize("kind", ["eagle", "eagle-copy-gate-on-device", "draft-model",
+                                  "draft-model-copy-gate-on-device"])
 def test_a_whole_chain_holds_nothing_a_graph_cannot(tiny_model, tmp_path, monkeypatch, kind):
     """The function ``runner.loop`` would capture reads nothing from the device and makes no
     tensor from host data, over batched rounds of three rows of different lengths."""
@@ -104,9 +112,9 @@ def test_a_whole_chain_holds_nothing_a_graph_cannot(tiny_model, tmp_path, monkey
 
     _device_gate(kind, monkeypatch)
     monkeypatch.setattr(ModelRunner, "loop", checked)
-    monkeypatch.setattr(KINDS.get(kind, EagleDrafter), "whole_chain", True)
+    monkeypatch.setattr(KINDS[_drafter(kind)], "whole_chain", True)
     options = _options(kind, tiny_model, tmp_path / kind, min_confidence=0.3)
-    with SpeculativeDecoder(tiny_model, None, drafter=kind if kind in KINDS else "eagle", spec_length=4,
+    with SpeculativeDecoder(tiny_model, None, drafter=_drafter(kind), spec_length=4,
                             adaptive=False, drafter_options=options) as dec:
         dec.generate_ids(repetitive_prompts(64, seed=0)[:3], max_new_tokens=12)
     assert len(found) >= 3
@@ -116,7 +124,7 @@ def test_a_whole_chain_holds_nothing_a_graph_cannot(tiny_model, tmp_path, monkey
 @pytest.mark.parametrize("kind", ["eagle", "draft-model"])
 def test_a_whole_chain_is_not_used_where_a_graph_cannot_hold_the_draws(tiny_model, tmp_path, monkeypatch, kind):
     """Sampling and penalties draft token by token (their draws read per-row generators or the
-    context's counts), and so does the draft model's copy gate: the whole chain is never entered."""
+    context's counts): the whole chain is never entered."""
 
     def refuse(*args, **kwargs):
         raise AssertionError("a whole chain was drafted")

@@ -14,7 +14,7 @@ from specdraft import SpeculativeDecoder
 from specdraft.drafters.draft_model import DraftModelDrafter
 from specdraft.drafters.heads.drafters import EagleDrafter
 from specdraft.runner.runner import ModelRunner
-from specdraft.testing import random_heads, repetitive_prompts, tiny_llama
+from specdraft.testing import gated_draft, random_heads, repetitive_prompts, tiny_llama
 
 
 class _Replay:
@@ -64,7 +64,7 @@ def _generate(kind, options, model, prompts):
     return out, drafts
 
 
-@pytest.mark.parametrize("kind", ["eagle", "eagle-copy-gate", "draft-model"])
+@pytest.mark.parametrize("kind", ["eagle", "eagle-copy-gate", "draft-model", "draft-model-copy-gate"])
 def test_whole_chains_and_acceptance_replayed_from_graphs_are_what_runs_without(tmp_path, monkeypatch, kind):
     """Greedy rounds through stand-in graphs (the target's passes with acceptance inside, the
     drafter's whole chains): the outputs of plain decoding and the drafts of a run without graphs,
@@ -73,13 +73,15 @@ def test_whole_chains_and_acceptance_replayed_from_graphs_are_what_runs_without(
 
     monkeypatch.setattr(CopyDrafting, "_native", lambda self, small: False)  # the gate as on a GPU
     model = tiny_llama(vocab_size=64, seed=0, dtype=torch.float32)
-    if kind == "draft-model":
+    if kind == "draft-model-copy-gate":
+        options = {"model": gated_draft(model, tmp_path / "draft"), "min_confidence": 0.3}
+    elif kind == "draft-model":
         tiny_llama(vocab_size=64, seed=7, layers=1, dtype=torch.float32).save_pretrained(tmp_path / "draft")
         options = {"model": str(tmp_path / "draft"), "min_confidence": 0.3}
     else:
         heads = random_heads("eagle", model, tmp_path / "heads", scale=1.0, copy_gate=kind == "eagle-copy-gate")
         options = {"heads": str(heads), "min_confidence": 0.3}
-    kind = "eagle" if kind.startswith("eagle") else kind
+    kind = "eagle" if kind.startswith("eagle") else "draft-model"
     prompts = repetitive_prompts(64, seed=3)[:3]
     with SpeculativeDecoder(model, None, drafter=None) as dec:
         plain = [r.token_ids for r in dec.generate_ids(prompts, max_new_tokens=16)]

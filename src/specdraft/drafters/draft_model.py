@@ -214,10 +214,8 @@ class DraftModelDrafter(Drafter):
         if tree:
             return self._tree(ctx, k, step_logits, step_hidden, slots)
 
-        if drafts_whole(self.whole_chain, self.runner, ctx, gated):
-            tokens, lengths = chain_whole(self.runner, step_logits, k, self.options.min_confidence,
-                                          self._to_target_vocab, lambda _, token, step: step(token[:, None])[0][:, -1],
-                                          slots, key=("draft-model", k, self.options.min_confidence))
+        if drafts_whole(self.whole_chain, self.runner, ctx):
+            tokens, lengths = self._draft_whole(ctx, k, step_logits, step_hidden, slots)
             if k > 1:  # every row fed k - 1 drafted tokens
                 self._drafts_fed.update((i, k - 1) for i in seq_ids)
             return Draft(token_ids=tokens, lengths=lengths)
@@ -228,7 +226,7 @@ class DraftModelDrafter(Drafter):
                 drawn = draw_scored(self._to_target_vocab(step_logits), ctx.sampling, generators(ctx), chain.scored,
                                     ctx.counts_after(chain.tokens))
             else:
-                drawn = self.copier.draw(step_logits, step_hidden, drafted_rows(ctx, chain.tokens, device),
+                drawn = self.copier.draw(step_logits, step_hidden, drafted_rows(ctx, chain.tokens, device, k),
                                          ctx.sampling, generators(ctx), ctx.counts_after(chain.tokens))
             token = drawn[0]
             if not chain.add(*drawn):
@@ -240,6 +238,29 @@ class DraftModelDrafter(Drafter):
         if fed_now:
             self._drafts_fed.update((i, fed_now) for i in seq_ids)
         return chain.draft()
+
+    def _draft_whole(self, ctx: DraftContext, k: int, logits, hidden, slots: list[int]):
+        """The greedy chain of :meth:`_draft` as one device function (:func:`chain_whole`): ``(tokens
+        # [batch, k], lengths # [batch])`` from the first pass's ``logits # [batch, vocab_d]`` (and
+        ``hidden # [batch, H]`` with a copy gate, whose choice reads the rows' tokens padded to a
+        power of two: a graph per width)."""
+        from .common.copy_gate import DraftedRows, drafted_rows
+
+        key = ("draft-model", k, self.options.min_confidence, self.copier is not None)
+        if self.copier is None:
+            return chain_whole(self.runner, logits, k, self.options.min_confidence, self._to_target_vocab,
+                               lambda _, token, step: step(token[:, None])[0][:, -1], slots, key=key)
+
+        def next_state(_, token, step):
+            logits, hidden = step(token[:, None], hidden=True)
+            return logits[:, -1], hidden[:, -1]
+
+        def draw(state, drafted, ids, lengths):
+            token, _, confidence = self.copier.draw(*state, DraftedRows(ids, lengths).after(drafted), ctx.sampling, None)
+            return token, confidence
+
+        return chain_whole(self.runner, (logits, hidden), k, self.options.min_confidence, None, next_state, slots,
+                           key=key, draw=draw, extras=drafted_rows(ctx, [], logits.device, k))
 
     def on_verified(self, ctx: DraftContext, num_accepted: list[int]) -> None:
         """The drafted tokens fed last round that were accepted hold valid keys and values: the next

@@ -249,8 +249,8 @@ class ModelRunner(RunnerBase):
         return cache, None if slots is None else as_long(slots, device), first
 
     def loop(self, fn, inputs: tuple[torch.Tensor, ...], steps: int, slots=None, key=()):
-        """``fn(*inputs, step)``, whose ``step(x # [rows, 1, ...])`` is a one-position pass (the
-        forward's ``(logits or output, hidden or None)``) and which makes at most ``steps`` of them:
+        """``fn(*inputs, step)``, whose ``step(x # [rows, 1, ...], hidden=False)`` is a one-position
+        pass (the forward's ``(logits or output, hidden states or None)``) and which makes at most ``steps`` of them:
         a drafter's whole chain, its heads and choices included, with no host work between steps.
 
         On CUDA with graphs (:attr:`cuda_graphs`) ``fn`` is captured as one CUDA graph per ``key``
@@ -280,8 +280,8 @@ class ModelRunner(RunnerBase):
             return tuple(t.clone() for t in static_out)
 
     def _stepper(self, cache, rows, span):
-        def step(x):
-            return self._run(x, cache, rows, None, False, None, span, None, self._block_fn)
+        def step(x, hidden=False):
+            return self._run(x, cache, rows, None, hidden, None, span, None, self._block_fn)
         return step
 
     def _capture_loop(self, fn, inputs, cache, rows, span):

@@ -60,6 +60,21 @@ def trusting_copy_gate(hidden: int, match_bias: float = 2.0, dtype=None):
     return gate
 
 
+def gated_draft(model, path, head_tokens: int = 48, seed: int = 0, match_bias: float = 2.0) -> str:
+    """Save a compact draft of ``model`` into ``path`` (one layer, the ``head_tokens`` first ids in its
+    head, float64) with a :func:`trusting_copy_gate`, so both halves of the mixture get drafted; returns
+    the path to pass as the draft model's ``model`` option."""
+    import torch
+
+    from ..drafters.common.compact_draft import build_compact_draft, save_compact_draft, target_fingerprint
+
+    torch.manual_seed(seed)
+    draft = build_compact_draft(model, 1, torch.arange(head_tokens), init_layers=[1])
+    draft.copy_gate = trusting_copy_gate(model.config.hidden_size, match_bias, dtype=model.dtype)
+    save_compact_draft(draft, path, "tiny", target_fingerprint(model.get_input_embeddings().weight), dtype=torch.float64)
+    return str(path)
+
+
 def random_heads(kind: str, model, path, seed: int = 0, head_ids=None, scale: float = 0.5, copy_gate: bool = False,
                  **config):
     """Save randomly initialised heads of ``kind`` for ``model`` into ``path`` (specdraft's format).

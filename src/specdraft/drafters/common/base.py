@@ -253,19 +253,17 @@ class DraftChain:
 WHOLE_CHAIN_ENV = "SPECDRAFT_WHOLE_CHAIN"
 
 
-def drafts_whole(choice: bool | None, runner, ctx: DraftContext, gated: bool = False) -> bool:
+def drafts_whole(choice: bool | None, runner, ctx: DraftContext) -> bool:
     """Whether a drafter drafts this round's greedy chain whole (:func:`chain_whole`): its ``choice``
-    (None: where ``runner`` has CUDA graphs and :data:`WHOLE_CHAIN_ENV` is not ``0``), greedy rows
-    without penalties, and ``gated`` False (a copy gate that needs the rows' text as host lists):
-    what a graph can hold, the choice and the confidence that stops a row."""
+    (None: where ``runner`` has CUDA graphs and :data:`WHOLE_CHAIN_ENV` is not ``0``), and greedy
+    rows without penalties: what a graph can hold, the choice and the confidence that stops a row."""
     import os
 
     if choice is None:
         whole = getattr(runner, "cuda_graphs", False) and os.environ.get(WHOLE_CHAIN_ENV, "") != "0"
     else:
         whole = choice
-    return bool(whole) and hasattr(runner, "loop") and ctx.sampling.greedy and not ctx.sampling.penalized \
-        and not gated
+    return bool(whole) and hasattr(runner, "loop") and ctx.sampling.greedy and not ctx.sampling.penalized
 
 
 def chain_whole(runner, state, k: int, threshold: float, logits_of, next_state, slots: list[int], key=(),
@@ -273,7 +271,8 @@ def chain_whole(runner, state, k: int, threshold: float, logits_of, next_state, 
     """A greedy chain of ``k`` tokens per row as one device function: ``runner.loop`` runs it, as one
     CUDA graph per round on a GPU, with no host work between tokens.
 
-    ``state # [batch, ...]``: the drafter's state after its first pass; ``logits_of(state)`` gives
+    ``state # [batch, ...]`` (or a tuple of such tensors): the drafter's state after its first
+    pass; ``logits_of(state)`` gives
     the next token's logits ``[batch, vocab]`` and ``next_state(state, tokens # [batch], step)`` the
     state after them (``step``: the runner's one-position pass). Rows stop as :class:`DraftChain`
     stops them (at the first token below ``threshold``: the length stays), but every row drafts
@@ -289,9 +288,13 @@ def chain_whole(runner, state, k: int, threshold: float, logits_of, next_state, 
 
     greedy = SamplingParams()
 
-    def chain_of(state, *rest):
-        *read, step = rest
-        chain = DraftChain(state.shape[0], state.device, threshold)
+    parts = len(state) if isinstance(state, tuple) else 0  # 0: one tensor
+
+    def chain_of(*inputs):
+        *read, step = inputs[max(parts, 1):]
+        state = inputs[:parts] if parts else inputs[0]
+        first = inputs[0]
+        chain = DraftChain(first.shape[0], first.device, threshold)
         for i in range(k):
             if draw is None:
                 token, _, confidence = draw_scored(logits_of(state), greedy, None, chain.scored)
@@ -303,7 +306,7 @@ def chain_whole(runner, state, k: int, threshold: float, logits_of, next_state, 
         return torch.stack(chain.tokens, 1), chain.lengths
 
     shapes = tuple(tuple(t.shape) for t in extras)
-    return runner.loop(chain_of, (state, *extras), k - 1, slots, key=(key, shapes))
+    return runner.loop(chain_of, (*(state if parts else (state,)), *extras), k - 1, slots, key=(key, shapes))
 
 
 def draw_scored(logits, sampling, generator=None, scored: bool = False, counts=None):

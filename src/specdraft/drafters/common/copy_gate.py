@@ -83,6 +83,15 @@ class DraftedRows(NamedTuple):
     ids: torch.Tensor
     lengths: torch.Tensor
 
+    def after(self, drafted: Sequence[torch.Tensor]) -> "DraftedRows":
+        """These rows followed by ``drafted`` (``[B]`` tensors), written into the room past each
+        row's length (``ids`` must have it: :func:`drafted_rows` leaves it); nothing read back."""
+        if not drafted:
+            return self
+        tokens = torch.stack(list(drafted), dim=1).long()  # [B, m]
+        at = self.lengths[:, None] + torch.arange(tokens.shape[1], device=self.ids.device)
+        return DraftedRows(self.ids.scatter(1, at, tokens), self.lengths + tokens.shape[1])
+
 
 def device_candidates(ids: torch.Tensor, lengths: torch.Tensor, min_ngram: int,
                       max_ngram: int) -> tuple[torch.Tensor, torch.Tensor]:
@@ -238,24 +247,23 @@ def copy_table(ids: torch.Tensor, gate: CopyGate) -> tuple[torch.Tensor, torch.T
     return copy_ids, match
 
 
-def drafted_rows(ctx, drafted: list[torch.Tensor], device) -> DraftedRows:
+def drafted_rows(ctx, drafted: Sequence[torch.Tensor], device, room: int) -> DraftedRows:
     """Each row of ``ctx`` (a :class:`~specdraft.types.DraftContext`): its context followed by the
-    tokens drafted so far this round (``drafted``: ``[B]`` tensors on ``device``), kept on the device
-    so a drafting step copies nothing to the host (the round's one copy is the verifier's). The
-    contexts go to the device once per round (kept on ``ctx``)."""
-    base = getattr(ctx, "_copy_rows", None)
-    if base is None or base.ids.device != torch.device(device):
+    tokens drafted so far this round (``drafted``: ``[B]`` tensors on ``device``, at most ``room``
+    of them), kept on the device so a drafting step copies nothing to the host (the round's one
+    copy is the verifier's). The contexts go to the device once per round (kept on ``ctx``),
+    zero-padded to a power of two (at least 64) with room for ``room`` drafted tokens: a whole
+    chain's CUDA graph is captured for a few widths, not one per context length."""
+    room_then, base = getattr(ctx, "_copy_rows", (-1, None))
+    if base is None or base.ids.device != torch.device(device) or room_then < room:
         rows = ctx.token_ids
-        longest = max(1, max((len(r) for r in rows), default=1))
-        ids = torch.tensor([list(r) + [0] * (longest - len(r)) for r in rows], dtype=torch.long).to(device)
-        base = DraftedRows(ids, torch.tensor([len(r) for r in rows], dtype=torch.long).to(device))
-        ctx._copy_rows = base
-    if not drafted:
-        return base
-    tokens = torch.stack(drafted, dim=1).long()  # [B, m]
-    ids = torch.cat([base.ids, torch.zeros_like(tokens)], dim=1)
-    ids.scatter_(1, base.lengths[:, None] + torch.arange(tokens.shape[1], device=ids.device), tokens)
-    return DraftedRows(ids, base.lengths + tokens.shape[1])
+        width = max(64, 1 << (max((len(r) for r in rows), default=0) + room - 1).bit_length())
+        ids = torch.zeros((len(rows), width), dtype=torch.long)
+        for b, r in enumerate(rows):
+            ids[b, : len(r)] = torch.tensor(r, dtype=torch.long)
+        base = DraftedRows(ids.to(device), torch.tensor([len(r) for r in rows], dtype=torch.long).to(device))
+        ctx._copy_rows = (room, base)
+    return base.after(drafted)
 
 
 __all__ = ["CopyDrafting", "CopyGate", "DraftedRows", "column_table", "copy_candidates", "copy_mixture", "copy_table",

@@ -78,14 +78,14 @@ class HeadDrafter(Drafter):
     def _chain(self, ctx: DraftContext) -> DraftChain:
         return DraftChain(ctx.batch_size, self._last.device, self.options.min_confidence, ctx.sampling.greedy)
 
-    def _draw(self, feature: torch.Tensor, ctx: DraftContext, chain: DraftChain):
+    def _draw(self, feature: torch.Tensor, ctx: DraftContext, chain: DraftChain, k: int):
         """One token per row from the head's guess on ``feature # [batch, H]`` after ``chain``'s
-        tokens (through the copy gate, if any): ``(tokens # [batch], probs # [batch, vocab] | None,
-        confidence # [batch] | None)``."""
+        tokens (through the copy gate, if any; ``k`` the chain's length at most): ``(tokens #
+        [batch], probs # [batch, vocab] | None, confidence # [batch] | None)``."""
         counts = ctx.counts_after(chain.tokens)
         if self.copier is None:
             return draw_scored(self.head(feature), ctx.sampling, generators(ctx), chain.scored, counts)
-        return self.copier.draw(self.head.small(feature), feature, drafted_rows(ctx, chain.tokens, feature.device),
+        return self.copier.draw(self.head.small(feature), feature, drafted_rows(ctx, chain.tokens, feature.device, k),
                                 ctx.sampling, generators(ctx), counts)
 
     def _lengths(self, width: int) -> torch.Tensor:
@@ -121,7 +121,7 @@ class MedusaDrafter(HeadDrafter):
                 chain.add(*(None if x is None else x[:, i] for x in (tokens, probs, confidence)))
         else:
             for i in range(m):  # each candidate depends on the guesses before it
-                if not chain.add(*self._draw(features[:, i], ctx, chain)):
+                if not chain.add(*self._draw(features[:, i], ctx, chain, m)):
                     break
         return chain.draft(self._lengths(m))
 
@@ -138,7 +138,7 @@ class MLPSpeculatorDrafter(HeadDrafter):
         state, chain = self._last, self._chain(ctx)
         for i in range(m):
             state, feature = self.module.stage(i, state, self.target.embeddings(token))
-            drawn = self._draw(feature, ctx, chain)  # [batch], [batch, vocab], [batch]
+            drawn = self._draw(feature, ctx, chain, m)  # [batch], [batch, vocab], [batch]
             token = drawn[0]
             if not chain.add(*drawn):
                 break
@@ -272,7 +272,7 @@ class EagleDrafter(HeadDrafter):
             return self._draft_whole(ctx, k, feature, slots)
         chain = self._chain(ctx)
         for i in range(k):
-            drawn = self._draw(feature, ctx, chain)  # [batch], [batch, vocab], [batch]
+            drawn = self._draw(feature, ctx, chain, k)  # [batch], [batch, vocab], [batch]
             if not chain.add(*drawn):
                 break
             if i + 1 < k:  # the guessed pair: one position per row
@@ -288,13 +288,10 @@ class EagleDrafter(HeadDrafter):
 
         draw, extras = None, ()
         if self.copier is not None:
-            extras = padded_rows(ctx.token_ids, k, feature.device)
+            extras = drafted_rows(ctx, [], feature.device, k)  # the graph's inputs: the rows' tokens, padded
 
             def draw(feature, drafted, ids, lengths):
-                if drafted:  # the rows' tokens and this round's drafts, as drafted_rows gives them
-                    at = lengths[:, None] + torch.arange(len(drafted), device=ids.device)
-                    ids = ids.scatter(1, at, torch.stack(drafted, 1))
-                rows = DraftedRows(ids, lengths + len(drafted))
+                rows = DraftedRows(ids, lengths).after(drafted)
                 token, _, confidence = self.copier.draw(self.head.small(feature), feature, rows, ctx.sampling, None)
                 return token, confidence
 
@@ -302,17 +299,6 @@ class EagleDrafter(HeadDrafter):
                                       slots, key=(type(self).__name__, k, self.options.min_confidence), draw=draw,
                                       extras=extras)
         return Draft(token_ids=tokens, probs=None, lengths=torch.minimum(lengths, self._lengths(k).to(lengths.device)))
-
-
-def padded_rows(rows: list[list[int]], k: int, device) -> tuple[torch.Tensor, torch.Tensor]:
-    """``(ids # [B, W], lengths # [B])``: each row's tokens, zero-padded to a width ``W`` with room
-    for ``k`` more, a power of two (at least 64), so that graphs are captured for a few widths."""
-    longest = max((len(r) for r in rows), default=0)
-    width = max(64, 1 << (longest + k - 1).bit_length())
-    ids = torch.zeros((len(rows), width), dtype=torch.long)
-    for b, r in enumerate(rows):
-        ids[b, : len(r)] = torch.tensor(r, dtype=torch.long)
-    return ids.to(device), torch.tensor([len(r) for r in rows], dtype=torch.long).to(device)
 
 
 class Eagle3Drafter(EagleDrafter):
