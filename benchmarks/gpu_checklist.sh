@@ -16,6 +16,10 @@
 #                CUDA graphs): step vs weight-read floor, verify pass vs step, round overhead;
 #                "-stock" with SPECDRAFT_CUDA_KERNELS=stock (cuBLAS/SDPA, not row-invariant), else
 #                the default (row-invariant kernels)
+#   products     the 3B shape's decode products alone (benchmarks/cuda_products.py, widths 1 and 5):
+#                the Triton tiles (the default), the split product (SPECDRAFT_CUDA_LINEAR=split) and
+#                cuBLAS, microseconds and share of the read bandwidth each, and a step's products
+#   costs-graphs-split  costs-graphs with SPECDRAFT_CUDA_LINEAR=split
 #   conformance  every registered drafter on CUDA (benchmarks/device_check.py, tiny float64 models):
 #                greedy parity at K = 1, 3, 5, batching, penalties, valid drafts, reset, a sampled
 #                run; the chi-square test of sampled outputs only with CONFORMANCE_SAMPLES=N (it
@@ -73,10 +77,10 @@ SPEC_BENCH=../shared/data/spec_bench/question.jsonl
 DEVICE=${DEVICE:-cuda}
 CONFORMANCE_SAMPLES=${CONFORMANCE_SAMPLES:-0}
 
-usage() { sed -n '2,62p' "$0" | sed 's/^# \{0,1\}//' >&2; exit 2; }
+usage() { sed -n '2,66p' "$0" | sed 's/^# \{0,1\}//' >&2; exit 2; }
 
 case $PHASE in  # the steps of each phase, in their order
-    synthetic) KNOWN="machine ri-default ri-default-stock ri-3b costs-graphs costs-graphs-stock conformance costs-eager costs-eager-stock ri-1b launches launches-stock" ;;
+    synthetic) KNOWN="machine ri-default ri-default-stock ri-3b costs-graphs costs-graphs-stock products costs-graphs-split conformance costs-eager costs-eager-stock ri-1b launches launches-stock" ;;
     model) KNOWN="machine bench-eager bench-graphs bench-graphs-stock bench-graphs-loop ri-model" ;;
 esac
 STEPS=${STEPS:-}
@@ -217,6 +221,10 @@ if [ "$PHASE" = synthetic ]; then
         $RI --shape llama-3b --dtype bfloat16 --modes eager compile --widths 1-16,32
     step costs-graphs 120 "Pass costs, Llama-3.2 3B/1B shapes, bfloat16, CUDA graphs" costs $COSTS --compile
     step costs-graphs-stock 120 "Pass costs, CUDA graphs, SPECDRAFT_CUDA_KERNELS=stock" costs $STOCK $COSTS --compile
+    step products 90 "Decode products alone, Llama-3.2-3B's shape, bfloat16: tiles, split, cuBLAS" all \
+        $PY benchmarks/cuda_products.py --device $DEVICE --dtype bfloat16 --shape llama-3b --widths 1,5
+    step costs-graphs-split 120 "Pass costs, CUDA graphs, SPECDRAFT_CUDA_LINEAR=split (the split product)" costs \
+        env SPECDRAFT_CUDA_LINEAR=split $COSTS --compile
     step conformance 150 "Conformance of every registered drafter on CUDA (sampled test: ${CONFORMANCE_SAMPLES} samples)" \
         checks $PY benchmarks/device_check.py --device $DEVICE --samples "$CONFORMANCE_SAMPLES"
     step costs-eager 90 "Pass costs, eager" costs $COSTS --no-compile
@@ -277,6 +285,7 @@ digest() {  # the key line of each step that ran, from its log (the report's las
             conformance) grep -q 'passed on' "$log" && grep -m1 'passed on' "$log" | sed "s/^/$name: /" \
                 || echo "$name: cut short: $(grep -c '^ok:' "$log") ok, failed: $(grep '^FAIL' "$log" | cut -d: -f2 | xargs echo)" ;;
             launches*) grep '^- [0-9]*-token pass' "$log" | cut -d';' -f1,2 | sed "s/^- /$name: /" ;;
+            products) grep '^- width' "$log" | sed "s/^- /$name: /" ;;
             bench-*) grep -m1 'mismatches vs plain' "$log" | sed "s/^/$name: /"
                      grep -m1 -e '- questions:' "$log" | sed "s/^- /$name: /" ;;
         esac

@@ -53,6 +53,54 @@ def test_linear_rows_do_not_depend_on_the_row_count(dtype):
             assert torch.equal(ck.triton_linear(x[offset:offset + n], w), alone[offset:offset + n]), (n, offset)
 
 
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("bias", [False, True])
+def test_split_linear_matches_float64_and_its_rows_do_not_depend_on_the_row_count(dtype, bias, monkeypatch):
+    """The split product (SPECDRAFT_CUDA_LINEAR=split): the inner dimension cut into parts whose
+    sums are added in part order by a second kernel. Here 600 inner positions in 4 parts of 256
+    (the last one past the end: masked), 70 outputs (an N edge); and the rule's one part where a
+    weight already makes its programs."""
+    monkeypatch.setattr(ck, "SPLIT_BLOCK_K", 64)
+    monkeypatch.setattr(ck, "SPLIT_PROGRAMS", 8)
+    x, w = _randn(20, 600, dtype=dtype), _randn(70, 600, dtype=dtype, seed=1)
+    b = _randn(70, dtype=dtype, seed=2) if bias else None
+    assert ck.split_of(70, 600) == 4 and ck.split_of(8 * ck.BLOCK_N, 600) == 1
+    y = ck.split_linear(x, w, b)
+    ref = F.linear(x.double(), w.double(), None if b is None else b.double())
+    tol = 1e-4 if dtype == torch.float32 else 2e-2
+    assert y.dtype == dtype and y.shape == (20, 70) and torch.allclose(y.double(), ref, atol=tol, rtol=tol)
+    alone = torch.cat([ck.split_linear(x[i:i + 1], w, b) for i in range(x.shape[0])])
+    for n in (2, 3, 5, 9, 16, 17):
+        for offset in (0, 1):
+            assert torch.equal(ck.split_linear(x[offset:offset + n], w, b), alone[offset:offset + n]), (n, offset)
+    if dtype == torch.float32:  # really another order of sums (float16's rounding can hide it)
+        assert not torch.equal(y, ck.triton_linear(x, w, b))
+
+
+def test_the_split_rule_depends_on_the_shape_alone():
+    """A 3B model's decode products: few output tiles are split (up to 16 parts of at least two
+    inner steps), many are not."""
+    assert ck.split_of(3072, 3072) == 8  # 48 tiles: attention's output
+    assert ck.split_of(3072, 8192) == 16  # the MLP's down product
+    assert ck.split_of(16384, 3072) == 2  # gate and up together
+    assert ck.split_of(128256, 3072) == 1  # the LM head
+    assert ck.split_of(960, 576) == 2  # the default model's QKV: two parts of 288
+    assert ck.split_of(960, 500) == 1  # too short for two parts of two steps
+
+
+def test_the_wanted_triton_product_is_checked_first(monkeypatch):
+    monkeypatch.setattr(ck, "CHECKED_ROWS", (1, 2, 3, 5))
+    monkeypatch.setattr(ck, "_CHECKED_MODES", {})
+    w = _randn(24, 40)
+    monkeypatch.setenv(ck.LINEAR_ENV, "split")
+    assert ck.checked_linear_mode(w, None)[0] == "split"
+    monkeypatch.setenv(ck.LINEAR_ENV, "tiles")
+    assert ck.checked_linear_mode(w, None)[0] == "triton"
+    monkeypatch.setenv(ck.LINEAR_ENV, "fast")
+    with pytest.raises(ValueError, match="SPECDRAFT_CUDA_LINEAR must be 'tiles' or 'split'"):
+        ck.checked_linear_mode(w, None)
+
+
 def test_the_load_time_check_falls_back_from_a_row_count_dependent_product(monkeypatch):
     """Triton's tiles are taken when they pass; a product whose rows change with the row count is
     refused, cuBLAS is the second choice, and one row at a time the last."""

@@ -21,7 +21,14 @@ The rules, fixed (never chosen by timing; a load-time check of results decides b
   order rarely enough that rounding hides it (seen on an AMX CPU with oneDNN), so a kernel that
   is invariant only by the check's evidence is the second choice. Prefill
   (wider passes) keeps cuBLAS: its tokens are shared by plain and speculative decoding, never
-  compared with a verify pass's.
+  compared with a verify pass's. ``SPECDRAFT_CUDA_LINEAR=split`` (:func:`split_linear`) tries a
+  second Triton product first: the same tiles with the inner dimension cut into a fixed number of
+  parts per weight shape (:func:`split_of`, never the row count), each part's sums written apart
+  in float32 and added in part order by a second kernel, so that a one-row product of a weight
+  with few output tiles (48 for a 3B model's 3072 outputs) keeps every SM reading. Still the
+  same instructions on the same data for a row whatever tile it shares: row-invariant by
+  construction, and checked like the other. Not the default until a GPU has measured it
+  (``benchmarks/cuda_products.py``, the checklist's ``products`` and ``costs-graphs-split``).
 * **Attention** of decode-width passes: :func:`decode_attention` — one program per (row, query
   head, token); the query's KV head read in place (GQA without copying keys); its keys walked in
   fixed blocks of ``BLOCK_N`` counted from position 0 with an online softmax in float32, so a
@@ -81,17 +88,20 @@ def kernels_wanted() -> str:
 
 @triton.jit
 def _linear_kernel(x_ptr, w_ptr, b_ptr, y_ptr, M, N,
-                   stride_xm, stride_xk, stride_wn, stride_wk, stride_ym, stride_yn,
-                   K: tl.constexpr, HAS_BIAS: tl.constexpr, IEEE: tl.constexpr,
+                   stride_xm, stride_xk, stride_wn, stride_wk, stride_ys, stride_ym, stride_yn,
+                   K: tl.constexpr, KS: tl.constexpr, HAS_BIAS: tl.constexpr, IEEE: tl.constexpr,
                    BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr):
+    # one output tile over the inner positions [s * KS, (s + 1) * KS) (s: axis 2; KS == K: all of
+    # them, into y itself), walked in BK steps from its start
     pid_m = tl.program_id(0)
     pid_n = tl.program_id(1)
+    pid_s = tl.program_id(2)
     rm = pid_m * BM + tl.arange(0, BM)
     rn = pid_n * BN + tl.arange(0, BN)
     rk = tl.arange(0, BK)
     acc = tl.zeros((BM, BN), dtype=tl.float32)
-    for k0 in range(0, K, BK):
-        kk = k0 + rk
+    for k0 in range(0, KS, BK):
+        kk = pid_s * KS + k0 + rk
         a = tl.load(x_ptr + rm[:, None] * stride_xm + kk[None, :] * stride_xk,
                     mask=(rm[:, None] < M) & (kk[None, :] < K), other=0.0)
         b = tl.load(w_ptr + rn[None, :] * stride_wn + kk[:, None] * stride_wk,
@@ -102,8 +112,21 @@ def _linear_kernel(x_ptr, w_ptr, b_ptr, y_ptr, M, N,
             acc += tl.dot(a, b)
     if HAS_BIAS:
         acc += tl.load(b_ptr + rn, mask=rn < N, other=0.0).to(tl.float32)[None, :]
-    tl.store(y_ptr + rm[:, None] * stride_ym + rn[None, :] * stride_yn, acc.to(y_ptr.dtype.element_ty),
-             mask=(rm[:, None] < M) & (rn[None, :] < N))
+    tl.store(y_ptr + pid_s * stride_ys + rm[:, None] * stride_ym + rn[None, :] * stride_yn,
+             acc.to(y_ptr.dtype.element_ty), mask=(rm[:, None] < M) & (rn[None, :] < N))
+
+
+@triton.jit
+def _split_sum_kernel(p_ptr, b_ptr, y_ptr, total, N, S: tl.constexpr, HAS_BIAS: tl.constexpr, BLOCK: tl.constexpr):
+    # y = p[0] + p[1] + ... + p[S - 1] (+ bias), in that order, in float32: p is [S, M, N] contiguous
+    i = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
+    inside = i < total
+    acc = tl.load(p_ptr + i, mask=inside, other=0.0)
+    for s in tl.static_range(1, S):
+        acc += tl.load(p_ptr + s * total + i, mask=inside, other=0.0)
+    if HAS_BIAS:
+        acc += tl.load(b_ptr + i % N, mask=inside, other=0.0).to(tl.float32)
+    tl.store(y_ptr + i, acc.to(y_ptr.dtype.element_ty), mask=inside)
 
 
 def triton_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
@@ -114,11 +137,53 @@ def triton_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | No
     y = torch.empty((rows, out), dtype=x.dtype, device=x.device)
     if rows == 0:
         return y
-    grid = (triton.cdiv(rows, BLOCK_M), triton.cdiv(out, BLOCK_N))
+    grid = (triton.cdiv(rows, BLOCK_M), triton.cdiv(out, BLOCK_N), 1)
     _linear_kernel[grid](x, weight, bias if bias is not None else weight, y, rows, out,
-                         x.stride(0), x.stride(1), weight.stride(0), weight.stride(1), y.stride(0), y.stride(1),
-                         K=inner, HAS_BIAS=bias is not None, IEEE=x.dtype == torch.float32,
+                         x.stride(0), x.stride(1), weight.stride(0), weight.stride(1), 0, y.stride(0), y.stride(1),
+                         K=inner, KS=inner, HAS_BIAS=bias is not None, IEEE=x.dtype == torch.float32,
                          BM=BLOCK_M, BN=BLOCK_N, BK=BLOCK_K, num_warps=4)
+    return y
+
+
+#: :func:`split_linear`'s inner step, and the programs it aims at (about four per SM of an H100/H200)
+SPLIT_BLOCK_K, SPLIT_PROGRAMS = 128, 512
+
+
+def split_of(out: int, inner: int) -> int:
+    """How many parts :func:`split_linear` splits the inner dimension of an ``[out, inner]`` weight
+    into: the least power of two that makes :data:`SPLIT_PROGRAMS` programs of :data:`BLOCK_N`
+    outputs each, at most 16 and each part at least two :data:`SPLIT_BLOCK_K` steps. A function of
+    the shape alone (never of the row count, never of a timing): every row's sums are the same."""
+    tiles, split = triton.cdiv(out, BLOCK_N), 1
+    while tiles * split < SPLIT_PROGRAMS and split < 16 and inner >= 4 * SPLIT_BLOCK_K * split:
+        split *= 2
+    return split
+
+
+def split_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
+    """:func:`triton_linear` with the inner dimension cut into :func:`split_of` parts of whole
+    :data:`SPLIT_BLOCK_K` steps, each part's tile sums in float32 written apart, then added in part
+    order by a second kernel: a decode product (``M`` of 1 to 16, one row tile) whose weight has
+    few :data:`BLOCK_N`-wide tiles (a 3B model's 3072 outputs make 48, on 132 SMs) keeps every SM
+    reading. ``SPECDRAFT_CUDA_LINEAR=split`` (:data:`LINEAR_ENV`) chooses it.  # [M, N]"""
+    rows, inner = x.shape
+    out = weight.shape[0]
+    split = split_of(out, inner)
+    part = triton.cdiv(triton.cdiv(inner, split), SPLIT_BLOCK_K) * SPLIT_BLOCK_K
+    y = torch.empty((rows, out), dtype=x.dtype, device=x.device)
+    if rows == 0:
+        return y
+    to = y if split == 1 else torch.empty((split, rows, out), dtype=torch.float32, device=x.device)
+    grid = (triton.cdiv(rows, BLOCK_M), triton.cdiv(out, BLOCK_N), split)
+    _linear_kernel[grid](x, weight, bias if bias is not None else weight, to, rows, out,
+                         x.stride(0), x.stride(1), weight.stride(0), weight.stride(1),
+                         0 if split == 1 else to.stride(0), to.stride(-2), to.stride(-1),
+                         K=inner, KS=part, HAS_BIAS=bias is not None and split == 1, IEEE=x.dtype == torch.float32,
+                         BM=BLOCK_M, BN=BLOCK_N, BK=SPLIT_BLOCK_K, num_warps=4, num_stages=4)
+    if split > 1:
+        total = rows * out
+        _split_sum_kernel[(triton.cdiv(total, 1024),)](to, bias if bias is not None else weight, y, total, out, S=split,
+                                                      HAS_BIAS=bias is not None, BLOCK=1024, num_warps=4)
     return y
 
 
@@ -129,7 +194,20 @@ def rows_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None
 
 
 #: the kernels a :class:`CudaLinear` may run, by mode name
-LINEAR_MODES = {"cublas": F.linear, "triton": triton_linear, "rows": rows_linear}
+LINEAR_MODES = {"cublas": F.linear, "triton": triton_linear, "split": split_linear, "rows": rows_linear}
+
+#: ``SPECDRAFT_CUDA_LINEAR``: which Triton product decode-width passes try first, ``"tiles"``
+#: (:func:`triton_linear`, the default) or ``"split"`` (:func:`split_linear`); read when a model loads
+LINEAR_ENV = "SPECDRAFT_CUDA_LINEAR"
+
+
+def linear_wanted() -> str:
+    """The :data:`LINEAR_MODES` name of the Triton product :data:`LINEAR_ENV` asks for (ValueError
+    for anything but ``tiles`` or ``split``)."""
+    value = os.environ.get(LINEAR_ENV, "tiles").strip().lower() or "tiles"
+    if value not in ("tiles", "split"):
+        raise ValueError(f"{LINEAR_ENV} must be 'tiles' or 'split' (got {value!r})")
+    return "triton" if value == "tiles" else "split"
 
 
 def _linear_invariant(product, weight: torch.Tensor, bias: torch.Tensor | None) -> bool:
@@ -150,14 +228,16 @@ _CHECKED_MODES: dict[tuple, tuple[str, str]] = {}  # (out, in, dtype, bias, devi
 
 
 def checked_linear_mode(weight: torch.Tensor, bias: torch.Tensor | None) -> tuple[str, str]:
-    """``(mode, why)`` for a CUDA linear of this weight: the first of ``"cublas"``, ``"triton"``
-    whose rows are bit-identical to one-row products at every checked row count (a check of
-    results, never a timing), else ``"rows"``. Remembered per shape, dtype and device."""
-    key = (*weight.shape, weight.dtype, bias is not None, str(weight.device))
+    """``(mode, why)`` for a CUDA linear of this weight: the first of the Triton product
+    :func:`linear_wanted` names (``"triton"`` or ``"split"``), ``"cublas"`` whose rows are
+    bit-identical to one-row products at every checked row count (a check of results, never a
+    timing), else ``"rows"``. Remembered per shape, dtype, device and wanted product."""
+    wanted = linear_wanted()
+    key = (*weight.shape, weight.dtype, bias is not None, str(weight.device), wanted)
     if key not in _CHECKED_MODES:
         with torch.inference_mode():
-            if _linear_invariant(triton_linear, weight, bias):
-                found = ("triton", "one tile configuration for every row count; checked at 1..64, 96..256 rows")
+            if _linear_invariant(triton_linear if wanted == "triton" else split_linear, weight, bias):
+                found = (wanted, "one tile configuration for every row count; checked at 1..64, 96..256 rows")
             elif _linear_invariant(F.linear, weight, bias):
                 found = ("cublas", "Triton's rows differed by row count; cuBLAS's were bit-identical at 1..64, 96..256")
             else:
@@ -682,6 +762,6 @@ def make_invariant(model: nn.Module, decode_width: int) -> dict:
 
 __all__ = ["CHECKED_WIDTHS", "attention_invariant", "make_invariant", "per_row_rms_norm", "per_token_attention", "rms_norm_invariant",
            "ATTENTION_BLOCK", "BLOCK_K", "BLOCK_M", "BLOCK_N", "CHECKED_ROWS", "CudaLinear", "KERNELS_ENV",
-           "LINEAR_MODES", "checked_linear_mode", "cuda_linears", "decode_attention", "kernels_wanted", "rms_norm",
+           "LINEAR_ENV", "LINEAR_MODES", "checked_linear_mode", "linear_wanted", "split_linear", "split_of", "cuda_linears", "decode_attention", "kernels_wanted", "rms_norm",
            "lean_ops", "rows_linear", "triton_add_rms_norm", "triton_attention", "triton_lean_attention",
            "triton_linear", "triton_rms_norm", "triton_rope_write", "triton_silu_mul"]
