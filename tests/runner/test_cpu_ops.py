@@ -297,11 +297,12 @@ def layer_operators(make_runner) -> tuple[float, collections.Counter]:
     return sum(per_layer.values()) / 2, +per_layer
 
 
-@pytest.mark.parametrize("fused", [True, False], ids=["fused", "operator-by-operator"])
+@pytest.mark.parametrize("fused", ["all-layers", "fused", "operator-by-operator"])
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
 def test_a_decoder_layer_dispatches_at_most_12_operators(dtype, fused):
-    """Both ways a layer runs: one ``decoder_layer`` call (products on panels or GGUF blocks) and
-    its ten operators one by one from Python (products of oneDNN: AMX machines)."""
+    """The three ways a layer runs: every layer in one ``decoder_layers`` call, one
+    ``decoder_layer`` call per layer (products on panels or GGUF blocks), and its ten operators one
+    by one from Python (products of oneDNN: AMX machines)."""
     from transformers import AutoModelForCausalLM
 
     def make(n_layers):
@@ -309,14 +310,18 @@ def test_a_decoder_layer_dispatches_at_most_12_operators(dtype, fused):
         config = tiny_config("llama")
         config.num_hidden_layers = n_layers
         runner = load_runner(AutoModelForCausalLM.from_config(config).to(dtype).eval())
+        if fused != "all-layers":
+            runner.model.fused_layers = None
         for block in runner.model.layers:
-            block.fused = block.fused if fused else None
+            block.fused = block.fused if fused != "operator-by-operator" else None
         return runner
 
     per_layer, ops_seen = layer_operators(make)
     assert per_layer <= LAYER_BOUND, f"{per_layer} operators per layer: {dict(ops_seen)}"
     # the C++ operators run (2 layers more): the whole layer in one where its products allow
-    if fused and cpu_ops.fused_layer(make(1).model.layers[0]) is not None:
+    if fused == "all-layers" and cpu_ops.fused_layer(make(1).model.layers[0]) is not None:
+        assert per_layer == 0 and step_operators(make(2))["specdraft_cpu.decoder_layers"] == 1, dict(ops_seen)
+    elif fused == "fused" and cpu_ops.fused_layer(make(1).model.layers[0]) is not None:
         assert ops_seen["specdraft_cpu.decoder_layer"] == 2 and per_layer <= 2, dict(ops_seen)
     else:
         assert ops_seen["specdraft_cpu.attention"] == 2
@@ -325,22 +330,26 @@ def test_a_decoder_layer_dispatches_at_most_12_operators(dtype, fused):
 @pytest.mark.parametrize("first_norm", ["rms", "identity"])
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
 def test_a_fused_layer_gives_its_operators_bits(dtype, first_norm):
-    """``decoder_layer`` calls the layer's operators from C++: every logit of prefill, one-token
-    steps and verify passes the same bits as the operators called one by one (with the layer's
-    first norm, and without, as EAGLE's layer has it)."""
+    """``decoder_layer`` (and ``decoder_layers``, every layer in one call) calls the layer's
+    operators from C++: every logit of prefill, one-token steps and verify passes the same bits as
+    the operators called one by one (with the layer's first norm, and without, as EAGLE's layer
+    has it)."""
     runner = load_runner(tiny_hf("llama", dtype=dtype))
     if first_norm == "identity":
         for block in runner.model.layers:
             block.attention_norm = torch.nn.Identity()
             block.fused = cpu_ops.fused_layer(block)
-    fused = [block.fused for block in runner.model.layers]
-    assert all(f is not None for f in fused) == cpu_ops.panels_apply(torch.nn.Linear(8, 8).to(dtype))
+        runner.model.fused_layers = cpu_ops.fused_layers(runner.model.layers)
+    fused, whole = [block.fused for block in runner.model.layers], runner.model.fused_layers
+    assert all(f is not None for f in fused) == cpu_ops.panels_apply(torch.nn.Linear(8, 8).to(dtype)) == \
+        (whole is not None)
     vocab = runner.model.args.vocab_size
     tokens = torch.randint(vocab, (2, 40), generator=torch.Generator().manual_seed(3))
     outs = []
-    for on in (True, False):
+    for way in ("all-layers", "fused", "operator-by-operator"):  # every layer in one call too
+        runner.model.fused_layers = whole if way == "all-layers" else None
         for block, f in zip(runner.model.layers, fused):
-            block.fused = f if on else None
+            block.fused = f if way != "operator-by-operator" else None
         runner.cache.reset(2, 64)
         with torch.inference_mode():
             got = [runner.forward(tokens[:, :30])[0]]
@@ -348,8 +357,8 @@ def test_a_fused_layer_gives_its_operators_bits(dtype, first_norm):
                 runner.cache.set_lengths([30, 30])
                 got.append(runner.forward(tokens[:, 30:30 + width])[0])
         outs.append(got)
-    for a, b in zip(*outs):
-        assert torch.equal(a, b)
+    for a, b, c in zip(*outs):
+        assert torch.equal(a, b) and torch.equal(b, c)
 
 
 @pytest.mark.e2e
@@ -360,7 +369,8 @@ def test_a_default_model_step_dispatches_at_most_12_operators_per_layer(default_
     n_layers = runner.model.args.n_layers
     outside = work["aten.embedding"] + 40  # the step's own: embedding, positions, mask, rotary tables, head
     assert sum(work.values()) <= LAYER_BOUND * n_layers + outside, dict(work)
-    assert work["specdraft_cpu.attention"] + work["specdraft_cpu.decoder_layer"] == n_layers
+    assert work["specdraft_cpu.attention"] + work["specdraft_cpu.decoder_layer"] == n_layers or \
+        work["specdraft_cpu.decoder_layers"] == 1, dict(work)
 
 
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])

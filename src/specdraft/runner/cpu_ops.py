@@ -237,8 +237,13 @@ def use(model) -> dict:
     for block in getattr(model, "layers", ()):
         block.fused = fused_layer(block)
         fused += block.fused is not None
+    whole = 0
+    if hasattr(model, "fused_layers"):  # a SpecdraftModel: all its layers in one call
+        model.fused_layers = fused_layers(model.layers)
+        whole = len(model.layers) if model.fused_layers is not None else 0
     report = {"cpu_ops": f"yes, on one thread: {ONE_THREAD}" if ONE_THREAD else "yes"}
-    return report | ({"fused_layers": fused} if fused else {}) | ({"huge_pages": pages} if pages else {})
+    return report | ({"fused_layers": fused} if fused else {}) | ({"layers_in_one_call": whole} if whole else {}) | \
+        ({"huge_pages": pages} if pages else {})
 
 
 #: 2 MiB: the size of a transparent huge page on x86-64 and arm64 Linux
@@ -307,11 +312,9 @@ def _product(linear) -> tuple[int, list] | None:
     return None
 
 
-def fused_layer(block):
-    """``block`` (a TransformerBlock on these operators) as one call of ``specdraft_cpu::decoder_layer``
-    (the same operators, called from C++), where its four products are panels or GGUF blocks and it
-    has no per-head q/k norms (an identity for its first norm, as EAGLE's layer has, is fine); else
-    None (each operator called from Python)."""
+def _layer_args(block):
+    """``(norms, kinds, outs, tensors, heads, scale)``: ``block``'s arguments of
+    ``specdraft_cpu::decoder_layer`` (see :func:`fused_layer`), or None where it cannot be one call."""
     from .model import RMSNorm, TransformerBlock
 
     attention, ffn = block.attention, block.feed_forward
@@ -321,11 +324,21 @@ def fused_layer(block):
     if type(block) is not TransformerBlock or any(p is None for p in products) or attention.q_norm is not None or \
             not (type(first) is torch.nn.Identity or (type(first) is RMSNorm and first.eps == block.ffn_norm.eps)):
         return None
-    op = torch.ops.specdraft_cpu.decoder_layer.default
-    kinds, outs = [k for k, _ in products], [m.out_features for m in linears]
-    tensors = [w for _, w in products]
     norms = (getattr(first, "weight", None), block.ffn_norm.weight, block.ffn_norm.eps)
-    heads, scale = (attention.n_heads, attention.n_kv_heads), attention.head_dim**-0.5
+    return (norms, [k for k, _ in products], [m.out_features for m in linears], [w for _, w in products],
+            (attention.n_heads, attention.n_kv_heads), attention.head_dim**-0.5)
+
+
+def fused_layer(block):
+    """``block`` (a TransformerBlock on these operators) as one call of ``specdraft_cpu::decoder_layer``
+    (the same operators, called from C++), where its four products are panels or GGUF blocks and it
+    has no per-head q/k norms (an identity for its first norm, as EAGLE's layer has, is fine); else
+    None (each operator called from Python)."""
+    args = _layer_args(block)
+    if args is None:
+        return None
+    op = torch.ops.specdraft_cpu.decoder_layer.default
+    norms, kinds, outs, tensors, heads, scale = args
 
     def layer(x, cos, sin, mask, k_buf, v_buf, slot, positions, order):
         return op(x, *norms, kinds, outs, *tensors, cos, sin, k_buf, v_buf, slot, positions, mask, scale, order,
@@ -334,4 +347,25 @@ def fused_layer(block):
     return layer
 
 
-__all__ = ["DTYPES", "PANEL", "PanelLinear", "applies", "fused_layer", "load", "pack_panels", "panels_apply", "use"]
+def fused_layers(blocks):
+    """Every block of ``blocks`` as one call of ``specdraft_cpu::decoder_layers`` (each layer's
+    ``decoder_layer`` in turn from C++, on the cache's buffers cut to the span there), where each
+    can be one call (:func:`fused_layer`) and they share heads, scale and epsilon; else None.
+    ``layers(x, cos, sin, mask, k_bufs, v_bufs, span, slot, positions, order)``."""
+    args = [_layer_args(block) for block in blocks]
+    if not args or any(a is None for a in args) or len({(a[0][2], a[4], a[5]) for a in args}) != 1:
+        return None
+    op = torch.ops.specdraft_cpu.decoder_layers.default
+    attention_norms, ffn_norms = [a[0][0] for a in args], [a[0][1] for a in args]
+    kinds, outs = [k for a in args for k in a[1]], [n for a in args for n in a[2]]
+    weights = [t for a in args for product in a[3] for t in product]
+    (_, _, eps), _, _, _, heads, scale = args[0]
+
+    def layers(x, cos, sin, mask, k_bufs, v_bufs, span, slot, positions, order):
+        return op(x, attention_norms, ffn_norms, eps, kinds, outs, weights, cos, sin, k_bufs, v_bufs, span, slot,
+                  positions, mask, scale, order, *heads)
+
+    return layers
+
+
+__all__ = ["DTYPES", "PANEL", "PanelLinear", "applies", "fused_layer", "fused_layers", "load", "pack_panels", "panels_apply", "use"]

@@ -286,7 +286,7 @@ def run_block(block: nn.Module, *args) -> torch.Tensor:
 def run_blocks(blocks, x: torch.Tensor, cache: KVCache, rows: torch.Tensor | None, inv_freq: torch.Tensor,
                window: int | None = None, tree_mask: torch.Tensor | None = None, block_fn=run_block,
                span: int | None = None, depths: torch.Tensor | None = None,
-               collect: tuple[int, ...] = (), collected: list | None = None) -> torch.Tensor:
+               collect: tuple[int, ...] = (), collected: list | None = None, layers_fn=None) -> torch.Tensor:
     """``x # [B, W, dim]`` through ``blocks`` (layer ``i`` on the cache's buffers ``i``); the cache's
     lengths are left as they were (the caller advances them).  # [B, W, dim]
 
@@ -297,7 +297,9 @@ def run_blocks(blocks, x: torch.Tensor, cache: KVCache, rows: torch.Tensor | Non
     ``tree_mask`` (see :func:`~specdraft.cache.static.attention_mask`) and ``depths # [B, W]``: a
     tree's tokens are stored at ``starts + 0..W-1`` but rotated as at position ``starts + depths``.
     ``collect``: append the input of each of these blocks (the residual stream there, what
-    transformers' ``output_hidden_states[i]`` is) to ``collected``, in block order.
+    transformers' ``output_hidden_states[i]`` is) to ``collected``, in block order. ``layers_fn``:
+    every block in one call instead, ``layers_fn(x, cos, sin, mask, keys, values, span, slot,
+    positions, order)`` with the cache's whole buffers (:func:`~.cpu_ops.fused_layers`).
     """
     batch, width = x.shape[:2]
     span = cache.max_len if span is None else span
@@ -309,6 +311,8 @@ def run_blocks(blocks, x: torch.Tensor, cache: KVCache, rows: torch.Tensor | Non
     cos, sin = rope_lookup(inv_freq, rotated, x.dtype, cache.max_len)  # [B, 1, W, head_dim]
     order = tree_order(mask) if tree_mask is not None and width <= CUDA_DECODE_WIDTH else None  # [B, W, span]
     slot = torch.arange(cache.slots, device=x.device) if rows is None else rows  # [B]
+    if layers_fn is not None:
+        return layers_fn(x, cos, sin, mask, cache.keys, cache.values, span, slot, positions, order)
     for i, block in enumerate(blocks):
         if i in collect:
             collected.append(x)
@@ -327,6 +331,9 @@ class SpecdraftModel(nn.Module):
         self.layers = nn.ModuleList(TransformerBlock(args, i) for i in range(args.n_layers))
         self.norm = RMSNorm(args.dim, args.norm_eps)
         self.output = nn.Linear(args.dim, args.vocab_size, bias=False)
+        #: every layer in one operator for eager passes of up to ``lean.width`` tokens (set when the
+        #: model is loaded, :func:`~.cpu_ops.use`; see :func:`run_blocks`), or None
+        self.fused_layers = None
         if args.tie_embeddings:
             self.output.weight = self.tok_embeddings.weight
         # float32 whatever the model's dtype; not in the state dict (recomputed from args)
@@ -383,8 +390,10 @@ class SpecdraftModel(nn.Module):
         layers = hidden_layers(return_hidden, self.args.n_layers)
         collected: list[torch.Tensor] = []
         x = self.tok_embeddings(tokens)  # [B, W, dim]
+        whole = self.fused_layers if self.fused_layers is not None and block_fn in (None, run_block) and not layers \
+            and tokens.shape[1] <= self.layers[0].lean.width else None
         x = run_blocks(self.layers, x, cache, rows, self.rope_inv_freq, self.args.sliding_window, tree_mask,
-                       block_fn or run_block, span, depths, collect=layers, collected=collected)
+                       block_fn or run_block, span, depths, collect=layers, collected=collected, layers_fn=whole)
         hidden = self.norm(x)  # [B, W, dim]
         cache.advance(rows, tokens.shape[1] if advance is None else advance)
         if logits_at is not None:
