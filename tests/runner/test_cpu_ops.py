@@ -356,6 +356,8 @@ def test_a_fused_layer_gives_its_operators_bits(dtype, first_norm):
             for width in (1, 2, 5):
                 runner.cache.set_lengths([30, 30])
                 got.append(runner.forward(tokens[:, 30:30 + width])[0])
+            runner.cache.set_lengths([30, 30])  # the layers' inputs EAGLE-3 reads, collected on the way
+            got.extend(runner.forward(tokens[:, 30:33], hidden=(0, 1)))
         outs.append(got)
     for a, b, c in zip(*outs):
         assert torch.equal(a, b) and torch.equal(b, c)

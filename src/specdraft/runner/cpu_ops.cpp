@@ -1009,20 +1009,24 @@ at::Tensor decoder_layer(const at::Tensor& x, const c10::optional<at::Tensor>& a
 // from Python costs (the block's module call, the buffers' views, the dispatcher's arguments): a
 // millisecond of a 30-layer step. The layers' tensors come flattened: per layer one entry of
 // attention_norms and ffn_norms, four of kinds and outs, and each product's tensors in turn (two
-// for panels, four for blocks, by its kind).
-at::Tensor decoder_layers(const at::Tensor& x, const c10::List<c10::optional<at::Tensor>>& attention_norms,
+// for panels, four for blocks, by its kind). `collect`: the layers whose input (the residual stream
+// entering them) is also returned, in order.
+std::tuple<at::Tensor, std::vector<at::Tensor>> decoder_layers(const at::Tensor& x, const c10::List<c10::optional<at::Tensor>>& attention_norms,
                           at::TensorList ffn_norms, double eps, at::IntArrayRef kinds, at::IntArrayRef outs,
                           const c10::List<c10::optional<at::Tensor>>& weights, const at::Tensor& cos,
                           const at::Tensor& sin, at::TensorList k_bufs, at::TensorList v_bufs, int64_t span,
                           const at::Tensor& slot, const at::Tensor& positions, const at::Tensor& mask, double scale,
-                          const c10::optional<at::Tensor>& order, int64_t heads, int64_t kv_heads) {
+                          const c10::optional<at::Tensor>& order, int64_t heads, int64_t kv_heads,
+                          at::IntArrayRef collect) {
     const int64_t layers = static_cast<int64_t>(ffn_norms.size());
     TORCH_CHECK(static_cast<int64_t>(attention_norms.size()) == layers && static_cast<int64_t>(k_bufs.size()) == layers &&
                 static_cast<int64_t>(v_bufs.size()) == layers && static_cast<int64_t>(kinds.size()) == 4 * layers &&
                 static_cast<int64_t>(outs.size()) == 4 * layers, "specdraft_cpu::decoder_layers: per-layer lists of one length");
     at::Tensor h = x;
+    std::vector<at::Tensor> collected;
     size_t next = 0;  // the next product's first tensor in `weights`
     for (int64_t i = 0; i < layers; ++i) {
+        if (std::find(collect.begin(), collect.end(), i) != collect.end()) collected.push_back(h);
         c10::List<c10::optional<at::Tensor>> w[4];
         for (int j = 0; j < 4; ++j) {
             const size_t count = kinds[4 * i + j] == 0 ? 2 : 4;
@@ -1035,7 +1039,7 @@ at::Tensor decoder_layers(const at::Tensor& x, const c10::List<c10::optional<at:
                           slot, positions, mask, scale, order, heads, kv_heads);
     }
     TORCH_CHECK(next == weights.size(), "specdraft_cpu::decoder_layers: too many weights");
-    return h;
+    return {h, collected};
 }
 
 // --- greedy drafting through a copy gate ---------------------------------------------------------
@@ -1124,7 +1128,8 @@ TORCH_LIBRARY(specdraft_cpu, m) {
           "int kv_heads) -> Tensor");
     m.def("decoder_layers(Tensor x, Tensor?[] attention_norms, Tensor[] ffn_norms, float eps, int[] kinds, int[] outs, "
           "Tensor?[] weights, Tensor cos, Tensor sin, Tensor(a!)[] k_bufs, Tensor(b!)[] v_bufs, int span, Tensor slot, "
-          "Tensor positions, Tensor mask, float scale, Tensor? order, int heads, int kv_heads) -> Tensor");
+          "Tensor positions, Tensor mask, float scale, Tensor? order, int heads, int kv_heads, int[] collect) -> "
+          "(Tensor, Tensor[])");
 }
 
 TORCH_LIBRARY_IMPL(specdraft_cpu, CPU, m) {

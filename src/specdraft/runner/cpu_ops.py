@@ -351,7 +351,8 @@ def fused_layers(blocks):
     """Every block of ``blocks`` as one call of ``specdraft_cpu::decoder_layers`` (each layer's
     ``decoder_layer`` in turn from C++, on the cache's buffers cut to the span there), where each
     can be one call (:func:`fused_layer`) and they share heads, scale and epsilon; else None.
-    ``layers(x, cos, sin, mask, k_bufs, v_bufs, span, slot, positions, order)``."""
+    ``layers(x, cos, sin, mask, k_bufs, v_bufs, span, slot, positions, order, collect) -> (out,
+    the inputs of the layers in collect)``."""
     args = [_layer_args(block) for block in blocks]
     if not args or any(a is None for a in args) or len({(a[0][2], a[4], a[5]) for a in args}) != 1:
         return None
@@ -361,9 +362,9 @@ def fused_layers(blocks):
     weights = [t for a in args for product in a[3] for t in product]
     (_, _, eps), _, _, _, heads, scale = args[0]
 
-    def layers(x, cos, sin, mask, k_bufs, v_bufs, span, slot, positions, order):
+    def layers(x, cos, sin, mask, k_bufs, v_bufs, span, slot, positions, order, collect=()):
         return op(x, attention_norms, ffn_norms, eps, kinds, outs, weights, cos, sin, k_bufs, v_bufs, span, slot,
-                  positions, mask, scale, order, *heads)
+                  positions, mask, scale, order, *heads, list(collect))
 
     return layers
 

@@ -299,7 +299,8 @@ def run_blocks(blocks, x: torch.Tensor, cache: KVCache, rows: torch.Tensor | Non
     ``collect``: append the input of each of these blocks (the residual stream there, what
     transformers' ``output_hidden_states[i]`` is) to ``collected``, in block order. ``layers_fn``:
     every block in one call instead, ``layers_fn(x, cos, sin, mask, keys, values, span, slot,
-    positions, order)`` with the cache's whole buffers (:func:`~.cpu_ops.fused_layers`).
+    positions, order, collect) -> (x, collected)`` with the cache's whole buffers
+    (:func:`~.cpu_ops.fused_layers`).
     """
     batch, width = x.shape[:2]
     span = cache.max_len if span is None else span
@@ -312,7 +313,10 @@ def run_blocks(blocks, x: torch.Tensor, cache: KVCache, rows: torch.Tensor | Non
     order = tree_order(mask) if tree_mask is not None and width <= CUDA_DECODE_WIDTH else None  # [B, W, span]
     slot = torch.arange(cache.slots, device=x.device) if rows is None else rows  # [B]
     if layers_fn is not None:
-        return layers_fn(x, cos, sin, mask, cache.keys, cache.values, span, slot, positions, order)
+        x, inputs = layers_fn(x, cos, sin, mask, cache.keys, cache.values, span, slot, positions, order, collect)
+        if collect:
+            collected.extend(inputs)
+        return x
     for i, block in enumerate(blocks):
         if i in collect:
             collected.append(x)
@@ -390,7 +394,7 @@ class SpecdraftModel(nn.Module):
         layers = hidden_layers(return_hidden, self.args.n_layers)
         collected: list[torch.Tensor] = []
         x = self.tok_embeddings(tokens)  # [B, W, dim]
-        whole = self.fused_layers if self.fused_layers is not None and block_fn in (None, run_block) and not layers \
+        whole = self.fused_layers if self.fused_layers is not None and block_fn in (None, run_block) \
             and tokens.shape[1] <= self.layers[0].lean.width else None
         x = run_blocks(self.layers, x, cache, rows, self.rope_inv_freq, self.args.sliding_window, tree_mask,
                        block_fn or run_block, span, depths, collect=layers, collected=collected, layers_fn=whole)
