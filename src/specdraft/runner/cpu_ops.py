@@ -34,6 +34,7 @@ import hashlib
 import os
 import sys
 from pathlib import Path
+from typing import NamedTuple
 
 import torch
 
@@ -312,9 +313,20 @@ def _product(linear) -> tuple[int, list] | None:
     return None
 
 
-def _layer_args(block):
-    """``(norms, kinds, outs, tensors, heads, scale)``: ``block``'s arguments of
-    ``specdraft_cpu::decoder_layer`` (see :func:`fused_layer`), or None where it cannot be one call."""
+class _LayerArgs(NamedTuple):
+    """A block's arguments of ``specdraft_cpu::decoder_layer``: its norms' weights (the first None
+    for an identity) and epsilon, each product's kind, width and tensors, the heads and the scale."""
+
+    norms: tuple
+    kinds: list
+    outs: list
+    tensors: list
+    heads: tuple
+    scale: float
+
+
+def _layer_args(block) -> _LayerArgs | None:
+    """``block``'s :class:`_LayerArgs` (see :func:`fused_layer`), or None where it cannot be one call."""
     from .model import RMSNorm, TransformerBlock
 
     attention, ffn = block.attention, block.feed_forward
@@ -325,8 +337,8 @@ def _layer_args(block):
             not (type(first) is torch.nn.Identity or (type(first) is RMSNorm and first.eps == block.ffn_norm.eps)):
         return None
     norms = (getattr(first, "weight", None), block.ffn_norm.weight, block.ffn_norm.eps)
-    return (norms, [k for k, _ in products], [m.out_features for m in linears], [w for _, w in products],
-            (attention.n_heads, attention.n_kv_heads), attention.head_dim**-0.5)
+    return _LayerArgs(norms, [k for k, _ in products], [m.out_features for m in linears], [w for _, w in products],
+                      (attention.n_heads, attention.n_kv_heads), attention.head_dim**-0.5)
 
 
 def fused_layer(block):
@@ -354,13 +366,13 @@ def fused_layers(blocks):
     ``layers(x, cos, sin, mask, k_bufs, v_bufs, span, slot, positions, order, collect) -> (out,
     the inputs of the layers in collect)``."""
     args = [_layer_args(block) for block in blocks]
-    if not args or any(a is None for a in args) or len({(a[0][2], a[4], a[5]) for a in args}) != 1:
+    if not args or any(a is None for a in args) or len({(a.norms[2], a.heads, a.scale) for a in args}) != 1:
         return None
     op = torch.ops.specdraft_cpu.decoder_layers.default
-    attention_norms, ffn_norms = [a[0][0] for a in args], [a[0][1] for a in args]
-    kinds, outs = [k for a in args for k in a[1]], [n for a in args for n in a[2]]
-    weights = [t for a in args for product in a[3] for t in product]
-    (_, _, eps), _, _, _, heads, scale = args[0]
+    attention_norms, ffn_norms = [a.norms[0] for a in args], [a.norms[1] for a in args]
+    kinds, outs = [k for a in args for k in a.kinds], [n for a in args for n in a.outs]
+    weights = [t for a in args for product in a.tensors for t in product]
+    eps, heads, scale = args[0].norms[2], args[0].heads, args[0].scale
 
     def layers(x, cos, sin, mask, k_bufs, v_bufs, span, slot, positions, order, collect=()):
         return op(x, attention_norms, ffn_norms, eps, kinds, outs, weights, cos, sin, k_bufs, v_bufs, span, slot,

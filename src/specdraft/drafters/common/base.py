@@ -288,13 +288,13 @@ def chain_whole(runner, state, k: int, threshold: float, logits_of, next_state, 
 
     greedy = SamplingParams()
 
-    parts = len(state) if isinstance(state, tuple) else 0  # 0: one tensor
+    tupled = isinstance(state, tuple)
+    states = state if tupled else (state,)  # the graph's inputs: tensors
 
     def chain_of(*inputs):
-        *read, step = inputs[max(parts, 1):]
-        state = inputs[:parts] if parts else inputs[0]
-        first = inputs[0]
-        chain = DraftChain(first.shape[0], first.device, threshold)
+        *read, step = inputs[len(states):]
+        state = inputs[:len(states)] if tupled else inputs[0]
+        chain = DraftChain(inputs[0].shape[0], inputs[0].device, threshold)
         for i in range(k):
             if draw is None:
                 token, _, confidence = draw_scored(logits_of(state), greedy, None, chain.scored)
@@ -306,7 +306,7 @@ def chain_whole(runner, state, k: int, threshold: float, logits_of, next_state, 
         return torch.stack(chain.tokens, 1), chain.lengths
 
     shapes = tuple(tuple(t.shape) for t in extras)
-    return runner.loop(chain_of, (*(state if parts else (state,)), *extras), k - 1, slots, key=(key, shapes))
+    return runner.loop(chain_of, (*states, *extras), k - 1, slots, key=(key, shapes))
 
 
 def draw_scored(logits, sampling, generator=None, scored: bool = False, counts=None):
