@@ -96,6 +96,10 @@ and every run), `results.md` (tables), `speedup_by_category.png` and
 `acceptance_by_position.png`. At temperature 0 each output is compared with plain
 decoding's, and `mismatches` must be 0. The definitions are in
 `src/specdraft/bench/report.py`.
+With `--repeats R` every method runs R times on each prompt, interleaved (plain, each
+drafter, each peer; then again), and each keeps its median-time run: one slow moment of a
+shared machine then skews one run in R, not a method's figure for a category. specdraft's
+repeats must give the same tokens; if they do not, the bench stops with one line.
 
 ## `specdraft distill`
 

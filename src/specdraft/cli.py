@@ -158,6 +158,9 @@ def build_parser() -> argparse.ArgumentParser:
                             "verify cost (to compare drafters' acceptance at one draft length)")
     bench.add_argument("--max-new-tokens", type=int, default=128, metavar="N", help="default: 128")
     bench.add_argument("--temperature", type=float, default=0.0, help="default: 0 (greedy; outputs are compared)")
+    bench.add_argument("--repeats", type=int, default=1, metavar="R",
+                       help="run every method R times on each prompt, interleaved, and keep each one's median-time "
+                            "run: per-category figures on a noisy shared machine (default: 1)")
     bench.add_argument("--peers", default="",
                        help="comma-separated: 'hf' (transformers' generate and its prompt lookup), 'llama-cpp' "
                             "(llama.cpp on the target's GGUF file, as many threads as torch; needs "
@@ -435,9 +438,11 @@ def _bench(args) -> int:
         max_new_tokens=args.max_new_tokens, temperature=args.temperature, peers=_split(args.peers),
         adaptive=not args.fixed_spec_length,
         drafter_options=options, gguf=_gguf_of(args.target), compile=args.compile, quantize=args.quantize,
-        tensor_parallel=args.tensor_parallel,
+        tensor_parallel=args.tensor_parallel, repeats=args.repeats,
     )
     check_spec_length(settings.spec_length)
+    if args.repeats < 1:
+        raise ConfigError(f"--repeats must be >= 1 (got {args.repeats})")
     GenerationSettings(max_new_tokens=settings.max_new_tokens, temperature=settings.temperature)
     if args.limit_per_category is not None and args.limit_per_category < 1:
         raise ConfigError("--limit-per-category must be >= 1")

@@ -269,3 +269,48 @@ def test_bench_with_predictions_stays_exact(predicted_questions, tiny_target):
     records, summary, env = run_bench(model, tokenizer, settings, name="tiny", progress=False)
     assert summary["ngram"]["overall"]["mismatches"] == 0
     assert {r.question_id for r in records if r.method == "ngram"} == {1, 2, 3}
+
+
+def test_repeats_interleave_the_methods_and_keep_each_ones_median_run(questions, tiny_target, monkeypatch):
+    """--repeats 3: every method runs three times on a prompt, plain, ngram, plain, ngram, ...; the
+    record kept is the run of median time (not the first, not the fastest)."""
+    from specdraft.bench.harness import _Methods
+
+    model, tokenizer = tiny_target
+    real_run, calls, times = _Methods.run, [], iter([5.0, 1.0, 3.0, 9.0, 2.0, 4.0] * 2)
+
+    def run(self, name, ids, question):
+        calls.append((name, question["question_id"]))
+        record = real_run(self, name, ids, question)
+        record.time_s = next(times) if question["question_id"] != 0 else record.time_s  # 0: the warm-up
+        return record
+
+    monkeypatch.setattr(_Methods, "run", run)
+    settings = BenchSettings(questions=str(questions), categories=["chat"], limit_per_category=2, drafters=["ngram"],
+                             max_new_tokens=4, repeats=3)
+    records, summary, env = run_bench(model, tokenizer, settings, name="tiny", progress=False)
+    assert calls[2:] == [(m, q) for q in (2, 3) for _ in range(3) for m in ("plain", "ngram")]
+    # plain's times on each prompt: 5, 3, 2 -> 3; ngram's: 1, 9, 4 -> 4
+    assert [(r.method, r.question_id, r.time_s) for r in records] == [
+        ("plain", 2, 3.0), ("ngram", 2, 4.0), ("plain", 3, 3.0), ("ngram", 3, 4.0)]
+    assert summary["ngram"]["overall"]["mismatches"] == 0 and summary["ngram"]["overall"]["prompts"] == 2
+    assert env["repeats"].startswith("3 (each method's median-time run per prompt")
+
+
+def test_repeats_that_differ_stop_the_bench_with_one_line():
+    from specdraft.bench.harness import median_run
+    from specdraft.bench.report import RunRecord
+    from specdraft.errors import SpecdraftError
+
+    runs = [RunRecord("ngram", 7, "chat", 2, t, ids, drafted=0) for t, ids in ((1.0, [1, 2]), (2.0, [1, 3]))]
+    with pytest.raises(SpecdraftError, match="ngram gave different tokens on repeats of prompt 7"):
+        median_run(runs)
+    peers = [RunRecord("llama-cpp", 7, "chat", 2, t, ids) for t, ids in ((3.0, [1, 2]), (1.0, [1, 3]), (2.0, [1]))]
+    assert median_run(peers).time_s == 2.0  # a peer's repeats are its own affair
+
+
+def test_repeats_below_one_are_refused(questions, capsys):
+    from specdraft.cli import main
+
+    assert main(["bench", "--questions", str(questions), "--repeats", "0"]) == 2
+    assert "--repeats must be >= 1 (got 0)" in capsys.readouterr().err

@@ -11,7 +11,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Sequence
 
-from ..errors import ConfigError
+from ..errors import ConfigError, SpecdraftError
 from .report import PLAIN, RunRecord, markdown, summarize
 
 PEERS = {"hf": ("hf-generate", "hf-prompt-lookup"), "llama-cpp": ("llama-cpp",)}
@@ -38,6 +38,9 @@ class BenchSettings:
     compile: bool | None = None
     quantize: str | None = None
     tensor_parallel: int = 1
+    #: runs of every method on every prompt (interleaved); each keeps its median-time run, so a
+    #: slow moment of a shared machine skews one run, not the comparison (``--repeats``)
+    repeats: int = 1
 
 
 def split_method(entry: str) -> tuple[str, str]:
@@ -133,6 +136,8 @@ def environment(model, settings: BenchSettings, name: str) -> dict:
         "spec_length": settings.spec_length if settings.adaptive else f"{settings.spec_length} (fixed)",
         "max_new_tokens": settings.max_new_tokens,
         "temperature": settings.temperature,
+        **({"repeats": f"{settings.repeats} (each method's median-time run per prompt; the runs interleaved)"}
+           if settings.repeats > 1 else {}),
         "versions": f"specdraft {__version__}, torch {torch.__version__}, transformers {transformers.__version__}, "
                     f"python {platform.python_version()}",
     }
@@ -268,7 +273,7 @@ def run_bench(model, tokenizer, settings: BenchSettings, name: str = "", progres
     methods = _Methods(model, tokenizer, settings)
     records: list[RunRecord] = []
     finished = 0
-    bar = tqdm(total=len(questions) * len(methods.names), disable=not progress, unit="run", desc="bench")
+    bar = tqdm(total=len(questions) * len(methods.names) * settings.repeats, disable=not progress, unit="run", desc="bench")
     try:
         encoded = [methods.decoders[PLAIN].encode(q["prompt"]) for q in questions]
         for decoder in methods.decoders.values():  # compiles every pass width up front, not counted
@@ -276,12 +281,13 @@ def run_bench(model, tokenizer, settings: BenchSettings, name: str = "", progres
         for method in methods.names:  # warm-up, not counted
             methods.run(method, encoded[0][:64], {**questions[0], "question_id": 0})
         for q, ids in zip(questions, encoded):
-            row = []
-            for method in methods.names:
-                bar.set_postfix_str(f"{q['category']} #{q['question_id']} {method}")
-                row.append(methods.run(method, ids, q))
-                bar.update()
-            records += row  # only whole prompts: every method on it
+            runs: dict[str, list[RunRecord]] = {method: [] for method in methods.names}
+            for _ in range(settings.repeats):  # interleaved: each repeat runs every method once
+                for method in methods.names:
+                    bar.set_postfix_str(f"{q['category']} #{q['question_id']} {method}")
+                    runs[method].append(methods.run(method, ids, q))
+                    bar.update()
+            records += [median_run(runs[method]) for method in methods.names]  # only whole prompts
             finished += 1
     except KeyboardInterrupt:  # GenerationInterrupted from inside a generation included
         interrupted = True
@@ -308,6 +314,17 @@ def run_bench(model, tokenizer, settings: BenchSettings, name: str = "", progres
     if interrupted:
         raise BenchInterrupted(records, summarize(records), env, finished, len(questions)) from None
     return records, summarize(records), env
+
+
+def median_run(runs: list[RunRecord]) -> RunRecord:
+    """The run of median time (the lower one of an even count). specdraft's repeats must give the
+    same tokens (greedy, or sampled with the prompt's seed): a run that differs is a determinism
+    bug, not noise, and the bench stops with one line. (A peer's are its own affair.)"""
+    if runs[0].drafted is not None and any(r.token_ids != runs[0].token_ids for r in runs[1:]):
+        raise SpecdraftError(f"{runs[0].method} gave different tokens on repeats of prompt {runs[0].question_id} "
+                             "with the same inputs and seed: its output is not deterministic; report it "
+                             "(and run without --repeats meanwhile)")
+    return sorted(runs, key=lambda r: r.time_s)[(len(runs) - 1) // 2]
 
 
 def write_outputs(output: str | os.PathLike, records: list[RunRecord], summary: dict, env: dict) -> Path:
