@@ -28,17 +28,18 @@ def test_plain_engine_equals_transformers_generate(default_f64, plain_outputs, p
         assert plain_outputs[cat].token_ids == out[0, len(ids):].tolist(), cat
 
 
-@pytest.mark.parametrize("adaptive", [False, True], ids=["fixed-k", "adaptive"])
 @pytest.mark.parametrize("drafter", ["ngram", "prompt-lookup"])
-def test_greedy_parity_on_real_prompts(default_f64, plain_outputs, prompts, drafter, adaptive):
+def test_greedy_parity_on_real_prompts(default_f64, plain_outputs, prompts, drafter, step_clock):
+    """float64, the adaptive draft length (its lengths chosen from equal pass costs, ``step_clock``,
+    so it drafts whatever this machine's timings; a fixed K on real prompts is
+    test_greedy_parity_in_bfloat16's, in the CPU's default dtype)."""
     model, tok = default_f64
-    dec = SpeculativeDecoder(model, tok, drafter=drafter, spec_length=4, adaptive=adaptive)
+    dec = SpeculativeDecoder(model, tok, drafter=drafter, spec_length=4)
     results = dec.generate(list(prompts.values()), max_new_tokens=NEW)  # batched, different lengths
     for (cat, _), r in zip(prompts.items(), results):
         assert r.token_ids == plain_outputs[cat].token_ids, cat
         assert r.text == plain_outputs[cat].text
-    if not adaptive:  # the adaptive length follows measured timings and may stop drafting; a fixed K always drafts
-        assert sum(r.stats.accepted_tokens for r in results) > 0
+    assert sum(r.stats.accepted_tokens for r in results) > 0
 
 
 def test_predictions_right_wrong_and_absent_leave_the_output_alone(default_f64, plain_outputs, prompts, step_clock):
