@@ -96,10 +96,12 @@ and every run), `results.md` (tables), `speedup_by_category.png` and
 `acceptance_by_position.png`. At temperature 0 each output is compared with plain
 decoding's, and `mismatches` must be 0. The definitions are in
 `src/specdraft/bench/report.py`.
-With `--repeats R` every method runs R times on each prompt, interleaved (plain, each
-drafter, each peer; then again), and each keeps its median-time run: one slow moment of a
-shared machine then skews one run in R, not a method's figure for a category. specdraft's
-repeats must give the same tokens; if they do not, the bench stops with one line.
+With `--repeats R` the whole bench runs R times, each pass with fresh decoders (a pass
+after the first would otherwise find each prompt in its prefix cache, and a drafter that
+remembers earlier outputs, as suffix decoding does, would find its answer there), and each
+method keeps its median-time run of each prompt: one slow moment of a shared machine then
+skews one run in R, not a method's figure for a category. specdraft's runs of a prompt must
+give the same tokens in every pass; if they do not, the bench stops with one line.
 
 ## `specdraft distill`
 

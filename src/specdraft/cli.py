@@ -159,8 +159,9 @@ def build_parser() -> argparse.ArgumentParser:
     bench.add_argument("--max-new-tokens", type=int, default=128, metavar="N", help="default: 128")
     bench.add_argument("--temperature", type=float, default=0.0, help="default: 0 (greedy; outputs are compared)")
     bench.add_argument("--repeats", type=int, default=1, metavar="R",
-                       help="run every method R times on each prompt, interleaved, and keep each one's median-time "
-                            "run: per-category figures on a noisy shared machine (default: 1)")
+                       help="run the whole bench R times, each pass with fresh decoders, and keep each method's "
+                            "median-time run of each prompt: per-category figures on a noisy shared machine "
+                            "(default: 1)")
     bench.add_argument("--peers", default="",
                        help="comma-separated: 'hf' (transformers' generate and its prompt lookup), 'llama-cpp' "
                             "(llama.cpp on the target's GGUF file, as many threads as torch; needs "

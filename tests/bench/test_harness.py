@@ -271,30 +271,38 @@ def test_bench_with_predictions_stays_exact(predicted_questions, tiny_target):
     assert {r.question_id for r in records if r.method == "ngram"} == {1, 2, 3}
 
 
-def test_repeats_interleave_the_methods_and_keep_each_ones_median_run(questions, tiny_target, monkeypatch):
-    """--repeats 3: every method runs three times on a prompt, plain, ngram, plain, ngram, ...; the
-    record kept is the run of median time (not the first, not the fastest)."""
+def test_repeats_run_whole_passes_with_fresh_decoders_and_keep_each_ones_median_run(questions, tiny_target,
+                                                                                    monkeypatch):
+    """--repeats 3: the bench runs three times over the prompts (plain and ngram interleaved on each),
+    each pass with new decoders (the prompts' answers are in the last pass's prefix cache and in
+    drafters' memories); each record kept is the method's run of median time (not the first, not
+    the fastest)."""
     from specdraft.bench.harness import _Methods
 
     model, tokenizer = tiny_target
-    real_run, calls, times = _Methods.run, [], iter([5.0, 1.0, 3.0, 9.0, 2.0, 4.0] * 2)
+    real_run, calls, decoders = _Methods.run, [], []
+    times = iter([5.0, 1.0, 6.0, 8.0, 3.0, 9.0, 7.0, 2.0, 2.0, 4.0, 4.0, 5.0])
 
     def run(self, name, ids, question):
         calls.append((name, question["question_id"]))
+        decoders.append(self.decoders[name])  # held: no id is reused
         record = real_run(self, name, ids, question)
-        record.time_s = next(times) if question["question_id"] != 0 else record.time_s  # 0: the warm-up
+        if question["question_id"]:  # 0: the warm-up
+            record.time_s = next(times)
         return record
 
     monkeypatch.setattr(_Methods, "run", run)
     settings = BenchSettings(questions=str(questions), categories=["chat"], limit_per_category=2, drafters=["ngram"],
                              max_new_tokens=4, repeats=3)
     records, summary, env = run_bench(model, tokenizer, settings, name="tiny", progress=False)
-    assert calls[2:] == [(m, q) for q in (2, 3) for _ in range(3) for m in ("plain", "ngram")]
-    # plain's times on each prompt: 5, 3, 2 -> 3; ngram's: 1, 9, 4 -> 4
+    one_pass = [("plain", 0), ("ngram", 0), ("plain", 2), ("ngram", 2), ("plain", 3), ("ngram", 3)]
+    assert calls == one_pass * 3
+    assert len({id(d) for d in decoders}) == 2 * 3  # each pass's own plain and ngram decoders
+    # plain's times on prompt 2: 5, 3, 2 -> 3; ngram's 1, 9, 4 -> 4; on prompt 3: 6, 7, 4 -> 6 and 8, 2, 5 -> 5
     assert [(r.method, r.question_id, r.time_s) for r in records] == [
-        ("plain", 2, 3.0), ("ngram", 2, 4.0), ("plain", 3, 3.0), ("ngram", 3, 4.0)]
+        ("plain", 2, 3.0), ("ngram", 2, 4.0), ("plain", 3, 6.0), ("ngram", 3, 5.0)]
     assert summary["ngram"]["overall"]["mismatches"] == 0 and summary["ngram"]["overall"]["prompts"] == 2
-    assert env["repeats"].startswith("3 (each method's median-time run per prompt")
+    assert env["repeats"].startswith("3 (whole passes, each with fresh decoders")
 
 
 def test_repeats_that_differ_stop_the_bench_with_one_line():

@@ -38,8 +38,8 @@ class BenchSettings:
     compile: bool | None = None
     quantize: str | None = None
     tensor_parallel: int = 1
-    #: runs of every method on every prompt (interleaved); each keeps its median-time run, so a
-    #: slow moment of a shared machine skews one run, not the comparison (``--repeats``)
+    #: passes over every prompt, each with fresh decoders; each method keeps its median-time run of
+    #: a prompt, so a slow moment of a shared machine skews one run, not the comparison (``--repeats``)
     repeats: int = 1
 
 
@@ -136,8 +136,8 @@ def environment(model, settings: BenchSettings, name: str) -> dict:
         "spec_length": settings.spec_length if settings.adaptive else f"{settings.spec_length} (fixed)",
         "max_new_tokens": settings.max_new_tokens,
         "temperature": settings.temperature,
-        **({"repeats": f"{settings.repeats} (each method's median-time run per prompt; the runs interleaved)"}
-           if settings.repeats > 1 else {}),
+        **({"repeats": f"{settings.repeats} (whole passes, each with fresh decoders; each method's median-time run "
+                       "per prompt)"} if settings.repeats > 1 else {}),
         "versions": f"specdraft {__version__}, torch {torch.__version__}, transformers {transformers.__version__}, "
                     f"python {platform.python_version()}",
     }
@@ -151,21 +151,8 @@ class _Methods:
     decoding nor to the peers, which have no way to use one."""
 
     def __init__(self, model, tokenizer, settings: BenchSettings) -> None:
-        from ..decoder import SpeculativeDecoder
-
         self.model, self.tokenizer, self.settings = model, tokenizer, settings
-        runner = dict(compile=settings.compile, quantize=settings.quantize, tensor_parallel=settings.tensor_parallel)
-        self.decoders = {PLAIN: SpeculativeDecoder(model, tokenizer, drafter="none", spec_length=settings.spec_length,
-                                                   **runner)}
-        for entry in settings.drafters:
-            label, drafter = split_method(entry)
-            if label in self.decoders:
-                raise ConfigError(f"--drafters runs {label!r} twice; give one of them a label (LABEL={drafter})")
-            self.decoders[label] = SpeculativeDecoder(model, tokenizer, drafter=drafter,
-                                                      spec_length=settings.spec_length,
-                                                      adaptive=settings.adaptive,
-                                                      drafter_options=settings.drafter_options.get(label),
-                                                      **runner)
+        self.decoders = self._decoders()
         self.names = list(self.decoders)
         for peer in settings.peers:
             if peer not in PEERS:
@@ -174,6 +161,32 @@ class _Methods:
         self.llama = _llama_cpp(settings.gguf, model) if "llama-cpp" in settings.peers else None
         self.eos = set(self.decoders[PLAIN].target.eos_token_ids)
         self._predictions: dict[str, list[int]] = {}
+
+    def _decoders(self) -> dict:
+        """plain decoding's and each drafter's decoder, by label."""
+        from ..decoder import SpeculativeDecoder
+
+        s = self.settings
+        runner = dict(compile=s.compile, quantize=s.quantize, tensor_parallel=s.tensor_parallel)
+        decoders = {PLAIN: SpeculativeDecoder(self.model, self.tokenizer, drafter="none", spec_length=s.spec_length,
+                                              **runner)}
+        for entry in s.drafters:
+            label, drafter = split_method(entry)
+            if label in decoders:
+                raise ConfigError(f"--drafters runs {label!r} twice; give one of them a label (LABEL={drafter})")
+            decoders[label] = SpeculativeDecoder(self.model, self.tokenizer, drafter=drafter, spec_length=s.spec_length,
+                                                 adaptive=s.adaptive, drafter_options=s.drafter_options.get(label),
+                                                 **runner)
+        return decoders
+
+    def renew(self) -> None:
+        """Fresh decoders in place of the ones that ran (closed): what a decoder keeps between
+        requests (its prefix cache, a drafter's memory of earlier outputs as suffix decoding's,
+        the learnt draft lengths) starts again empty. The peers keep nothing of a prompt once
+        the next one has run."""
+        for decoder in self.decoders.values():
+            decoder.close()
+        self.decoders = self._decoders()
 
     def prediction_ids(self, question: dict) -> list[int] | None:
         """The question's prediction as token ids (tokenized once), or None without one."""
@@ -271,30 +284,36 @@ def run_bench(model, tokenizer, settings: BenchSettings, name: str = "", progres
 
     questions = load_questions(settings.questions, settings.categories, settings.limit_per_category)
     methods = _Methods(model, tokenizer, settings)
-    records: list[RunRecord] = []
+    runs: dict[tuple[str, int], list[RunRecord]] = {}  # (method, question) -> its runs, one a pass
     finished = 0
-    bar = tqdm(total=len(questions) * len(methods.names) * settings.repeats, disable=not progress, unit="run", desc="bench")
+    bar = tqdm(total=len(questions) * len(methods.names) * settings.repeats, disable=not progress, unit="run",
+               desc="bench")
     try:
         encoded = [methods.decoders[PLAIN].encode(q["prompt"]) for q in questions]
-        for decoder in methods.decoders.values():  # compiles every pass width up front, not counted
-            decoder.warm_up()
-        for method in methods.names:  # warm-up, not counted
-            methods.run(method, encoded[0][:64], {**questions[0], "question_id": 0})
-        for q, ids in zip(questions, encoded):
-            runs: dict[str, list[RunRecord]] = {method: [] for method in methods.names}
-            for _ in range(settings.repeats):  # interleaved: each repeat runs every method once
+        for repeat in range(settings.repeats):
+            if repeat:  # a pass as the first ran: fresh decoders (no prefix cache, drafter memory nor
+                methods.renew()  # learnt lengths from the pass before, which has just run these prompts)
+            for decoder in methods.decoders.values():  # compiles every pass width up front, not counted
+                decoder.warm_up()
+            for method in methods.names:  # warm-up, not counted
+                methods.run(method, encoded[0][:64], {**questions[0], "question_id": 0})
+            for q, ids in zip(questions, encoded):
+                row = []
                 for method in methods.names:
-                    bar.set_postfix_str(f"{q['category']} #{q['question_id']} {method}")
-                    runs[method].append(methods.run(method, ids, q))
+                    bar.set_postfix_str(f"{q['category']} #{q['question_id']} {method}"
+                                        + (f" (pass {repeat + 1} of {settings.repeats})" if settings.repeats > 1 else ""))
+                    row.append(methods.run(method, ids, q))
                     bar.update()
-            records += [median_run(runs[method]) for method in methods.names]  # only whole prompts
-            finished += 1
+                for record in row:  # only whole prompts: every method on it
+                    runs.setdefault((record.method, record.question_id), []).append(record)
+                finished += repeat == 0
     except KeyboardInterrupt:  # GenerationInterrupted from inside a generation included
         interrupted = True
     else:
         interrupted = False
     finally:
         bar.close()
+    records = [median_run(runs[(method, q["question_id"])]) for q in questions[:finished] for method in methods.names]
     env = environment(model, settings, name)
     plain = methods.decoders[PLAIN]
     env["runner"] = plain.runner_info
