@@ -264,7 +264,8 @@ def test_a_conversion_killed_with_sigkill_leaves_nothing_behind(tmp_path, cache)
     ({"avx512f", "avx512_bf16"}, "bfloat16", "native: avx512_bf16"),
     ({"avx512f", "amx_bf16", "avx512_bf16"}, "bfloat16", "native: amx_bf16"),
     ({"avx2", "avx512f"}, "bfloat16", "with AVX-512: specdraft's panel products"),
-    ({"avx2", "fma"}, "float32", "without native bfloat16 products or AVX-512"),
+    ({"avx2", "fma"}, "bfloat16", "with AVX2: specdraft's panel products"),
+    ({"sse4_2", "avx"}, "float32", "without native bfloat16 products, AVX-512 or AVX2"),
 ])
 def test_the_cpu_default_dtype_follows_native_bfloat16(monkeypatch, flags, dtype, reason):
     import torch

@@ -108,10 +108,12 @@ def default_dtype(device: Any) -> tuple[Any, str]:
         flag = next((f for f in BF16_CPU_FLAGS if f in flags), None)
         if flag and torch.backends.mkldnn.is_available() and torch.ops.mkldnn._is_mkldnn_bf16_supported():
             return torch.bfloat16, f"the CPU default where bfloat16 products are native: {flag}"
-        if "avx512f" in flags:  # (without the C++ operators oneDNN's emulated products: as fast as float32's at one row)
-            return torch.bfloat16, ("the CPU default with AVX-512: specdraft's panel products widen bfloat16 "
+        if "avx512f" in flags or {"avx2", "fma"} <= flags:  # (without the C++ operators oneDNN's emulated
+            # products: as fast as float32's at one row)
+            unit = "AVX-512" if "avx512f" in flags else "AVX2"
+            return torch.bfloat16, (f"the CPU default with {unit}: specdraft's panel products widen bfloat16 "
                                     "weights (no avx512_bf16 or AMX)")
-        return torch.float32, "the CPU default without native bfloat16 products or AVX-512: float32"
+        return torch.float32, "the CPU default without native bfloat16 products, AVX-512 or AVX2: float32"
     return torch.float32, f"the {device.type} default"
 
 

@@ -232,9 +232,11 @@ def test_panels_replace_float32_products_and_bfloat16_ones_without_native_bfloat
     import specdraft.models
 
     f32, bf16 = torch.nn.Linear(16, 8), torch.nn.Linear(16, 8).to(torch.bfloat16)
-    for flags, want in (({"avx512f"}, (True, True)), ({"avx512f", "avx512_bf16"}, (True, False)),
-                        ({"avx512f", "amx_bf16"}, (True, False)), ({"avx2"}, (False, False))):
+    for flags, bits, want in (({"avx512f"}, 512, (True, True)), ({"avx512f", "avx512_bf16"}, 512, (True, False)),
+                              ({"avx512f", "amx_bf16"}, 512, (True, False)), ({"avx2", "fma"}, 256, (True, True)),
+                              ({"sse4_2"}, 0, (False, False))):
         monkeypatch.setattr(specdraft.models, "cpu_flags", lambda flags=flags: flags)
+        monkeypatch.setattr(cpu_ops, "vector_bits", lambda bits=bits: bits)
         assert (cpu_ops.panels_apply(f32), cpu_ops.panels_apply(bf16)) == want, flags
     assert not cpu_ops.panels_apply(torch.nn.Linear(16, 8).double())  # float64: torch's products
 

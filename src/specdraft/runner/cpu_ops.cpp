@@ -13,7 +13,7 @@
 #include <algorithm>
 #include <cmath>
 #include <cstring>
-#if defined(__AVX512F__)
+#if defined(__AVX512F__) || (defined(__AVX2__) && defined(__FMA__))
 #include <immintrin.h>
 #endif
 #include <tuple>
@@ -40,7 +40,12 @@ inline float widen(c10::BFloat16 v) {
     return f;
 }
 
+// V16: 16 float32 lanes, the unit of the panel products (one AVX-512 register, or two AVX2 ones
+// holding lanes 0-7 and 8-15); each lane's arithmetic is the same instruction on either, so a
+// product's bits do not depend on which of the two the machine has
 #if defined(__AVX512F__)
+#define SPECDRAFT_V16 512
+using V16 = __m512;
 // 16 values of the dtype as float32 lanes
 inline __m512 load16(const float* p) { return _mm512_loadu_ps(p); }
 inline __m512 load16(const c10::BFloat16* p) {
@@ -50,6 +55,47 @@ inline __m512 load16(const c10::BFloat16* p) {
 inline __m512 load16(const c10::Half* p) {
     return _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p)));
 }
+inline V16 v16_zero() { return _mm512_setzero_ps(); }
+inline V16 v16_set1(float v) { return _mm512_set1_ps(v); }
+inline V16 v16_fmadd(V16 a, V16 b, V16 c) { return _mm512_fmadd_ps(a, b, c); }
+inline V16 v16_add(V16 a, V16 b) { return _mm512_add_ps(a, b); }
+inline V16 v16_mul(V16 a, V16 b) { return _mm512_mul_ps(a, b); }
+inline void v16_store(float* p, V16 v) { _mm512_storeu_ps(p, v); }
+#elif defined(__AVX2__) && defined(__FMA__) && defined(__F16C__)
+#define SPECDRAFT_V16 256
+struct V16 {
+    __m256 lo, hi;
+};
+inline __m256 widen8(const c10::BFloat16* p) {
+    const __m128i bits = _mm_loadu_si128(reinterpret_cast<const __m128i*>(p));
+    return _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(bits), 16));
+}
+inline V16 load16(const float* p) { return {_mm256_loadu_ps(p), _mm256_loadu_ps(p + 8)}; }
+inline V16 load16(const c10::BFloat16* p) { return {widen8(p), widen8(p + 8)}; }
+inline V16 load16(const c10::Half* p) {
+    return {_mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p))),
+            _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p + 8)))};
+}
+inline V16 v16_zero() { return {_mm256_setzero_ps(), _mm256_setzero_ps()}; }
+inline V16 v16_set1(float v) { return {_mm256_set1_ps(v), _mm256_set1_ps(v)}; }
+inline V16 v16_fmadd(V16 a, V16 b, V16 c) { return {_mm256_fmadd_ps(a.lo, b.lo, c.lo), _mm256_fmadd_ps(a.hi, b.hi, c.hi)}; }
+inline V16 v16_add(V16 a, V16 b) { return {_mm256_add_ps(a.lo, b.lo), _mm256_add_ps(a.hi, b.hi)}; }
+inline V16 v16_mul(V16 a, V16 b) { return {_mm256_mul_ps(a.lo, b.lo), _mm256_mul_ps(a.hi, b.hi)}; }
+inline void v16_store(float* p, V16 v) {
+    _mm256_storeu_ps(p, v.lo);
+    _mm256_storeu_ps(p + 8, v.hi);
+}
+// the sum of 16 lanes by the scalar tree of dot (lanes i + 8 and i, then i + 4, i + 2, i + 1) from
+// the 4 lanes left after the first two steps: (h0 + h2) + (h1 + h3)
+inline float sum4_tree(__m128 h) {
+    const __m128 t = _mm_add_ps(h, _mm_movehl_ps(h, h));
+    return _mm_cvtss_f32(_mm_add_ss(t, _mm_shuffle_ps(t, t, 1)));
+}
+inline __m128 halves16(V16 v) {  // lanes i + 8 and i, then i + 4 and i
+    const __m256 s = _mm256_add_ps(v.lo, v.hi);
+    return _mm_add_ps(_mm256_castps256_ps128(s), _mm256_extractf128_ps(s, 1));
+}
+inline float reduce16(V16 v) { return sum4_tree(halves16(v)); }
 #endif
 
 // sum of a[i] * b[i]: 16 lanes, the lanes added in a fixed order at the end
@@ -60,6 +106,12 @@ inline float dot(const float* a, const T* b, int64_t n) {
         __m512 acc = _mm512_setzero_ps();
         for (int64_t i = 0; i < n; i += LANES) acc = _mm512_fmadd_ps(_mm512_loadu_ps(a + i), load16(b + i), acc);
         return _mm512_reduce_add_ps(acc);
+    }
+#elif SPECDRAFT_V16 == 256
+    if (n % LANES == 0) {
+        V16 acc = v16_zero();
+        for (int64_t i = 0; i < n; i += LANES) acc = v16_fmadd(load16(a + i), load16(b + i), acc);
+        return reduce16(acc);
     }
 #endif
     float acc[LANES] = {0};
@@ -97,6 +149,22 @@ inline void weighted_sum(const float* e, const T* const* rows, int64_t n, int64_
         for (int64_t j = 0; j < n; ++j) acc = _mm512_fmadd_ps(_mm512_set1_ps(e[j]), load16(rows[j] + i), acc);
         _mm512_storeu_ps(out + i, acc);
     }
+#elif SPECDRAFT_V16 == 256
+    for (; i + 2 * LANES <= d; i += 2 * LANES) {  // two independent chains (each lane still sums j in order)
+        V16 a0 = v16_zero(), a1 = a0;
+        for (int64_t j = 0; j < n; ++j) {
+            const V16 ej = v16_set1(e[j]);
+            a0 = v16_fmadd(ej, load16(rows[j] + i), a0);
+            a1 = v16_fmadd(ej, load16(rows[j] + i + LANES), a1);
+        }
+        v16_store(out + i, a0);
+        v16_store(out + i + LANES, a1);
+    }
+    for (; i + LANES <= d; i += LANES) {
+        V16 acc = v16_zero();
+        for (int64_t j = 0; j < n; ++j) acc = v16_fmadd(v16_set1(e[j]), load16(rows[j] + i), acc);
+        v16_store(out + i, acc);
+    }
 #endif
     for (; i < d; ++i) {
         float acc = 0.0f;
@@ -124,6 +192,23 @@ inline __m512 exp16(__m512 x) {
     p = _mm512_fmadd_ps(p, _mm512_mul_ps(r, r), _mm512_add_ps(r, _mm512_set1_ps(1.0f)));
     return _mm512_scalef_ps(p, n);
 }
+#elif SPECDRAFT_V16 == 256
+inline __m256 exp8(__m256 x) {  // exp16's steps; 2^n as the bits (n + 127) << 23 (0 for n = -127)
+    x = _mm256_min_ps(_mm256_max_ps(x, _mm256_set1_ps(-88.0f)), _mm256_set1_ps(88.0f));
+    const __m256 n = _mm256_round_ps(_mm256_mul_ps(x, _mm256_set1_ps(1.44269504088896341f)),
+                                     _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+    __m256 r = _mm256_fnmadd_ps(n, _mm256_set1_ps(0.693359375f), x);
+    r = _mm256_fnmadd_ps(n, _mm256_set1_ps(-2.12194440e-4f), r);
+    __m256 p = _mm256_set1_ps(1.9875691500e-4f);
+    p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(1.3981999507e-3f));
+    p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(8.3334519073e-3f));
+    p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(4.1665795894e-2f));
+    p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(1.6666665459e-1f));
+    p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(5.0000001201e-1f));
+    p = _mm256_fmadd_ps(p, _mm256_mul_ps(r, r), _mm256_add_ps(r, _mm256_set1_ps(1.0f)));
+    const __m256i bits = _mm256_slli_epi32(_mm256_add_epi32(_mm256_cvtps_epi32(n), _mm256_set1_epi32(127)), 23);
+    return _mm256_mul_ps(p, _mm256_castsi256_ps(bits));
+}
 #endif
 
 // a[i] = e^(a[i] - shift) for i < n (exp16's steps, a tail in masked lanes)
@@ -134,6 +219,16 @@ inline void exp_shifted(float* a, int64_t n, float shift) {
     for (; i < n; i += LANES) {
         const __mmask16 k = n - i >= LANES ? __mmask16(0xffff) : __mmask16((1u << (n - i)) - 1);
         _mm512_mask_storeu_ps(a + i, k, exp16(_mm512_sub_ps(_mm512_maskz_loadu_ps(k, a + i), s)));
+    }
+#elif SPECDRAFT_V16 == 256
+    const __m256 s = _mm256_set1_ps(shift);
+    for (; i + 8 <= n; i += 8) _mm256_storeu_ps(a + i, exp8(_mm256_sub_ps(_mm256_loadu_ps(a + i), s)));
+    if (i < n) {  // the tail through exp8 too, so that a value's result never depends on where it sits
+        alignas(32) float tail[8] = {0};
+        std::memcpy(tail, a + i, (n - i) * sizeof(float));
+        _mm256_store_ps(tail, exp8(_mm256_sub_ps(_mm256_load_ps(tail), s)));
+        std::memcpy(a + i, tail, (n - i) * sizeof(float));
+        i = n;
     }
 #endif
     for (; i < n; ++i) a[i] = std::exp(a[i] - shift);
@@ -398,6 +493,46 @@ inline int64_t attend(const float* qf, int64_t G, int64_t D, const T* keys, int6
         }
         for (int64_t g = 0; g < GB; ++g) top[g] = _mm512_reduce_max_ps(high[g]);
     } else
+#elif SPECDRAFT_V16 == 256
+    if (G_ > 0 && D % LANES == 0) {
+        // 4 visible positions at a time: each head's 4 dot products as independent chains, then
+        // their lane sums by dot's tree (halves16 each, the last two steps of the 4 side by side:
+        // the same scores as one position at a time)
+        constexpr int64_t PB = 4;
+        float high[GB];
+        for (int64_t g = 0; g < GB; ++g) high[g] = -INFINITY;
+        int64_t j = 0;
+        while (true) {
+            int64_t ps[PB];
+            int64_t count = 0;
+            for (; j < L && count < PB; ++j) {
+                const int64_t p = ord ? ord[j] : j;
+                if (visible[p]) ps[count++] = p;
+            }
+            if (count == 0) break;
+            const T* krows[PB];
+            for (int64_t m = 0; m < PB; ++m) krows[m] = keys + ps[m < count ? m : 0] * kstride;  // padding: any row
+            for (int64_t g = 0; g < GB; ++g) {
+                V16 a[PB];
+                for (int m = 0; m < PB; ++m) a[m] = v16_zero();
+                for (int64_t i = 0; i < D; i += LANES) {
+                    const V16 qi = load16(qf + g * D + i);
+                    for (int m = 0; m < PB; ++m) a[m] = v16_fmadd(qi, load16(krows[m] + i), a[m]);
+                }
+                __m128 h0 = halves16(a[0]), h1 = halves16(a[1]), h2 = halves16(a[2]), h3 = halves16(a[3]);
+                _MM_TRANSPOSE4_PS(h0, h1, h2, h3);  // hk's lane m: lane k of a[m]'s four
+                alignas(16) float sc[PB];
+                _mm_store_ps(sc, _mm_mul_ps(_mm_add_ps(_mm_add_ps(h0, h2), _mm_add_ps(h1, h3)), _mm_set1_ps(scale)));
+                for (int64_t m = 0; m < count; ++m) {
+                    scores[g * L + n + m] = sc[m];
+                    high[g] = sc[m] > high[g] ? sc[m] : high[g];
+                }
+            }
+            for (int64_t m = 0; m < count; ++m) seen[n + m] = values + ps[m] * vstride;
+            n += count;
+        }
+        for (int64_t g = 0; g < GB; ++g) top[g] = high[g];
+    } else
 #endif
     for (int64_t j = 0; j < L; ++j) {
         const int64_t p = ord ? ord[j] : j;
@@ -444,6 +579,18 @@ inline int64_t attend(const float* qf, int64_t G, int64_t D, const T* keys, int6
             }
             for (int64_t g = 0; g < GB; ++g)
                 for (int c = 0; c < 4; ++c) _mm512_storeu_ps(acc + g * D + i + c * LANES, a[g][c]);
+        }
+    }
+#elif SPECDRAFT_V16 == 256
+    if (G_ > 0) {  // weighted_sum's chains 16 columns at a time, each value row's read once for the G heads
+        for (; i + LANES <= D; i += LANES) {
+            V16 a[GB];
+            for (int64_t g = 0; g < GB; ++g) a[g] = v16_zero();
+            for (int64_t j = 0; j < n; ++j) {
+                const V16 v = load16(seen[j] + i);
+                for (int64_t g = 0; g < GB; ++g) a[g] = v16_fmadd(v16_set1(scores[g * L + j]), v, a[g]);
+            }
+            for (int64_t g = 0; g < GB; ++g) v16_store(acc + g * D + i, a[g]);
         }
     }
 #endif
@@ -536,55 +683,84 @@ at::Tensor attention(const at::Tensor& q_, const at::Tensor& k_buf, const at::Te
 // rows are taken this many at a time (their x stays in the cache while the panels stream past)
 constexpr int64_t PANEL_ROW_CHUNK = 96;
 
-#if defined(__AVX512F__)
+#if defined(SPECDRAFT_V16)
+// out[col + i] = v's lane i (+ bias[col + i]) for the columns left before N (16 at most), each
+// rounded once to the dtype
+template <typename T>
+inline void store_columns(V16 v, const T* bias, T* out, int64_t col, int64_t N) {
+    const int64_t count = std::min<int64_t>(LANES, N - col);
+    alignas(64) float lanes[LANES] = {0};
+    if (bias) {
+        for (int64_t i = 0; i < count; ++i) lanes[i] = widen(bias[col + i]);
+        v = v16_add(v, load16(static_cast<const float*>(lanes)));
+    }
+    if constexpr (std::is_same_v<T, float>) {
+        if (count == LANES) {
+            v16_store(out + col, v);
+            return;
+        }
+    }
+    v16_store(lanes, v);
+    for (int64_t i = 0; i < count; ++i) out[col + i] = static_cast<T>(lanes[i]);
+}
+#endif
+
+#if defined(SPECDRAFT_V16)
 // MB rows x NB panels from panel p (output columns n0 .. n0 + 16 * NB, fewer past N)
 template <typename T, int MB, int NB>
 inline void panel_tile(const float* x, int64_t K, const T* p, T* out, int64_t N, const T* bias, int64_t n0) {
-    __m512 acc[MB][NB];
+    V16 acc[MB][NB];
     for (int m = 0; m < MB; ++m)
-        for (int j = 0; j < NB; ++j) acc[m][j] = _mm512_setzero_ps();
+        for (int j = 0; j < NB; ++j) acc[m][j] = v16_zero();
     const int64_t ps = K * LANES;
     constexpr int64_t per_line = 64 / (LANES * sizeof(T));  // k steps per cache line of a panel
     for (int64_t k = 0; k < K; ++k) {
-        __m512 w[NB];
+        V16 w[NB];
         if (k % per_line == 0)  // each panel's line PREFETCH_BYTES ahead (the next panel's, near its end)
             for (int j = 0; j < NB; ++j)
                 _mm_prefetch(reinterpret_cast<const char*>(p + j * ps + k * LANES) + PREFETCH_BYTES, _MM_HINT_T0);
         for (int j = 0; j < NB; ++j) w[j] = load16(p + j * ps + k * LANES);
         for (int m = 0; m < MB; ++m) {
-            const __m512 xb = _mm512_set1_ps(x[m * K + k]);
-            for (int j = 0; j < NB; ++j) acc[m][j] = _mm512_fmadd_ps(xb, w[j], acc[m][j]);
+            const V16 xb = v16_set1(x[m * K + k]);
+            for (int j = 0; j < NB; ++j) acc[m][j] = v16_fmadd(xb, w[j], acc[m][j]);
         }
     }
     for (int j = 0; j < NB; ++j) {
         const int64_t col = n0 + LANES * j;
         if (col >= N) break;
-        const int64_t count = std::min<int64_t>(LANES, N - col);
-        const __mmask16 k = columns_left(count);
-        __m512 b = _mm512_setzero_ps();
-        if (bias) {
-            alignas(64) float widened[LANES] = {0};
-            for (int64_t i = 0; i < count; ++i) widened[i] = widen(bias[col + i]);
-            b = _mm512_load_ps(widened);
-        }
-        for (int m = 0; m < MB; ++m) {
-            const __m512 v = bias ? _mm512_add_ps(acc[m][j], b) : acc[m][j];
-            if constexpr (std::is_same_v<T, float>) {
-                _mm512_mask_storeu_ps(out + m * N + col, k, v);
-            } else {  // rounded once to the dtype
-                alignas(64) float lanes[LANES];
-                _mm512_store_ps(lanes, v);
-                for (int64_t i = 0; i < count; ++i) out[m * N + col + i] = static_cast<T>(lanes[i]);
-            }
-        }
+        for (int m = 0; m < MB; ++m) store_columns(acc[m][j], bias, out + m * N, col, N);
     }
 }
 
-// all M rows against NB panels: 12 rows x 2 panels while there are 12 rows (the most work per
-// load), then 6 x NB, then what is left
+// all M rows against NB panels. AVX-512 (32 registers): 12 rows x 2 panels while there are 12 rows
+// (the most work per load), then 6 x NB, then what is left. AVX2 (16 registers, two per V16): one
+// row against all NB panels, more rows 6 at a time against one panel. The tiles differ, the
+// arithmetic of each output does not.
 template <typename T, int NB>
 inline void panel_rows(int64_t M, const float* x, int64_t K, const T* p, T* out, int64_t N, const T* bias,
                        int64_t n0) {
+#if SPECDRAFT_V16 == 256
+    if (M == 1) {
+        panel_tile<T, 1, NB>(x, K, p, out, N, bias, n0);
+        return;
+    }
+    for (int j = 0; j < NB; ++j) {
+        const T* pj = p + j * K * LANES;
+        const int64_t nj = n0 + LANES * j;
+        int64_t m = 0;
+        for (; m + 6 <= M; m += 6) panel_tile<T, 6, 1>(x + m * K, K, pj, out + m * N, N, bias, nj);
+        const float* xm = x + m * K;
+        T* om = out + m * N;
+        switch (M - m) {
+            case 5: panel_tile<T, 5, 1>(xm, K, pj, om, N, bias, nj); break;
+            case 4: panel_tile<T, 4, 1>(xm, K, pj, om, N, bias, nj); break;
+            case 3: panel_tile<T, 3, 1>(xm, K, pj, om, N, bias, nj); break;
+            case 2: panel_tile<T, 2, 1>(xm, K, pj, om, N, bias, nj); break;
+            case 1: panel_tile<T, 1, 1>(xm, K, pj, om, N, bias, nj); break;
+            default: break;
+        }
+    }
+#else
     int64_t m = 0;
     if constexpr (NB % 2 == 0) {
         for (; m + 12 <= M; m += 12)
@@ -602,6 +778,7 @@ inline void panel_rows(int64_t M, const float* x, int64_t K, const T* p, T* out,
         case 1: panel_tile<T, 1, NB>(xm, K, p, om, N, bias, n0); break;
         default: break;
     }
+#endif
 }
 #endif
 
@@ -633,7 +810,7 @@ at::Tensor linear(const at::Tensor& x_, const at::Tensor& panels_, const c10::op
             const T* pp = panels.data_ptr<T>();
             const T* pb = bias.defined() ? bias.data_ptr<T>() : nullptr;
             T* po = out.data_ptr<T>();
-#if defined(__AVX512F__)
+#if defined(SPECDRAFT_V16)
             // panels in groups of NB, the groups spread over the threads (2 where there are few)
             const int64_t NB = P >= 64 ? 4 : 2;
             const int64_t groups = (P + NB - 1) / NB;
@@ -664,7 +841,7 @@ at::Tensor linear(const at::Tensor& x_, const at::Tensor& panels_, const c10::op
                 });
             }
 #else
-            // the same arithmetic, one output at a time (correct anywhere; cpu_ops.py uses it with AVX-512 only)
+            // the same arithmetic, one output at a time (correct anywhere; cpu_ops.py uses it with AVX-512 or AVX2 only)
             at::parallel_for(0, N, 16, [&](int64_t begin, int64_t end) {
                 for (int64_t n = begin; n < end; ++n) {
                     const T* w = pp + (n / LANES) * K * LANES + n % LANES;
@@ -687,14 +864,15 @@ at::Tensor linear(const at::Tensor& x_, const at::Tensor& panels_, const c10::op
 // (Q4_1: q 4-bit unsigned; Q4_0 as Q4_1 with m = -8 d) or w = d * q (Q8_0: q 8-bit signed), d and m
 // float16. As llama.cpp does, each row of x is quantised per group to 8 bits (sx = max |x| / 127,
 // qx = round(x / sx), ties to even), the integers multiplied and summed exactly in int32 (AVX-512
-// VNNI: 64 products per instruction), and each group's sum scaled in float32:
+// VNNI: 64 products per instruction; AVX2: 32, in two steps, see dot4), and each group's sum
+// scaled in float32:
 //
 //     out[m, n] = sum over g in order of (d[n, g] * sx[m, g]) * isum[m, n, g] + m[n, g] * xs[m, g]
 //
 // with isum = sum_i qx[m, 32g + i] * q[n, 32g + i] and xs the group's float32 sum of x (in order).
 // Integer sums are exact in any order and the float steps run in a fixed order, so each output is
 // the same whatever the row count, tile or thread: row-invariant by construction, and the scalar
-// loop (no VNNI) gives the same bits. Layout (cpu_ops.pack_blocks): panels of 16 output columns;
+// loop (neither) gives the same bits. Layout (cpu_ops.pack_blocks): panels of 16 output columns;
 // per panel and group, chunks of 64 bytes, column c's 4 bytes at 4c of a chunk: for 4-bit blocks 4
 // chunks, chunk r holding q[c, 32g + 4r + j] in the low and q[c, 32g + 16 + 4r + j] in the high
 // nibble of byte j; for 8-bit blocks 8 chunks, chunk r holding q[c, 32g + 4r + j] + 128 (unsigned,
@@ -741,90 +919,120 @@ inline float group_term(float acc, int32_t isum, float d, float sx, const c10::H
     return mn ? std::fma(static_cast<float>(mn[mi]), xs, acc) : acc;
 }
 
+// I16: 16 int32 lanes, one per output column of a panel, and the 64-byte chunks that feed them
+// (column c's 4 bytes at 4c); dot4(acc, w, x): each lane plus the sum of its 4 products of w's
+// unsigned bytes and x's signed ones, exactly (integers: any instruction gives the same sums).
+// AVX-512 VNNI: one vpdpbusd. AVX2: vpmaddubsw then vpmaddwd, whose 16-bit pair sums saturate
+// above 32767, so each byte is taken as its two nibbles (15 * 127 * 2 fits) and the high one's sum
+// shifted by 4; a 4-bit block's bytes are nibbles already (dot4_nibbles).
 #if defined(__AVX512F__) && defined(__AVX512VNNI__) && defined(__AVX512BW__)
+#define SPECDRAFT_BLOCKS 512
+using I16 = __m512i;
+inline I16 i16_zero() { return _mm512_setzero_si512(); }
+inline I16 i16_chunk(const uint8_t* p) { return _mm512_loadu_si512(p); }
+inline I16 i16_set1(int32_t v) { return _mm512_set1_epi32(v); }
+inline I16 i16_sub(I16 a, I16 b) { return _mm512_sub_epi32(a, b); }
+inline I16 low_nibbles(I16 v) { return _mm512_and_si512(v, _mm512_set1_epi8(0x0F)); }
+inline I16 high_nibbles(I16 v) { return _mm512_and_si512(_mm512_srli_epi16(v, 4), _mm512_set1_epi8(0x0F)); }
+inline I16 dot4_nibbles(I16 acc, I16 w, I16 x) { return _mm512_dpbusd_epi32(acc, w, x); }
+inline I16 dot4(I16 acc, I16 w, I16 x) { return _mm512_dpbusd_epi32(acc, w, x); }
+inline V16 i16_float(I16 a) { return _mm512_cvtepi32_ps(a); }
+#elif SPECDRAFT_V16 == 256
+#define SPECDRAFT_BLOCKS 256
+struct I16 {
+    __m256i lo, hi;
+};
+inline I16 i16_zero() { return {_mm256_setzero_si256(), _mm256_setzero_si256()}; }
+inline I16 i16_chunk(const uint8_t* p) {
+    return {_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p)),
+            _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p + 32))};
+}
+inline I16 i16_set1(int32_t v) { return {_mm256_set1_epi32(v), _mm256_set1_epi32(v)}; }
+inline I16 i16_sub(I16 a, I16 b) { return {_mm256_sub_epi32(a.lo, b.lo), _mm256_sub_epi32(a.hi, b.hi)}; }
+inline __m256i low_nibbles(__m256i v) { return _mm256_and_si256(v, _mm256_set1_epi8(0x0F)); }
+inline __m256i high_nibbles(__m256i v) { return _mm256_and_si256(_mm256_srli_epi16(v, 4), _mm256_set1_epi8(0x0F)); }
+inline I16 low_nibbles(I16 v) { return {low_nibbles(v.lo), low_nibbles(v.hi)}; }
+inline I16 high_nibbles(I16 v) { return {high_nibbles(v.lo), high_nibbles(v.hi)}; }
+inline __m256i sum4(__m256i w, __m256i x) {  // w's bytes below 16: no 16-bit sum saturates
+    return _mm256_madd_epi16(_mm256_maddubs_epi16(w, x), _mm256_set1_epi16(1));
+}
+inline I16 dot4_nibbles(I16 acc, I16 w, I16 x) {
+    return {_mm256_add_epi32(acc.lo, sum4(w.lo, x.lo)), _mm256_add_epi32(acc.hi, sum4(w.hi, x.hi))};
+}
+inline __m256i dot4(__m256i acc, __m256i w, __m256i x) {
+    const __m256i low = sum4(low_nibbles(w), x), high = sum4(high_nibbles(w), x);
+    return _mm256_add_epi32(acc, _mm256_add_epi32(low, _mm256_slli_epi32(high, 4)));
+}
+inline I16 dot4(I16 acc, I16 w, I16 x) { return {dot4(acc.lo, w.lo, x.lo), dot4(acc.hi, w.hi, x.hi)}; }
+inline V16 i16_float(I16 a) { return {_mm256_cvtepi32_ps(a.lo), _mm256_cvtepi32_ps(a.hi)}; }
+#endif
+
+#if defined(SPECDRAFT_BLOCKS)
 // MB rows x NB panels (output columns n0 .. n0 + 16 * NB, fewer past N)
 template <typename T, int MB, int NB, int BITS>
 inline void block_tile(const QuantRows& xr, int64_t m0, int64_t K, const uint8_t* q, const c10::Half* d,
                        const c10::Half* mn, T* out, int64_t N, const T* bias, int64_t n0) {
     const int64_t G = K / 32, gq = BITS == 4 ? 256 : 512;
-    __m512 acc[MB][NB];
+    V16 acc[MB][NB];
     for (int m = 0; m < MB; ++m)
-        for (int j = 0; j < NB; ++j) acc[m][j] = _mm512_setzero_ps();
-    const __m512i nibble = _mm512_set1_epi8(0x0F);
+        for (int j = 0; j < NB; ++j) acc[m][j] = v16_zero();
     for (int64_t g = 0; g < G; ++g) {
-        __m512i isum[MB][NB];
+        I16 isum[MB][NB];
         for (int m = 0; m < MB; ++m)
-            for (int j = 0; j < NB; ++j) isum[m][j] = _mm512_setzero_si512();
+            for (int j = 0; j < NB; ++j) isum[m][j] = i16_zero();
         const int8_t* qx = xr.q.data() + m0 * K + 32 * g;
         if constexpr (BITS == 4) {
             for (int r = 0; r < 4; ++r) {
-                __m512i lo[NB], hi[NB];
+                I16 lo[NB], hi[NB];
                 for (int j = 0; j < NB; ++j) {
-                    const __m512i v = _mm512_loadu_si512(q + (j * G + g) * gq + 64 * r);
-                    lo[j] = _mm512_and_si512(v, nibble);
-                    hi[j] = _mm512_and_si512(_mm512_srli_epi16(v, 4), nibble);
+                    const I16 v = i16_chunk(q + (j * G + g) * gq + 64 * r);
+                    lo[j] = low_nibbles(v);
+                    hi[j] = high_nibbles(v);
                 }
                 for (int m = 0; m < MB; ++m) {
                     int32_t a, b;
                     std::memcpy(&a, qx + m * K + 4 * r, 4);
                     std::memcpy(&b, qx + m * K + 16 + 4 * r, 4);
-                    const __m512i xa = _mm512_set1_epi32(a), xb = _mm512_set1_epi32(b);
+                    const I16 xa = i16_set1(a), xb = i16_set1(b);
                     for (int j = 0; j < NB; ++j) {
-                        isum[m][j] = _mm512_dpbusd_epi32(isum[m][j], lo[j], xa);
-                        isum[m][j] = _mm512_dpbusd_epi32(isum[m][j], hi[j], xb);
+                        isum[m][j] = dot4_nibbles(isum[m][j], lo[j], xa);
+                        isum[m][j] = dot4_nibbles(isum[m][j], hi[j], xb);
                     }
                 }
             }
         } else {
             for (int r = 0; r < 8; ++r) {
-                __m512i w[NB];
-                for (int j = 0; j < NB; ++j) w[j] = _mm512_loadu_si512(q + (j * G + g) * gq + 64 * r);
+                I16 w[NB];
+                for (int j = 0; j < NB; ++j) w[j] = i16_chunk(q + (j * G + g) * gq + 64 * r);
                 for (int m = 0; m < MB; ++m) {
                     int32_t a;
                     std::memcpy(&a, qx + m * K + 4 * r, 4);
-                    const __m512i xa = _mm512_set1_epi32(a);
-                    for (int j = 0; j < NB; ++j) isum[m][j] = _mm512_dpbusd_epi32(isum[m][j], w[j], xa);
+                    const I16 xa = i16_set1(a);
+                    for (int j = 0; j < NB; ++j) isum[m][j] = dot4(isum[m][j], w[j], xa);
                 }
             }
         }
         for (int j = 0; j < NB; ++j) {
-            const __m512 dj = _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(d + (j * G + g) * LANES)));
-            const __m512 mj = mn ? _mm512_cvtph_ps(_mm256_loadu_si256(
-                                       reinterpret_cast<const __m256i*>(mn + (j * G + g) * LANES)))
-                                 : _mm512_setzero_ps();
+            const V16 dj = load16(d + (j * G + g) * LANES);
+            const V16 mj = mn ? load16(mn + (j * G + g) * LANES) : v16_zero();
             for (int m = 0; m < MB; ++m) {
                 const int64_t mg = (m0 + m) * G + g;
-                __m512i si = isum[m][j];
-                if constexpr (BITS == 8) si = _mm512_sub_epi32(si, _mm512_set1_epi32(128 * xr.qsum[mg]));
-                const __m512 scale = _mm512_mul_ps(dj, _mm512_set1_ps(xr.scale[mg]));
-                acc[m][j] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(si), scale, acc[m][j]);
-                if (mn) acc[m][j] = _mm512_fmadd_ps(mj, _mm512_set1_ps(xr.xsum[mg]), acc[m][j]);
+                I16 si = isum[m][j];
+                if constexpr (BITS == 8) si = i16_sub(si, i16_set1(128 * xr.qsum[mg]));
+                const V16 scale = v16_mul(dj, v16_set1(xr.scale[mg]));
+                acc[m][j] = v16_fmadd(i16_float(si), scale, acc[m][j]);
+                if (mn) acc[m][j] = v16_fmadd(mj, v16_set1(xr.xsum[mg]), acc[m][j]);
             }
         }
     }
     for (int j = 0; j < NB; ++j) {
         const int64_t col = n0 + LANES * j;
         if (col >= N) break;
-        const int64_t count = std::min<int64_t>(LANES, N - col);
-        alignas(64) float widened[LANES] = {0};
-        if (bias)
-            for (int64_t i = 0; i < count; ++i) widened[i] = widen(bias[col + i]);
-        const __m512 b = _mm512_load_ps(widened);
-        for (int m = 0; m < MB; ++m) {
-            const __m512 v = bias ? _mm512_add_ps(acc[m][j], b) : acc[m][j];
-            T* o = out + (m0 + m) * N;
-            if constexpr (std::is_same_v<T, float>) {
-                _mm512_mask_storeu_ps(o + col, columns_left(count), v);
-            } else {  // rounded once to the dtype
-                alignas(64) float lanes[LANES];
-                _mm512_store_ps(lanes, v);
-                for (int64_t i = 0; i < count; ++i) o[col + i] = static_cast<T>(lanes[i]);
-            }
-        }
+        for (int m = 0; m < MB; ++m) store_columns(acc[m][j], bias, out + (m0 + m) * N, col, N);
     }
 }
 
-// all M rows against NB panels: one row against all NB, more rows 6 at a time against one panel
+// all M rows against NB panels: one row against all NB, more rows 6 (AVX2: 3) at a time against one panel
 template <typename T, int NB, int BITS>
 inline void block_rows(int64_t M, const QuantRows& xr, int64_t K, const uint8_t* q, const c10::Half* d,
                        const c10::Half* mn, T* out, int64_t N, const T* bias, int64_t n0) {
@@ -839,7 +1047,11 @@ inline void block_rows(int64_t M, const QuantRows& xr, int64_t K, const uint8_t*
         const c10::Half* mj = mn ? mn + j * G * LANES : nullptr;
         const int64_t nj = n0 + j * LANES;
         int64_t m = 0;
+#if SPECDRAFT_BLOCKS == 512
         for (; m + 6 <= M; m += 6) block_tile<T, 6, 1, BITS>(xr, m, K, qj, dj, mj, out, N, bias, nj);
+#else  // AVX2's 16 registers: 3 rows' float and integer sums
+        for (; m + 3 <= M; m += 3) block_tile<T, 3, 1, BITS>(xr, m, K, qj, dj, mj, out, N, bias, nj);
+#endif
         switch (M - m) {
             case 5: block_tile<T, 5, 1, BITS>(xr, m, K, qj, dj, mj, out, N, bias, nj); break;
             case 4: block_tile<T, 4, 1, BITS>(xr, m, K, qj, dj, mj, out, N, bias, nj); break;
@@ -850,7 +1062,6 @@ inline void block_rows(int64_t M, const QuantRows& xr, int64_t K, const uint8_t*
         }
     }
 }
-#define SPECDRAFT_BLOCKS_VNNI 1
 #endif
 
 // x # [M, K] (float32 or bfloat16), q # uint8 [P, G, 256] (4-bit) or [P, G, 512] (8-bit), d and mn
@@ -895,9 +1106,9 @@ at::Tensor block_linear(const at::Tensor& x_, const at::Tensor& q_, const at::Te
         } else {
             const T* pb = bias.defined() ? bias.data_ptr<T>() : nullptr;
             T* po = out.data_ptr<T>();
-#if defined(SPECDRAFT_BLOCKS_VNNI)
-            // panels in groups of 4, the groups spread over the threads
-            const int64_t NB = 4;
+#if defined(SPECDRAFT_BLOCKS)
+            // panels in groups of 4 (AVX2: 2), the groups spread over the threads
+            const int64_t NB = SPECDRAFT_BLOCKS == 512 ? 4 : 2;
             const int64_t groups = (P + NB - 1) / NB;
             at::parallel_for(0, groups, 1, [&](int64_t begin, int64_t end) {
                 for (int64_t r = begin; r < end; ++r) {
@@ -926,7 +1137,7 @@ at::Tensor block_linear(const at::Tensor& x_, const at::Tensor& q_, const at::Te
             });
 #else
             // the same arithmetic, one output at a time (exact integer sums, the float steps in the
-            // same order): correct anywhere, and the same bits as the VNNI path
+            // same order): correct anywhere, and the same bits as the vector paths
             at::parallel_for(0, N, 16, [&](int64_t begin, int64_t end) {
                 for (int64_t n = begin; n < end; ++n) {
                     const int64_t p = n / LANES, c = n % LANES;
@@ -1108,9 +1319,20 @@ std::tuple<at::Tensor, at::Tensor> copy_choose(const at::Tensor& small, const at
     return {token, confidence};
 }
 
+// the width of the vector unit the panel products were built for: 512 (AVX-512), 256 (AVX2 with
+// FMA) or 0 (the scalar loop: correct, too slow to use)
+int64_t vector_bits() {
+#if defined(SPECDRAFT_V16)
+    return SPECDRAFT_V16;
+#else
+    return 0;
+#endif
+}
+
 }  // namespace
 
 TORCH_LIBRARY(specdraft_cpu, m) {
+    m.def("vector_bits() -> int", &vector_bits);
     m.def("rms_norm(Tensor x, Tensor weight, float eps) -> Tensor");
     m.def("add_rms_norm(Tensor x, Tensor y, Tensor weight, float eps) -> (Tensor, Tensor)");
     m.def("silu_mul(Tensor g) -> Tensor");

@@ -147,13 +147,14 @@ def _register_fakes() -> None:
         return x.new_empty(x.shape[0], out_features)
 
 
-#: output columns per panel of :class:`PanelLinear`'s weight (one AVX-512 register of float32)
+#: output columns per panel of :class:`PanelLinear`'s weight (one AVX-512 register of float32, two AVX2 ones)
 PANEL = 16
 
 
 def panels_apply(linear: torch.nn.Module) -> bool:
     """Whether :class:`PanelLinear` replaces ``linear`` (a CPU ``nn.Linear``) on this machine: the
-    extension built with AVX-512 (without it the operator is a correct but scalar loop), and the
+    extension built with AVX-512 or AVX2 and FMA (``vector_bits``; without them the operator is a
+    correct but scalar loop), and the
     weight float32, or bfloat16 where the processor has no native bfloat16 products (with
     ``avx512_bf16`` or AMX oneDNN's products stay: AMX's tiles take many rows for the price of one)."""
     from ..models import BF16_CPU_FLAGS, cpu_flags
@@ -163,7 +164,13 @@ def panels_apply(linear: torch.nn.Module) -> bool:
     flags = cpu_flags()
     dtype = linear.weight.dtype
     wanted = dtype == torch.float32 or (dtype == torch.bfloat16 and not flags & set(BF16_CPU_FLAGS))
-    return wanted and "avx512f" in flags and load() == ""
+    return wanted and vector_bits() > 0
+
+
+def vector_bits() -> int:
+    """The vector width the extension's panel products were built for on this machine: 512
+    (AVX-512), 256 (AVX2 with FMA), or 0 (not built, or neither: a scalar loop, too slow to use)."""
+    return int(torch.ops.specdraft_cpu.vector_bits()) if load() == "" else 0
 
 
 def pack_panels(weight: torch.Tensor) -> torch.Tensor:

@@ -278,14 +278,14 @@ def pack_linears(model: nn.Module) -> dict[str, int]:
     from . import cpu_ops
 
     def pack(linear):
-        if cpu_ops.panels_apply(linear):  # AVX-512: float32, and bfloat16 without native bfloat16
+        if cpu_ops.panels_apply(linear):  # AVX-512 or AVX2: float32, and bfloat16 without native bfloat16
             return cpu_ops.PanelLinear(linear)
         packed = PackedLinear(linear)
         packed.counts = checked_row_counts(packed)
         packed.one_row = one_row_checked(packed)
         return packed
 
-    replaced = replace_linears(model, pack, when=packable)
+    replaced = replace_linears(model, pack, when=lambda lin: cpu_ops.panels_apply(lin) or packable(lin))
     panels = sum(isinstance(m, cpu_ops.PanelLinear) for m in replaced.values())
     report = {"packed": len(replaced)} | ({"panels": panels} if panels else {})
     report.update({name: m.counts[-1] for name, m in replaced.items()
