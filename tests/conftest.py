@@ -15,6 +15,12 @@ os.environ["TRANSFORMERS_OFFLINE"] = "1"
 # Set before anything imports triton: its own library functions are decorated at import. On a GPU
 # machine, TRITON_INTERPRET=0 runs them compiled.
 os.environ.setdefault("TRITON_INTERPRET", "1")
+# The interpreter's tl.dot is numpy's matmul of the whole tile. A GPU's tile product computes a row
+# the same way wherever it sits in the tile; OpenBLAS's AVX2 kernels (Haswell, Zen: an AVX2-only
+# AMD EPYC) sum some rows of a 16-row tile in another order than row 0, so a kernel's rows would
+# change with the rows beside them for a reason no GPU has. Its Sandybridge kernels do not (nor do
+# its AVX-512 ones). Set before anything imports numpy: OpenBLAS reads it when it loads.
+os.environ.setdefault("OPENBLAS_CORETYPE", "Sandybridge")
 
 import pytest  # noqa: E402
 import torch  # noqa: E402

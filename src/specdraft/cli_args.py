@@ -45,7 +45,7 @@ def device_args(p: argparse.ArgumentParser) -> None:
     """Where and how the target runs: dtype, device, compile, quantize."""
     p.add_argument("--dtype", default=None,
                    help="bfloat16 (the default on GPUs and on CPUs with native bfloat16 products, avx512_bf16 or "
-                        "AMX, or with AVX-512), float32 (the default on other CPUs), float16, float64")
+                        "AMX, or with AVX-512 or AVX2), float32 (the default on other CPUs), float16, float64")
     p.add_argument("--device", default=None, help="cpu, cuda, cuda:1, ... (default: cuda if available)")
     runner_args(p)
 

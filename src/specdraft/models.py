@@ -92,7 +92,7 @@ def default_dtype(device: Any) -> tuple[Any, str]:
 
     CUDA: bfloat16. CPU: bfloat16 where the processor multiplies it natively (``amx_bf16`` or
     ``avx512_bf16``; specdraft's kernels are exact in it, see ``specdraft.runner.kernels``), or
-    where it has AVX-512 (the panel products of specdraft's C++ operators widen bfloat16 weights
+    where it has AVX-512 or AVX2 with FMA (the panel products of specdraft's C++ operators widen bfloat16 weights
     to float32 as they stream them, :class:`~specdraft.runner.cpu_ops.PanelLinear`; without a
     compiler oneDNN's emulated bfloat16 products take a row as long as its float32 ones): a
     bfloat16 decode step reads half the bytes of a float32 one and took 24 ms against 40-62 ms on

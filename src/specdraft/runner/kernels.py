@@ -58,7 +58,7 @@ them on any machine:
   float16 with blocks did for 1..32 tokens (up to 96 query rows per KV head) and spans to 16384
   (the blocks are not measured on the EPYC yet). float64 uses SDPA.
 * **Quantized layers** (int8/int4, :mod:`.quantize`) compute each row alone already.
-* **Products in panels** (:class:`~.cpu_ops.PanelLinear`): on a CPU with AVX-512, float32 linears,
+* **Products in panels** (:class:`~.cpu_ops.PanelLinear`): on a CPU with AVX-512 or AVX2, float32 linears,
   and bfloat16 ones where the processor has neither ``avx512_bf16`` nor AMX, take specdraft's own
   product instead of oneDNN's: one fused multiply-add per input in order for each output, so
   row-invariant by construction (no check), and faster there at the row counts of decoding (see
