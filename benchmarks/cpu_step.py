@@ -17,6 +17,7 @@ layer that do work (views not counted; eager only: dynamo refuses a dispatch mod
 
     python benchmarks/cpu_step.py                       # all three, 3 rounds
     python benchmarks/cpu_step.py --modes cpp torch --rounds 5
+    python benchmarks/cpu_step.py --modes cpp --dtype float32
 """
 
 from __future__ import annotations
@@ -32,7 +33,7 @@ import time
 MODES = {"cpp": ({}, False), "torch": ({"SPECDRAFT_CPU_OPS": "torch"}, False), "compiled": ({"SPECDRAFT_CPU_OPS": "torch"}, True)}
 
 
-def measure(mode: str, context: int, reps: int) -> dict:
+def measure(mode: str, context: int, reps: int, dtype: str | None = None) -> dict:
     """One mode in this process: times (seconds), floor, operators per layer."""
     import collections
 
@@ -43,7 +44,7 @@ def measure(mode: str, context: int, reps: int) -> dict:
     from specdraft.models import load_target
     from specdraft.runner import load_runner
 
-    model, _, _ = load_target(None)
+    model, _, _ = load_target(None, dtype=dtype)
     runner = load_runner(model, compile=MODES[mode][1])
     args = runner.model.args
     packed = sum(m.nbytes for m in runner.model.modules() if hasattr(m, "nbytes"))  # the products, the head's too
@@ -95,17 +96,19 @@ def main() -> int:
     p.add_argument("--rounds", type=int, default=3, help="processes per mode, interleaved (default: 3)")
     p.add_argument("--context", type=int, default=300)
     p.add_argument("--reps", type=int, default=20)
+    p.add_argument("--dtype", default=None, help="the model's dtype (default: the CPU default, specdraft.models.default_dtype)")
     p.add_argument("--one", help=argparse.SUPPRESS)  # a child process: measure this mode, print JSON
     args = p.parse_args()
     if args.one:
-        print(json.dumps(measure(args.one, args.context, args.reps)))
+        print(json.dumps(measure(args.one, args.context, args.reps, args.dtype)))
         return 0
     results: dict[str, list[dict]] = {m: [] for m in args.modes}
     for r in range(args.rounds):
         for mode in args.modes:
             env = {**os.environ, **MODES[mode][0]}
             proc = subprocess.run([sys.executable, __file__, "--one", mode, "--context", str(args.context), "--reps",
-                                   str(args.reps)], env=env, capture_output=True, text=True)
+                                   str(args.reps)] + (["--dtype", args.dtype] if args.dtype else []), env=env,
+                                  capture_output=True, text=True)
             if proc.returncode:
                 print(proc.stderr[-2000:], file=sys.stderr)
                 return 1
