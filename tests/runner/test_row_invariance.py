@@ -14,7 +14,7 @@ import torch
 import torch.nn.functional as F
 
 from specdraft.runner import cpu_ops, load_runner
-from specdraft.runner.kernels import (CHECKED_ROWS, PackedLinear, decode_attention, elementwise_attention,
+from specdraft.runner.kernels import (CHECKED_ROWS, PackedLinear, decode_attention, elementwise_attention, packable,
                                       grouped_attention, pack_linears, checked_row_counts)
 from specdraft.testing import differing_widths
 from specdraft.testing.architectures import KINDS, tiny_hf
@@ -136,7 +136,7 @@ def test_an_eager_and_a_compiled_runner_of_one_model_on_two_threads():
 def _needs_packed(dtype):
     """PackedLinear in ``dtype`` exists on this processor: oneDNN has bfloat16 products only with
     AVX-512 (or AVX-NE-CONVERT); without, bfloat16 models take the panel products (test_cpu_ops.py)."""
-    if dtype == torch.bfloat16 and not torch.ops.mkldnn._is_mkldnn_bf16_supported():
+    if not packable(torch.nn.Linear(8, 8).to(dtype)):
         pytest.skip("this processor's oneDNN has no bfloat16 products; PanelLinear serves bfloat16 here")
 
 

@@ -689,9 +689,9 @@ constexpr int64_t PANEL_ROW_CHUNK = 96;
 template <typename T>
 inline void store_columns(V16 v, const T* bias, T* out, int64_t col, int64_t N) {
     const int64_t count = std::min<int64_t>(LANES, N - col);
-    alignas(64) float lanes[LANES] = {0};
+    alignas(64) float lanes[LANES];
     if (bias) {
-        for (int64_t i = 0; i < count; ++i) lanes[i] = widen(bias[col + i]);
+        for (int64_t i = 0; i < LANES; ++i) lanes[i] = i < count ? widen(bias[col + i]) : 0.0f;
         v = v16_add(v, load16(static_cast<const float*>(lanes)));
     }
     if constexpr (std::is_same_v<T, float>) {
