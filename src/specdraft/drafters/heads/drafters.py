@@ -210,6 +210,16 @@ class EagleDrafter(HeadDrafter):
             if h.shape[0]:
                 self._pending[seq_id].append(h)
 
+    def _rows(self, ctx: DraftContext) -> None:
+        """Which rows have a state (EAGLE drafts from its layer's features, not from the newest
+        state, so none are stacked)."""
+        self.has_state = [i in self._newest for i in row_ids(ctx)]
+
+    def features(self, states: torch.Tensor) -> torch.Tensor:
+        """The features ``[..., H]`` the layer reads, from the target's states as handed over
+        (EAGLE: the final-norm states themselves)."""
+        return states
+
     def step(self, features: torch.Tensor, tokens: torch.Tensor, slots: list[int], advance=None,
              tree_mask=None, depths=None) -> torch.Tensor:
         """Feed pairs ``(features # [B, n, H], tokens # [B, n])``; returns guessed next features ``[B, n, H]``.
@@ -229,16 +239,18 @@ class EagleDrafter(HeadDrafter):
         starts = [self._pairs[i] + 1 for i in ids]  # pair j is (f_j, x_{j+1})
         even = all(n == width for n in counts)  # the common case (one row, or rows in step): no padding
         if even:
-            features = torch.stack([torch.cat(p) for p in pendings])
+            states = torch.stack([torch.cat(p) for p in pendings])
             tokens = torch.tensor([row[s : s + width] for row, s in zip(ctx.token_ids, starts)], device=device)
         else:
-            features = torch.zeros((batch, width, self.target.hidden_size), dtype=self._last.dtype, device=device)
+            size = next(p[0].shape[-1] for p in pendings if p)
+            states = torch.zeros((batch, width, size), dtype=self._last.dtype, device=device)
             tokens = torch.zeros((batch, width), dtype=torch.long)
             for b, (pending, n) in enumerate(zip(pendings, counts)):
                 if n:
-                    features[b, :n] = torch.cat(pending)
+                    states[b, :n] = torch.cat(pending)
                     tokens[b, :n] = torch.tensor(ctx.token_ids[b][starts[b] : starts[b] + n])
             tokens = tokens.to(device)
+        features = self.features(states)  # [batch, width, H]
         for pending in pendings:
             pending.clear()
         for i, n in zip(ids, counts):
@@ -305,8 +317,9 @@ class Eagle3Drafter(EagleDrafter):
     """EAGLE-3 (:class:`~.modules.Eagle3Draft`): EAGLE's drafting loop, chains and dynamic trees,
     on the target's states at three layers (:attr:`hidden_layers`, from the heads' config).
 
-    The verifier hands over the chosen layers' states side by side (``3 * H`` wide); ``fc``
-    fuses each into one feature as it arrives, and from then on the pairs are EAGLE's: the
+    The verifier hands over the chosen layers' states side by side (``3 * H`` wide); they wait
+    until the layer next catches up, where ``fc`` fuses them into features in one product (a
+    round that does not draft costs nothing more), and from then on the pairs are EAGLE's: the
     layer's input is ``[embed(x_{t+1}) ; g_t]`` and its output, the next feature, is both fed
     back and turned into draft-vocabulary logits by the heads' own norm and LM head
     (``self.head``, entry ``i`` being target token ``i + d2t[i]``; tokens outside the draft
@@ -323,8 +336,11 @@ class Eagle3Drafter(EagleDrafter):
     def _layer_runner(self):
         return self.target.services.layer_runner(self.module.midlayer, self.module.llama_config)
 
-    def on_hidden_states(self, ctx: DraftContext, hidden_states: list[torch.Tensor]) -> None:
-        super().on_hidden_states(ctx, [self.module.fc(h) for h in hidden_states])  # [n_b, 3H] -> [n_b, H]
+    def features(self, states: torch.Tensor) -> torch.Tensor:
+        """``fc`` over the chosen layers' states side by side, once per catch-up rather than per
+        round (on specdraft's CPU panels a row's result is the same either way; elsewhere its last
+        bits may differ, which can change a draft, never the output).  # [..., 3H] -> [..., H]"""
+        return self.module.fc(states)
 
     def layer_input(self, features: torch.Tensor, tokens: torch.Tensor) -> torch.Tensor:
         return torch.cat([self.target.embeddings(tokens), features], dim=-1)  # [B, n, 2H]
