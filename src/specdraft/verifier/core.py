@@ -57,10 +57,9 @@ class Outcome:
     def hidden_at(self, b: int, n: int) -> torch.Tensor:
         """Row ``b``'s hidden states at the first ``n`` positions it committed (the last committed
         token, then its accepted nodes): those whose next token is now known.  # [n, dim]"""
-        indices = self.pass_indices(b)[:n]
-        if indices == list(range(len(indices))):  # a chain's: the first n, a view (no index tensor made)
-            return self.hidden[b, : len(indices)]
-        return self.hidden[b, torch.tensor(indices, device=self.hidden.device)]
+        if not self.branched(b):  # a chain's: the first n, a view (no index tensor made)
+            return self.hidden[b, : min(n, self.num_accepted[b] + 1)]
+        return self.hidden[b, torch.tensor(self.pass_indices(b)[:n], device=self.hidden.device)]
 
 
 class Verifier:
