@@ -200,9 +200,11 @@ def _sequential_products(x, weight, bias):
     return (acc if bias is None else acc + bias.float()).to(x.dtype)
 
 
-#: (inputs, outputs, bias): whole panels and a last partial one, odd widths, one output
-PANEL_SHAPES = [(96, 64, False), (37, 23, True), (64, 200, True), (5, 1, False)]
-#: row counts across its tiles (12 x 2 panels, 6 x NB, a rest) and its chunks of 96 rows
+#: (inputs, outputs, bias): whole panels and a last partial one, odd widths, one output, and panels
+#: in groups of four (from 64 panels on) with a last group of one
+PANEL_SHAPES = [(96, 64, False), (37, 23, True), (64, 200, True), (5, 1, False), (24, 1030, True)]
+#: row counts across its tiles (AVX-512: 12 x 2 panels, 6 x NB, a rest; AVX2: 1 x NB, 2 x 2, 6 x 1,
+#: a rest) and its chunks of 96 rows
 PANEL_ROWS = [1, 2, 3, 5, 6, 7, 11, 12, 13, 25, 97, 200]
 
 
