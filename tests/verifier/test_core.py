@@ -153,3 +153,17 @@ def test_sampled_tree_follows_the_target_law():
     assert chi_square_pvalue(torch.bincount(first, minlength=VOCAB), target_0) > SIGNIFICANCE
     for b in range(n):  # an accepted node is the child holding the first token
         assert outcome.paths[b] == {1: [0], 3: [1]}.get(int(first[b]), [])
+
+
+def test_every_verify_pass_fits_the_decode_kernels():
+    """A verify pass wider than DECODE_WIDTH runs prefill's attention (SDPA), whose rounding is not
+    a one-token step's, so speculation there would not be exact: the widest draft of every source
+    (a chain, a tree, a prediction) plus the row's last token must fit. Predictions of 32 tokens
+    (33-token passes) changed greedy bfloat16 output of the default model."""
+    from specdraft.drafters.common.tree import MAX_TREE_BUDGET
+    from specdraft.limits import MAX_SPEC_LENGTH
+    from specdraft.runner.model import CUDA_DECODE_WIDTH, DECODE_WIDTH
+    from specdraft.verifier.prediction import MAX_PREDICTED
+
+    widest = max(MAX_SPEC_LENGTH, MAX_TREE_BUDGET, MAX_PREDICTED) + 1
+    assert widest <= DECODE_WIDTH <= CUDA_DECODE_WIDTH

@@ -23,8 +23,11 @@ from __future__ import annotations
 
 from ..errors import ConfigError
 
-#: The longest draft a prediction proposes in one round.
-MAX_PREDICTED = 32
+#: The longest draft a prediction proposes in one round: with the row's last token a 32-token pass,
+#: the widest that runs the decode kernels (DECODE_WIDTH; wider passes, prefill, run SDPA, whose
+#: rounding is not a one-token step's: at 32 a well-predicted row's 33-token passes changed greedy
+#: bfloat16 output)
+MAX_PREDICTED = 31
 #: Output tokens that must match the prediction to re-anchor the cursor after a mismatch.
 MIN_ANCHOR = 2
 #: The longest run of output tokens an anchor is looked up by.
