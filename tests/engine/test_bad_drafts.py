@@ -14,7 +14,8 @@ def _drafter(propose):
 
 
 def _run(model, drafter, **kw):
-    return SpeculativeDecoder(model, None, drafter=drafter, spec_length=3).generate_ids([[1, 2, 3]], max_new_tokens=4, **kw)
+    """Past the plain steps a new length policy times first, so the drafter is asked."""
+    return SpeculativeDecoder(model, None, drafter=drafter, spec_length=3).generate_ids([[1, 2, 3]], max_new_tokens=8, **kw)
 
 
 @pytest.mark.parametrize("propose, message", [

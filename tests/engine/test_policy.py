@@ -5,6 +5,14 @@ from __future__ import annotations
 import pytest
 
 from specdraft.engine.policy import AdaptiveDraftLength
+from specdraft.testing.policy import COSTS, best_fixed, simulate
+
+
+def _plain_steps(policy, seconds=1.0):
+    """The plain steps a new policy asks for first, timed."""
+    for _ in range(policy.TRUSTED):
+        policy.observe(1, seconds, [0], [0])
+    return policy
 
 
 def _observe(policy, rounds, drafted, accepted, width_seconds):
@@ -15,14 +23,18 @@ def _observe(policy, rounds, drafted, accepted, width_seconds):
         policy.observe(width, width_seconds.get(width, 1.0), [drafted], [accepted])
 
 
-def test_prior_drafts_when_nothing_is_known():
-    assert AdaptiveDraftLength(4).choose() >= 1
+def test_a_new_policy_times_plain_steps_then_the_prior_drafts():
+    policy = AdaptiveDraftLength(4)
+    for _ in range(policy.TRUSTED):
+        assert policy.choose() == 0
+        policy.observe(1, 1.0, [0], [0])
+    assert policy.choose() >= 1
+    assert AdaptiveDraftLength(4, measure_costs=False).choose() >= 1  # seeded sampling: the prior at once
 
 
 def test_high_acceptance_and_flat_costs_draft_the_maximum():
-    policy = AdaptiveDraftLength(6)
+    policy = _plain_steps(AdaptiveDraftLength(6))
     costs = {n: 1.0 for n in range(1, 8)}
-    policy.observe(1, 1.0, [0], [0])
     _observe(policy, 30, 6, 6, costs)
     assert policy.choose() == 6
     assert policy.acceptance(0) > 0.9
@@ -39,7 +51,7 @@ def test_low_acceptance_and_expensive_width_means_plain_steps():
 def test_cheap_first_token_is_worth_drafting_even_at_modest_acceptance():
     policy = AdaptiveDraftLength(4)
     costs = {1: 1.0, 2: 1.02, 3: 1.5, 4: 1.8, 5: 2.1}
-    policy.observe(1, 1.0, [0], [0])
+    _plain_steps(policy)
     policy.observe(3, 1.5, [2], [0])  # measure widths 2.. too
     policy.observe(4, 1.8, [3], [0])
     policy.observe(5, 2.1, [4], [0])
@@ -100,7 +112,8 @@ def test_a_weak_expensive_drafter_is_switched_off():
 def test_expensive_drafting_shortens_drafts():
     cheap, costly = AdaptiveDraftLength(4), AdaptiveDraftLength(4)
     for policy, per_token in ((cheap, 0.0), (costly, 1.5)):
-        for width in range(1, 6):  # flat verify costs
+        _plain_steps(policy)
+        for width in range(2, 6):  # flat verify costs
             policy.observe(width, 1.0, [], [])
         for _ in range(20):
             policy.observe(5, 1.0, [4], [4], draft_seconds=per_token * 4)
@@ -126,7 +139,7 @@ def test_a_gain_within_noise_is_not_worth_a_draft():
         policy.observe(2, 1.0, [1], [0])
     assert 0.02 < policy.acceptance(0) < 0.04  # the prior's pull
     assert policy.choose() == 0
-    assert AdaptiveDraftLength(1, min_gain=0.0).choose() == 1
+    assert _plain_steps(AdaptiveDraftLength(1, min_gain=0.0)).choose() == 1
 
 
 def _plain_rounds_until_retry(policy, limit=500):
@@ -235,3 +248,76 @@ def test_a_pruned_tree_is_priced_at_the_width_it_had():
     widths = {1: 5, 2: 3, 4: 5, 8: 5, 16: 5}
     _tree_rounds(policy, 4, budgets, tokens, widths, lambda w: 1.0 + 0.25 * (w - 1))
     assert policy.choose_budget(16, 4) == 16
+
+
+def test_a_drafter_that_always_drafts_is_held_to_the_cost_of_a_plain_step():
+    """A drafter that always drafts never timed a plain step, so its costs were read at the prior
+    for good (drafting free, an n-token pass 1 + 0.1 (n - 1)): a draft model costing 0.3 of a step
+    per token, accepted half the time, on a CPU where every token of a pass costs a quarter of a
+    step, ran at 0.80x plain decoding in this simulation. Now the policy times plain steps first
+    and stops drafting where it loses."""
+    policy = AdaptiveDraftLength(4)
+    speedup = simulate(policy, [0.5], COSTS["slow"], 0.3)
+    assert policy.relative_cost(2) == pytest.approx(1.25) and policy.draft_cost() == pytest.approx(0.3)
+    assert speedup >= 0.98
+
+
+def test_a_pass_widened_by_other_rows_does_not_hold_drafting_back():
+    """A plain step asked for is not timed when another row's prediction widens the pass; after
+    2 * TRUSTED such rounds in a row the policy drafts on its prior."""
+    policy = AdaptiveDraftLength(4)
+    for _ in range(2 * policy.TRUSTED):
+        assert policy.choose() == 0
+        policy.observe(3, 1.2, [0], [0])  # the pass had predicted tokens of another row
+    assert policy.choose() >= 1
+
+
+def test_a_plain_step_is_timed_again_when_the_last_is_stale():
+    policy = _plain_steps(AdaptiveDraftLength(2))
+    for _ in range(policy.STALE + 1):
+        assert policy.choose() >= 1
+        policy.observe(3, 1.1, [2], [2])
+    for _ in range(policy.TRUSTED):  # plain steps timed afresh, then drafting again
+        assert policy.choose() == 0
+        policy.observe(1, 1.0, [0], [0])
+    assert policy.choose() >= 1
+
+
+def test_an_untried_width_is_read_from_its_known_neighbours():
+    """On a GPU a 4-token pass measured 1.06 steps: the untried 5-token pass reads 1.16 (the
+    known narrower width plus the prior's slope), not the prior's 1.4, and the untried narrower
+    widths no more than the known wider one. Read at the prior, a policy that had settled on 3
+    drafted tokens never tried 4."""
+    policy = _plain_steps(AdaptiveDraftLength(4))
+    for _ in range(policy.TRUSTED):
+        policy.observe(4, 1.06, [3], [3])
+    assert policy.relative_cost(5) == pytest.approx(1.16)
+    assert policy.relative_cost(2) == pytest.approx(1.06) and policy.relative_cost(3) == pytest.approx(1.06)
+    policy.observe(5, 1.08, [4], [4])  # one time of its own, and cheaper: read as that
+    assert policy.relative_cost(5) == pytest.approx(1.08)
+
+
+def test_a_position_rarely_reached_reads_like_the_one_before_it():
+    """A drafter accepted 30% of the time seldom reaches its 4th position; read at the fixed prior
+    (0.6) it promised 4-token drafts more than they gave."""
+    policy = _plain_steps(AdaptiveDraftLength(4))
+    for i in range(30):
+        policy.observe(5, 1.3, [4], [1 if i % 3 == 0 else 0])
+    assert policy.acceptance(0) < 0.4
+    assert policy.acceptance(1) < 0.5 and policy.acceptance(3) < 0.5
+
+
+REGIMES = [(cost, draft, level) for cost in COSTS for draft in (0.0, 0.05, 0.3) for level in (0.1, 0.3, 0.5, 0.7, 0.9)]
+
+
+def test_the_policy_is_never_slower_than_plain_decoding_and_near_the_best_fixed_length():
+    """45 simulated drafters (three cost curves, drafting free to 0.3 of a step per token,
+    acceptance 0.1 to 0.9; seeded): the policy's speedup is never below 0.97x plain decoding
+    (speculation slower than plain is a bug), and on average at least 0.92 of what the best
+    fixed draft length for that drafter gets (which the policy does not know)."""
+    ratios = []
+    for cost, draft, level in REGIMES:
+        speedup = simulate(AdaptiveDraftLength(4), [level], COSTS[cost], draft, rounds=1000)
+        assert speedup >= 0.97, (cost, draft, level, speedup)
+        ratios.append(speedup / best_fixed(level, COSTS[cost], draft))
+    assert sum(ratios) / len(ratios) >= 0.92

@@ -12,11 +12,14 @@ some ``k`` is expected to be at least ``min_gain`` (5%) better: a round has cost
 estimate captures exactly, and a gain of a percent or two is within their noise, so a
 drafter whose guesses are rarely accepted costs (almost) nothing.
 
-Both estimates are learnt online. Acceptance counts decay every round towards a prior
-(weighted like half an observation, so it steers exploration without biasing a settled
-estimate), and a draft position tested fewer than three times in a request is read as at
-least the prior, so one unlucky first draft does not stop a drafter for the rest of the
-request (that cost a draft accepted 40% of the time most of its drafting). So
+Both estimates are learnt online, relative to a plain step's time, which a new policy times
+first (:meth:`AdaptiveDraftLength._time_plain_step`). Acceptance counts decay every round
+towards a prior (weighted like half an observation, so it steers exploration without biasing a
+settled estimate: 0.6 for the first position, the estimate of the one before for the others),
+and a draft position tested fewer than three times is read as at least its prior, so one
+unlucky first draft does not stop a drafter for long (that cost a draft accepted 40% of the
+time most of its drafting). The counts are the engine's (one policy per batch-size bucket),
+carried from request to request. So
 a policy that stopped drafting tries again after a while and notices when acceptance
 comes back (for instance when the output starts copying the prompt). How soon depends on
 what a retry costs: drafting a token (a forward pass for a draft model, next to nothing for
@@ -27,8 +30,8 @@ emitted; that costs about the same per paused token however long the pause, so i
 enter the choice.) Costs are measured
 per width as the median of the last few passes of that width, so one slow pass (a cache
 growing, a kernel being chosen, another process) cannot switch drafting off for good. A
-width measured fewer than three times is read optimistically, as the cheaper of its
-measurements and the prior ``1 + 0.1 (n - 1)``, so it gets tried until it is known. A
+width measured fewer than three times is read optimistically (:meth:`~AdaptiveDraftLength.relative_cost`),
+so it gets tried until it is known. A
 measurement older than ``STALE`` rounds counts as none and is taken again when next used:
 costs measured while another process loaded the machine once made every verify width look
 dear for good, and a long-running process never drafted again.
@@ -60,15 +63,20 @@ class AdaptiveDraftLength:
 
     def __init__(self, max_k: int, prior: float = 0.6, prior_weight: float = 0.5, decay: float = 0.9,
                  cost_window: int = 5, prior_cost_slope: float = 0.1, measure_costs: bool = True,
-                 min_gain: float = 0.05, explore_budget: float = 0.04) -> None:
+                 min_gain: float = 0.05, explore_budget: float = 0.04, time_plain: bool = True) -> None:
         self.max_k = max_k
+        #: whether to make plain steps to time one (:meth:`_time_plain_step`); a request's
+        #: prediction has a policy of its own, made per request, that does not (it would give up
+        #: the first rounds of every prediction, and predicted drafts cost nothing to make)
+        self.time_plain = time_plain
+        self._plain_asked = 0  # plain steps asked for in a row that no 1-token pass followed
         self.min_gain, self.explore_budget = min_gain, explore_budget
         self.prior, self.prior_weight, self.decay = prior, prior_weight, decay
         self.cost_window, self.prior_cost_slope = cost_window, prior_cost_slope
         self.measure_costs = measure_costs
         self.accepted = [0.0] * max_k  # decayed count of acceptances at position i
         self.reached = [0.0] * max_k  # decayed count of rounds that tested position i
-        self.tested = [0] * max_k  # rounds that tested position i in this request (not decayed)
+        self.tested = [0] * max_k  # rounds that tested position i (not decayed)
         self.seconds: dict[int, deque[float]] = {}  # verify width -> wall times of its last passes
         # drafting time per drafted token, last rounds; the median ignores one-off catch-ups
         self.draft_seconds: deque[float] = deque(maxlen=9)
@@ -87,30 +95,44 @@ class AdaptiveDraftLength:
     def acceptance(self, i: int) -> float:
         """Estimated P(position i accepted | positions < i accepted), i from 0.
 
-        Read optimistically (at least the prior) until the position has been tested
-        ``TRUSTED`` times in this request: one rejected first draft says little about a
-        drafter accepted 40% of the time, and believed at once it stops drafting for long.
+        Each position's counts lean on a prior of half an observation: ``prior`` for the first,
+        the estimate of the position before it for the others (a position rarely reached, or not
+        for a while, reads like its neighbour rather than like a fixed 0.6: a drafter accepted
+        90% of the time that had settled on 3 tokens read the 4th at 0.6 and never tried it; one
+        accepted 30% of the time read the positions it seldom reached at 0.6 and drafted 4 tokens
+        for 1.4). Read optimistically (at least that prior) until the position has been tested
+        ``TRUSTED`` times: one rejected first draft says little about a drafter accepted 40% of
+        the time, and believed at once it stops drafting for long.
         """
-        estimate = (self.accepted[i] + self.prior * self.prior_weight) / (self.reached[i] + self.prior_weight)
-        return estimate if self.tested[i] >= self.TRUSTED else max(estimate, self.prior)
+        prior = self.prior if i == 0 else self.acceptance(i - 1)
+        estimate = (self.accepted[i] + prior * self.prior_weight) / (self.reached[i] + self.prior_weight)
+        return estimate if self.tested[i] >= self.TRUSTED else max(estimate, prior)
 
     def relative_cost(self, width: int) -> float:
         """Cost of a ``width``-token verify pass in units of a 1-token pass.
 
         Read as non-decreasing in width (and >= 1): timing noise can make a wider pass look
-        cheaper than a narrower one, which would make drafting look free.
+        cheaper than a narrower one, which would make drafting look free. A width timed fewer
+        than ``TRUSTED`` times is read optimistically, so that it gets tried until it is known:
+        the least of its own times, the prior ``1 + 0.1 (n - 1)``, the nearest known narrower
+        width's cost plus the prior's slope per token, and any known wider width's cost (a
+        wider pass never costs less). Read at the prior alone, a width the policy had not tried
+        could look dearer than it is for good: on a GPU, where a 5-token pass costs about a
+        1-token one, a policy that had settled on 3 tokens never tried 4.
         """
         one = self._seconds(1)
         if not (self.measure_costs and one):
             return 1.0 + self.prior_cost_slope * (width - 1)
-        cost = 1.0
+        times = {w: t for w, t in self.seconds.items() if w > 1 and not self._stale(w)}
+        known = {w: median(t) / one for w, t in times.items() if len(t) >= self.TRUSTED}
+        cost, below, below_cost = 1.0, 1, 1.0
         for w in range(2, width + 1):
-            prior = 1.0 + self.prior_cost_slope * (w - 1)
-            times = self.seconds.get(w, ()) if not self._stale(w) else ()
-            if len(times) >= self.TRUSTED:
-                estimate = median(times) / one
-            else:  # optimistic until known: a first, cold pass must not rule a width out
-                estimate = min([prior, *(t / one for t in times)])
+            if w in known:
+                cost = max(cost, known[w])
+                below, below_cost = w, cost
+                continue
+            estimate = min([1.0 + self.prior_cost_slope * (w - 1), below_cost + self.prior_cost_slope * (w - below),
+                            *(t / one for t in times.get(w, ())), *(c for v, c in known.items() if v > w)])
             cost = max(cost, estimate)
         return cost
 
@@ -138,7 +160,10 @@ class AdaptiveDraftLength:
 
     def choose(self, cap: int | None = None) -> int:
         """The draft length with the best expected tokens per unit cost (0 = plain step, which a
-        draft must beat by ``min_gain``)."""
+        draft must beat by ``min_gain``; see :meth:`_time_plain_step` for the rounds that time one)."""
+        if self._time_plain_step():
+            self._plain_asked += 1
+            return 0
         cap = self.max_k if cap is None else min(cap, self.max_k)
         best_k, best = 0, (1.0 + self.min_gain) / self.relative_cost(1)
         expected, survive, per_draft = 1.0, 1.0, self.draft_cost()
@@ -149,6 +174,19 @@ class AdaptiveDraftLength:
             if score > best:
                 best_k, best = k, score
         return best_k
+
+    def _time_plain_step(self) -> bool:
+        """Whether this round is a plain step to time one. Every cost is relative to a plain
+        step's, and a drafter that always drafts never times one: its verify widths and its
+        drafting were read at the prior for good (drafting free, an n-token pass 1 + 0.1 (n - 1)),
+        so a draft model or EAGLE-3 kept drafting where it lost time. So a new policy's first
+        ``TRUSTED`` rounds are plain steps, and so are ``TRUSTED`` again when the last was timed
+        ``STALE`` rounds ago (at most 3 in 256 rounds: a drafter that doubles the speed loses
+        about 0.6% to them). Not where costs are not measured, nor after the pass was wider
+        anyway (another row's prediction widened it) ``2 * TRUSTED`` times in a row."""
+        if not (self.measure_costs and self.time_plain) or self._plain_asked >= 2 * self.TRUSTED:
+            return False
+        return self._stale(1) or len(self.seconds.get(1, ())) < self.TRUSTED
 
     def choose_budget(self, most: int, k: int) -> int:
         """The tree budget for a round drafting ``k`` levels: 1 (a chain) or a power of two up to
@@ -183,6 +221,8 @@ class AdaptiveDraftLength:
         if self._stale(width):  # measured under other conditions (another process, say): start over
             times.clear()
         times.append(seconds)
+        if width == 1:
+            self._plain_asked = 0
         self.measured_at[width] = self.rounds
         if width > 1 and draft_seconds is not None:
             if self._stale("draft"):

@@ -132,7 +132,7 @@ class Sequence:
     def __post_init__(self) -> None:
         self.tokens = list(self.tokens)
         #: how long a predicted draft pays (per request: each prediction has its own quality)
-        self.prediction_policy = (AdaptiveDraftLength(MAX_PREDICTED, prior=PREDICTION_PRIOR)
+        self.prediction_policy = (AdaptiveDraftLength(MAX_PREDICTED, prior=PREDICTION_PRIOR, time_plain=False)
                                   if self.prediction is not None else None)
         self.prompt_len = self.prompt_len or len(self.tokens)
         self.stats.prompt_tokens = self.prompt_len
