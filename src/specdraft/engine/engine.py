@@ -115,6 +115,9 @@ class Engine:
         self._drafting = WaveDrafter(drafter, self.verifier) if waves else drafter  # what the rounds call
         #: draft-length policies per batch-size bucket: verify costs differ with the batch
         self.policies: dict[int, AdaptiveDraftLength] = {}
+        #: what makes them, called with the most tokens a round drafts (benchmarks/policy_ab.py
+        #: gives one decoder another policy, to run two side by side)
+        self.policy_class = AdaptiveDraftLength
         self._drafted_last = False
         self._drafter_s = 0.0  # seconds spent in the drafter's calls (a clock the rounds read)
         self._shared: torch.Generator | None = None  # the round's one generator (``ctx.generator``)
@@ -311,7 +314,7 @@ class Engine:
     def policy(self, rows: int) -> AdaptiveDraftLength:
         bucket = _rows_bucket(rows)
         if bucket not in self.policies:
-            self.policies[bucket] = AdaptiveDraftLength(self.spec_length)
+            self.policies[bucket] = self.policy_class(self.spec_length)
         return self.policies[bucket]
 
     def _tree_budget(self, policy, batch, k: int) -> int:
