@@ -97,16 +97,22 @@ class AdaptiveDraftLength:
 
         Each position's counts lean on a prior of half an observation: ``prior`` for the first,
         the estimate of the position before it for the others (a position rarely reached, or not
-        for a while, reads like its neighbour rather than like a fixed 0.6: a drafter accepted
-        90% of the time that had settled on 3 tokens read the 4th at 0.6 and never tried it; one
-        accepted 30% of the time read the positions it seldom reached at 0.6 and drafted 4 tokens
-        for 1.4). Read optimistically (at least that prior) until the position has been tested
-        ``TRUSTED`` times: one rejected first draft says little about a drafter accepted 40% of
-        the time, and believed at once it stops drafting for long.
+        for a while, reads like its neighbour rather than like a fixed 0.6: in simulation
+        (:mod:`specdraft.testing.policy`) a drafter accepted 90% of the time that had settled on 3
+        tokens read the 4th at 0.6 and never tried it). Read optimistically (at least that prior)
+        until the position has been tested ``TRUSTED`` times: one rejected first draft says little
+        about a drafter accepted 40% of the time, and believed at once it stops drafting for long.
         """
-        prior = self.prior if i == 0 else self.acceptance(i - 1)
-        estimate = (self.accepted[i] + prior * self.prior_weight) / (self.reached[i] + self.prior_weight)
-        return estimate if self.tested[i] >= self.TRUSTED else max(estimate, prior)
+        return self.acceptances(i + 1)[i]
+
+    def acceptances(self, n: int) -> list[float]:
+        """:meth:`acceptance` of positions ``0 .. n - 1``, in one pass."""
+        out, prior = [], self.prior
+        for i in range(n):
+            estimate = (self.accepted[i] + prior * self.prior_weight) / (self.reached[i] + self.prior_weight)
+            prior = estimate if self.tested[i] >= self.TRUSTED else max(estimate, prior)
+            out.append(prior)
+        return out
 
     def relative_cost(self, width: int) -> float:
         """Cost of a ``width``-token verify pass in units of a 1-token pass.
@@ -167,8 +173,9 @@ class AdaptiveDraftLength:
         cap = self.max_k if cap is None else min(cap, self.max_k)
         best_k, best = 0, (1.0 + self.min_gain) / self.relative_cost(1)
         expected, survive, per_draft = 1.0, 1.0, self.draft_cost()
+        acceptance = self.acceptances(cap)
         for k in range(1, cap + 1):
-            survive *= self.acceptance(k - 1)
+            survive *= acceptance[k - 1]
             expected += survive
             score = expected / (k * per_draft + self.relative_cost(k + 1))
             if score > best:
@@ -178,8 +185,9 @@ class AdaptiveDraftLength:
     def _time_plain_step(self) -> bool:
         """Whether this round is a plain step to time one. Every cost is relative to a plain
         step's, and a drafter that always drafts never times one: its verify widths and its
-        drafting were read at the prior for good (drafting free, an n-token pass 1 + 0.1 (n - 1)),
-        so a draft model or EAGLE-3 kept drafting where it lost time. So a new policy's first
+        drafting were read at the prior for good (drafting free, an n-token pass 1 + 0.1 (n - 1)):
+        in simulation (:mod:`specdraft.testing.policy`) a draft model costing 0.3 of a step per
+        token, accepted half the time, kept drafting at 0.80x plain. So a new policy's first
         ``TRUSTED`` rounds are plain steps, and so are ``TRUSTED`` again when the last was timed
         ``STALE`` rounds ago (at most 3 in 256 rounds: a drafter that doubles the speed loses
         about 0.6% to them). Not where costs are not measured, nor after the pass was wider
