@@ -126,21 +126,25 @@ class AdaptiveDraftLength:
         could look dearer than it is for good: on a GPU, where a 5-token pass costs about a
         1-token one, a policy that had settled on 3 tokens never tried 4.
         """
-        one = self._seconds(1)
+        return self.relative_costs(width)[-1]
+
+    def relative_costs(self, n: int) -> list[float]:
+        """:meth:`relative_cost` of widths ``1 .. n``, in one pass."""
+        one, slope = self._seconds(1), self.prior_cost_slope
         if not (self.measure_costs and one):
-            return 1.0 + self.prior_cost_slope * (width - 1)
+            return [1.0 + slope * (w - 1) for w in range(1, n + 1)]
         times = {w: t for w, t in self.seconds.items() if w > 1 and not self._stale(w)}
         known = {w: median(t) / one for w, t in times.items() if len(t) >= self.TRUSTED}
-        cost, below, below_cost = 1.0, 1, 1.0
-        for w in range(2, width + 1):
+        out, cost, below, below_cost = [1.0], 1.0, 1, 1.0
+        for w in range(2, n + 1):
             if w in known:
                 cost = max(cost, known[w])
                 below, below_cost = w, cost
-                continue
-            estimate = min([1.0 + self.prior_cost_slope * (w - 1), below_cost + self.prior_cost_slope * (w - below),
-                            *(t / one for t in times.get(w, ())), *(c for v, c in known.items() if v > w)])
-            cost = max(cost, estimate)
-        return cost
+            else:
+                cost = max(cost, min([1.0 + slope * (w - 1), below_cost + slope * (w - below),
+                                      *(t / one for t in times.get(w, ())), *(c for v, c in known.items() if v > w)]))
+            out.append(cost)
+        return out
 
     def _stale(self, what: int | str) -> bool:
         return what in self.measured_at and self.rounds - self.measured_at[what] > self.STALE
@@ -171,13 +175,13 @@ class AdaptiveDraftLength:
             self._plain_asked += 1
             return 0
         cap = self.max_k if cap is None else min(cap, self.max_k)
-        best_k, best = 0, (1.0 + self.min_gain) / self.relative_cost(1)
+        costs, acceptance = self.relative_costs(cap + 1), self.acceptances(cap)
+        best_k, best = 0, (1.0 + self.min_gain) / costs[0]
         expected, survive, per_draft = 1.0, 1.0, self.draft_cost()
-        acceptance = self.acceptances(cap)
         for k in range(1, cap + 1):
             survive *= acceptance[k - 1]
             expected += survive
-            score = expected / (k * per_draft + self.relative_cost(k + 1))
+            score = expected / (k * per_draft + costs[k])
             if score > best:
                 best_k, best = k, score
         return best_k
