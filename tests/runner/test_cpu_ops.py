@@ -230,12 +230,12 @@ def test_panel_products_do_not_depend_on_the_threads():
     assert torch.equal(panel(x), on_one_thread(panel, x))
 
 
-def test_panels_replace_float32_products_and_bfloat16_ones_without_native_bfloat16(monkeypatch):
+def test_panels_replace_float32_products_and_bfloat16_ones_without_amx(monkeypatch):
     import specdraft.models
 
     f32, bf16 = torch.nn.Linear(16, 8), torch.nn.Linear(16, 8).to(torch.bfloat16)
-    for flags, bits, want in (({"avx512f"}, 512, (True, True)), ({"avx512f", "avx512_bf16"}, 512, (True, False)),
-                              ({"avx512f", "amx_bf16"}, 512, (True, False)), ({"avx2", "fma"}, 256, (True, True)),
+    for flags, bits, want in (({"avx512f"}, 512, (True, True)), ({"avx512f", "avx512_bf16"}, 512, (True, True)),
+                              ({"avx512f", "avx512_bf16", "amx_bf16"}, 512, (True, False)), ({"avx2", "fma"}, 256, (True, True)),
                               ({"sse4_2"}, 0, (False, False))):
         monkeypatch.setattr(specdraft.models, "cpu_flags", lambda flags=flags: flags)
         monkeypatch.setattr(cpu_ops, "vector_bits", lambda bits=bits: bits)

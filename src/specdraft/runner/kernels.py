@@ -278,7 +278,7 @@ def pack_linears(model: nn.Module) -> dict[str, int]:
     from . import cpu_ops
 
     def pack(linear):
-        if cpu_ops.panels_apply(linear):  # AVX-512 or AVX2: float32, and bfloat16 without native bfloat16
+        if cpu_ops.panels_apply(linear):  # AVX-512 or AVX2: float32, and bfloat16 without AMX
             return cpu_ops.PanelLinear(linear)
         packed = PackedLinear(linear)
         packed.counts = checked_row_counts(packed)
