@@ -19,8 +19,11 @@ os.environ.setdefault("TRITON_INTERPRET", "1")
 # the same way wherever it sits in the tile; OpenBLAS's AVX2 kernels (Haswell, Zen: an AVX2-only
 # AMD EPYC) sum some rows of a 16-row tile in another order than row 0, so a kernel's rows would
 # change with the rows beside them for a reason no GPU has. Its Sandybridge kernels do not (nor do
-# its AVX-512 ones). Set before anything imports numpy: OpenBLAS reads it when it loads.
-os.environ.setdefault("OPENBLAS_CORETYPE", "Sandybridge")
+# its AVX-512 ones). Set before anything imports numpy: OpenBLAS reads it when it loads. Forced, not
+# defaulted: a machine's environment may name the core itself (a 2-core Zen 5 EPYC set
+# OPENBLAS_CORETYPE=Haswell, and four CUDA-kernel tests failed on rows the interpreter's dot had
+# summed in another order).
+os.environ["OPENBLAS_CORETYPE"] = "Sandybridge"
 
 import pytest  # noqa: E402
 import torch  # noqa: E402
