@@ -223,6 +223,27 @@ def test_panel_products_sum_each_output_in_order_whatever_the_rows(dtype, inputs
     assert torch.equal(panel(x[:6].view(2, 3, inputs)), want[:6].view(2, 3, outputs))  # leading dims kept
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_panel_products_add_input_k_before_input_k_plus_one(dtype):
+    """Each output adds its inputs' products in order even where a machine multiplies bfloat16 inputs
+    in pairs (``avx512_bf16``): 1, then -1, then 2^-30 sums to 2^-30, where any other order loses it
+    to rounding. (Random inputs cannot tell: a bfloat16 output rounds the float32 sums' differences
+    away.) Inputs 2 and 3 share a pair, and so do 6 and 7, where the odd outputs then add 2, -2 and
+    2^-29 (2 + 2^-30 rounds to 2, so in order the sum is 2^-29, and 0 in any other); 13 rows."""
+    inputs, outputs, rows = 64, 64, 13
+    weight = torch.zeros(outputs, inputs)
+    weight[:, [0, 2, 3]] = torch.tensor([1.0, -1.0, 2.0 ** -30])  # the first output's terms: x = 1 at 0, 2, 3
+    weight[1::2, [4, 6, 7]] = torch.tensor([2.0, -2.0, 2.0 ** -29])  # odd outputs add a second such sum
+    linear = torch.nn.Linear(inputs, outputs, bias=False).to(dtype)
+    with torch.no_grad():
+        linear.weight.copy_(weight)
+    x = torch.zeros(rows, inputs, dtype=dtype)
+    x[:, [0, 2, 3, 4, 6, 7]] = 1
+    out = cpu_ops.PanelLinear(linear)(x).float()
+    assert torch.equal(out[:, 0::2], torch.full((rows, outputs // 2), 2.0 ** -30))
+    assert torch.equal(out[:, 1::2], torch.full((rows, outputs // 2), 2.0 ** -29))
+
+
 def test_panel_products_do_not_depend_on_the_threads():
     torch.manual_seed(1)
     panel = cpu_ops.PanelLinear(torch.nn.Linear(96, 300))

@@ -176,9 +176,15 @@ def vector_bits() -> int:
 
 def pack_panels(weight: torch.Tensor) -> torch.Tensor:
     """``weight # [N, K]`` as panels of :data:`PANEL` output columns, ``[ceil(N / 16), K, 16]`` (the
-    last padded with zero columns), what ``specdraft_cpu::linear`` streams."""
+    last padded with zero columns), what ``specdraft_cpu::linear`` streams. A bfloat16 weight with an
+    even K, where the extension multiplies by pairs (``avx512_bf16``: ``specdraft_cpu::bf16_pairs``),
+    is stored ``[P, K / 2, 16, 2]`` with each pair's two inputs swapped (input k + 1, then k: the
+    instruction adds the second first), viewed as the same shape."""
     n, k = weight.shape
     padded = torch.nn.functional.pad(weight, (0, 0, 0, -n % PANEL))
+    if weight.dtype == torch.bfloat16 and load() == "" and torch.ops.specdraft_cpu.bf16_pairs(k):
+        pairs = padded.view(-1, PANEL, k // 2, 2).flip(-1)  # [P, 16, K / 2, 2], (k + 1, k)
+        return pairs.permute(0, 2, 1, 3).contiguous().view(-1, k, PANEL)
     return padded.view(-1, PANEL, k).transpose(1, 2).contiguous()
 
 
