@@ -158,7 +158,8 @@ def panels_apply(linear: torch.nn.Module) -> bool:
     (with AMX oneDNN's products stay: its tiles take many rows for the price of one). With
     ``avx512_bf16`` alone they are panels too: on a 2-core Zen 4 EPYC (family 25 model 17) a step's
     one-row products took 21.8 ms on oneDNN against 15.2 on the panels, and the step 24.3 against
-    12.9 ms (docs/benchmarks.md)."""
+    12.9 ms; by pairs of inputs (:func:`pack_panels`) the products took 12.1 ms against oneDNN's 19.4
+    in a later run (docs/benchmarks.md)."""
     from ..models import cpu_flags
 
     if type(linear) is not torch.nn.Linear or linear.weight.device.type != "cpu":

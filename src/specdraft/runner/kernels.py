@@ -59,8 +59,9 @@ them on any machine:
   (the blocks are not measured on the EPYC yet). float64 uses SDPA.
 * **Quantized layers** (int8/int4, :mod:`.quantize`) compute each row alone already.
 * **Products in panels** (:class:`~.cpu_ops.PanelLinear`): on a CPU with AVX-512 or AVX2, float32 linears,
-  and bfloat16 ones where the processor has neither ``avx512_bf16`` nor AMX, take specdraft's own
-  product instead of oneDNN's: one fused multiply-add per input in order for each output, so
+  and bfloat16 ones where the processor has no AMX (with ``avx512_bf16``, by pairs of inputs in
+  the same order), take specdraft's own product instead of oneDNN's: one fused multiply-add per
+  input in order for each output, so
   row-invariant by construction (no check), and faster there at the row counts of decoding (see
   ``docs/algorithm.md``, "Products in panels").
 
