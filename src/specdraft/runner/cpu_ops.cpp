@@ -862,6 +862,18 @@ constexpr bool BF16_PAIRS = false;
 // specdraft_cpu::pairs_of)
 bool pairs_of(at::ScalarType type, int64_t K) { return BF16_PAIRS && type == at::kBFloat16 && K % 2 == 0; }
 
+// f(std::integral_constant<int, nb>) for a group of nb = 1..4 panels: the tiles' panel count is a
+// template argument
+template <typename F>
+inline void with_panels(int64_t nb, F&& f) {
+    switch (nb) {
+        case 4: f(std::integral_constant<int, 4>{}); break;
+        case 3: f(std::integral_constant<int, 3>{}); break;
+        case 2: f(std::integral_constant<int, 2>{}); break;
+        default: f(std::integral_constant<int, 1>{}); break;
+    }
+}
+
 // x # [M, K], panels # [P, K, 16] (pack_panels of a [N, K] weight), bias # [N] or None: one dtype,
 // float32 or bfloat16
 at::Tensor linear(const at::Tensor& x_, const at::Tensor& panels_, const c10::optional<at::Tensor>& bias_,
@@ -894,6 +906,22 @@ at::Tensor linear(const at::Tensor& x_, const at::Tensor& panels_, const c10::op
             // panels in groups of NB, the groups spread over the threads (2 where there are few)
             const int64_t NB = P >= 64 ? 4 : 2;
             const int64_t groups = (P + NB - 1) / NB;
+            // rows in chunks: prepare(r0, rows) gives the chunk's inputs as its tiles read them, then
+            // run(nb, rows, inputs, panels, out, n0) does each group of nb panels on some thread
+            auto chunks = [&](auto&& prepare, auto&& run) {
+                for (int64_t r0 = 0; r0 < M; r0 += PANEL_ROW_CHUNK) {
+                    const int64_t rows = std::min(PANEL_ROW_CHUNK, M - r0);
+                    const auto* xr = prepare(r0, rows);
+                    at::parallel_for(0, groups, 1, [&](int64_t begin, int64_t end) {
+                        for (int64_t g = begin; g < end; ++g) {
+                            const int64_t p0 = g * NB;
+                            with_panels(std::min(NB, P - p0), [&](auto nb) {
+                                run(nb, rows, xr, pp + p0 * K * LANES, po + r0 * N, p0 * LANES);
+                            });
+                        }
+                    });
+                }
+            };
 #if defined(__AVX512BF16__) && SPECDRAFT_V16 == 512
             if constexpr (std::is_same_v<T, c10::BFloat16>) {
                 if (pairs_of(x.scalar_type(), K)) {
@@ -901,26 +929,16 @@ at::Tensor linear(const at::Tensor& x_, const at::Tensor& panels_, const c10::op
                     const int64_t K2 = K / 2;
                     std::vector<uint32_t> swapped(std::min(PANEL_ROW_CHUNK, M) * K2);
                     const uint32_t* x32 = reinterpret_cast<const uint32_t*>(px);
-                    for (int64_t r0 = 0; r0 < M; r0 += PANEL_ROW_CHUNK) {
-                        const int64_t rows = std::min(PANEL_ROW_CHUNK, M - r0);
-                        for (int64_t i = 0; i < rows * K2; ++i) {
-                            const uint32_t v = x32[r0 * K2 + i];
-                            swapped[i] = (v >> 16) | (v << 16);
-                        }
-                        at::parallel_for(0, groups, 1, [&](int64_t begin, int64_t end) {
-                            for (int64_t g = begin; g < end; ++g) {
-                                const int64_t p0 = g * NB;
-                                const T* pg = pp + p0 * K * LANES;
-                                T* orow = po + r0 * N;
-                                switch (std::min(NB, P - p0)) {
-                                    case 4: pair_rows<4>(rows, swapped.data(), K2, pg, orow, N, pb, p0 * LANES); break;
-                                    case 3: pair_rows<3>(rows, swapped.data(), K2, pg, orow, N, pb, p0 * LANES); break;
-                                    case 2: pair_rows<2>(rows, swapped.data(), K2, pg, orow, N, pb, p0 * LANES); break;
-                                    default: pair_rows<1>(rows, swapped.data(), K2, pg, orow, N, pb, p0 * LANES); break;
-                                }
-                            }
-                        });
-                    }
+                    chunks([&](int64_t r0, int64_t rows) {
+                               for (int64_t i = 0; i < rows * K2; ++i) {
+                                   const uint32_t v = x32[r0 * K2 + i];
+                                   swapped[i] = (v >> 16) | (v << 16);
+                               }
+                               return static_cast<const uint32_t*>(swapped.data());
+                           },
+                           [&](auto nb, int64_t rows, const uint32_t* xs, const T* pg, T* orow, int64_t n0) {
+                               pair_rows<decltype(nb)::value>(rows, xs, K2, pg, orow, N, pb, n0);
+                           });
                     return;
                 }
             }
@@ -928,29 +946,17 @@ at::Tensor linear(const at::Tensor& x_, const at::Tensor& panels_, const c10::op
             // a chunk's rows widened to float32 once (exact), so that a tile broadcasts each x[m, k]
             // straight from memory rather than widening it again for every group of panels
             std::vector<float> widened(std::is_same_v<T, float> ? 0 : std::min(PANEL_ROW_CHUNK, M) * K);
-            for (int64_t r0 = 0; r0 < M; r0 += PANEL_ROW_CHUNK) {
-                const int64_t rows = std::min(PANEL_ROW_CHUNK, M - r0);
-                const float* xr;
-                if constexpr (std::is_same_v<T, float>) {
-                    xr = px + r0 * K;
-                } else {
-                    for (int64_t i = 0; i < rows * K; ++i) widened[i] = widen(px[r0 * K + i]);
-                    xr = widened.data();
-                }
-                at::parallel_for(0, groups, 1, [&](int64_t begin, int64_t end) {
-                    for (int64_t g = begin; g < end; ++g) {
-                        const int64_t p0 = g * NB;
-                        const T* pg = pp + p0 * K * LANES;
-                        T* orow = po + r0 * N;
-                        switch (std::min(NB, P - p0)) {
-                            case 4: panel_rows<T, 4>(rows, xr, K, pg, orow, N, pb, p0 * LANES); break;
-                            case 3: panel_rows<T, 3>(rows, xr, K, pg, orow, N, pb, p0 * LANES); break;
-                            case 2: panel_rows<T, 2>(rows, xr, K, pg, orow, N, pb, p0 * LANES); break;
-                            default: panel_rows<T, 1>(rows, xr, K, pg, orow, N, pb, p0 * LANES); break;
-                        }
-                    }
-                });
-            }
+            chunks([&](int64_t r0, int64_t rows) -> const float* {
+                       if constexpr (std::is_same_v<T, float>) {
+                           return px + r0 * K;
+                       } else {
+                           for (int64_t i = 0; i < rows * K; ++i) widened[i] = widen(px[r0 * K + i]);
+                           return widened.data();
+                       }
+                   },
+                   [&](auto nb, int64_t rows, const float* xr, const T* pg, T* orow, int64_t n0) {
+                       panel_rows<T, decltype(nb)::value>(rows, xr, K, pg, orow, N, pb, n0);
+                   });
 #else
             // the same arithmetic, one output at a time (correct anywhere; cpu_ops.py uses it with AVX-512 or AVX2 only)
             at::parallel_for(0, N, 16, [&](int64_t begin, int64_t end) {
