@@ -732,6 +732,29 @@ inline void panel_tile(const float* x, int64_t K, const T* p, T* out, int64_t N,
     }
 }
 
+// the walk of M rows over NB panels: 12 x 2 tiles while there are 12 rows and NB is even (the most
+// work per load), then 6 x NB, then what is left; tile(MB, NBt, m, j), both counts as
+// std::integral_constant, does rows m .. m + MB against panels j .. j + NBt
+template <int NB, typename Tile>
+inline void walk_tiles(int64_t M, Tile&& tile) {
+    using std::integral_constant;
+    int64_t m = 0;
+    if constexpr (NB % 2 == 0) {
+        for (; m + 12 <= M; m += 12)
+            for (int j = 0; j < NB; j += 2) tile(integral_constant<int, 12>{}, integral_constant<int, 2>{}, m, j);
+    }
+    const integral_constant<int, NB> nb{};
+    for (; m + 6 <= M; m += 6) tile(integral_constant<int, 6>{}, nb, m, 0);
+    switch (M - m) {
+        case 5: tile(integral_constant<int, 5>{}, nb, m, 0); break;
+        case 4: tile(integral_constant<int, 4>{}, nb, m, 0); break;
+        case 3: tile(integral_constant<int, 3>{}, nb, m, 0); break;
+        case 2: tile(integral_constant<int, 2>{}, nb, m, 0); break;
+        case 1: tile(integral_constant<int, 1>{}, nb, m, 0); break;
+        default: break;
+    }
+}
+
 // all M rows against NB panels. AVX-512 (32 registers): 12 rows x 2 panels while there are 12 rows
 // (the most work per load), then 6 x NB, then what is left. AVX2 (16 registers, two per V16): one
 // row against all NB panels, two against 2 panels at a time, more rows 6 at a time against one
@@ -753,40 +776,15 @@ inline void panel_rows(int64_t M, const float* x, int64_t K, const T* p, T* out,
             return;
         }
     }
-    for (int j = 0; j < NB; ++j) {
-        const T* pj = p + j * K * LANES;
-        const int64_t nj = n0 + LANES * j;
-        int64_t m = 0;
-        for (; m + 6 <= M; m += 6) panel_tile<T, 6, 1>(x + m * K, K, pj, out + m * N, N, bias, nj);
-        const float* xm = x + m * K;
-        T* om = out + m * N;
-        switch (M - m) {
-            case 5: panel_tile<T, 5, 1>(xm, K, pj, om, N, bias, nj); break;
-            case 4: panel_tile<T, 4, 1>(xm, K, pj, om, N, bias, nj); break;
-            case 3: panel_tile<T, 3, 1>(xm, K, pj, om, N, bias, nj); break;
-            case 2: panel_tile<T, 2, 1>(xm, K, pj, om, N, bias, nj); break;
-            case 1: panel_tile<T, 1, 1>(xm, K, pj, om, N, bias, nj); break;
-            default: break;
-        }
-    }
+    for (int i = 0; i < NB; ++i)  // each panel alone, 6 rows at a time
+        walk_tiles<1>(M, [&](auto mb, auto, int64_t m, int) {
+            panel_tile<T, decltype(mb)::value, 1>(x + m * K, K, p + i * K * LANES, out + m * N, N, bias, n0 + LANES * i);
+        });
 #else
-    int64_t m = 0;
-    if constexpr (NB % 2 == 0) {
-        for (; m + 12 <= M; m += 12)
-            for (int j = 0; j < NB; j += 2)
-                panel_tile<T, 12, 2>(x + m * K, K, p + j * K * LANES, out + m * N, N, bias, n0 + LANES * j);
-    }
-    for (; m + 6 <= M; m += 6) panel_tile<T, 6, NB>(x + m * K, K, p, out + m * N, N, bias, n0);
-    const float* xm = x + m * K;
-    T* om = out + m * N;
-    switch (M - m) {
-        case 5: panel_tile<T, 5, NB>(xm, K, p, om, N, bias, n0); break;
-        case 4: panel_tile<T, 4, NB>(xm, K, p, om, N, bias, n0); break;
-        case 3: panel_tile<T, 3, NB>(xm, K, p, om, N, bias, n0); break;
-        case 2: panel_tile<T, 2, NB>(xm, K, p, om, N, bias, n0); break;
-        case 1: panel_tile<T, 1, NB>(xm, K, p, om, N, bias, n0); break;
-        default: break;
-    }
+    walk_tiles<NB>(M, [&](auto mb, auto nb, int64_t m, int j) {
+        panel_tile<T, decltype(mb)::value, decltype(nb)::value>(x + m * K, K, p + j * K * LANES, out + m * N, N, bias,
+                                                                n0 + LANES * j);
+    });
 #endif
 }
 #endif
@@ -805,7 +803,8 @@ inline void panel_rows(int64_t M, const float* x, int64_t K, const T* p, T* out,
 // Layout of a weight with an even K: [P, K / 2, 16, 2], viewed as [P, K, 16].
 constexpr bool BF16_PAIRS = true;
 
-// MB rows x NB panels of pairs; xs: each row's K / 2 pairs, swapped (x[k + 1] low, x[k] high)
+// MB rows x NB panels of pairs (walked as panel_rows' AVX-512 tiles are); xs: each row's K / 2
+// pairs, swapped (x[k + 1] low, x[k] high)
 template <int MB, int NB>
 inline void pair_tile(const uint32_t* xs, int64_t K2, const c10::BFloat16* p, c10::BFloat16* out, int64_t N,
                       const c10::BFloat16* bias, int64_t n0) {
@@ -832,35 +831,13 @@ inline void pair_tile(const uint32_t* xs, int64_t K2, const c10::BFloat16* p, c1
     }
 }
 
-// all M rows against NB panels of pairs: the tiles of panel_rows' AVX-512 branch
-template <int NB>
-inline void pair_rows(int64_t M, const uint32_t* xs, int64_t K2, const c10::BFloat16* p, c10::BFloat16* out,
-                      int64_t N, const c10::BFloat16* bias, int64_t n0) {
-    int64_t m = 0;
-    if constexpr (NB % 2 == 0) {
-        for (; m + 12 <= M; m += 12)
-            for (int j = 0; j < NB; j += 2)
-                pair_tile<12, 2>(xs + m * K2, K2, p + j * K2 * 2 * LANES, out + m * N, N, bias, n0 + LANES * j);
-    }
-    for (; m + 6 <= M; m += 6) pair_tile<6, NB>(xs + m * K2, K2, p, out + m * N, N, bias, n0);
-    const uint32_t* xm = xs + m * K2;
-    c10::BFloat16* om = out + m * N;
-    switch (M - m) {
-        case 5: pair_tile<5, NB>(xm, K2, p, om, N, bias, n0); break;
-        case 4: pair_tile<4, NB>(xm, K2, p, om, N, bias, n0); break;
-        case 3: pair_tile<3, NB>(xm, K2, p, om, N, bias, n0); break;
-        case 2: pair_tile<2, NB>(xm, K2, p, om, N, bias, n0); break;
-        case 1: pair_tile<1, NB>(xm, K2, p, om, N, bias, n0); break;
-        default: break;
-    }
-}
 #else
 constexpr bool BF16_PAIRS = false;
 #endif
 
 // whether a bfloat16 weight of K inputs is stored and multiplied by pairs (pack_panels asks through
-// specdraft_cpu::pairs_of)
-bool pairs_of(at::ScalarType type, int64_t K) { return BF16_PAIRS && type == at::kBFloat16 && K % 2 == 0; }
+// specdraft_cpu::bf16_pairs)
+bool bf16_pairs(int64_t K) { return BF16_PAIRS && K % 2 == 0; }
 
 // f(std::integral_constant<int, nb>) for a group of nb = 1..4 panels: the tiles' panel count is a
 // template argument
@@ -924,7 +901,7 @@ at::Tensor linear(const at::Tensor& x_, const at::Tensor& panels_, const c10::op
             };
 #if defined(__AVX512BF16__) && SPECDRAFT_V16 == 512
             if constexpr (std::is_same_v<T, c10::BFloat16>) {
-                if (pairs_of(x.scalar_type(), K)) {
+                if (bf16_pairs(K)) {
                     // x's pairs swapped once per chunk of rows (pair_tile: input k goes first)
                     const int64_t K2 = K / 2;
                     std::vector<uint32_t> swapped(std::min(PANEL_ROW_CHUNK, M) * K2);
@@ -937,7 +914,10 @@ at::Tensor linear(const at::Tensor& x_, const at::Tensor& panels_, const c10::op
                                return static_cast<const uint32_t*>(swapped.data());
                            },
                            [&](auto nb, int64_t rows, const uint32_t* xs, const T* pg, T* orow, int64_t n0) {
-                               pair_rows<decltype(nb)::value>(rows, xs, K2, pg, orow, N, pb, n0);
+                               walk_tiles<decltype(nb)::value>(rows, [&](auto mt, auto nt, int64_t m, int j) {
+                                   pair_tile<decltype(mt)::value, decltype(nt)::value>(
+                                       xs + m * K2, K2, pg + j * K * LANES, orow + m * N, N, pb, n0 + LANES * j);
+                               });
                            });
                     return;
                 }
@@ -1435,9 +1415,6 @@ std::tuple<at::Tensor, at::Tensor> copy_choose(const at::Tensor& small, const at
     }
     return {token, confidence};
 }
-
-// whether bfloat16 panels of K inputs are stored by pairs (see pair_tile)
-bool bf16_pairs(int64_t K) { return pairs_of(at::kBFloat16, K); }
 
 // the width of the vector unit the panel products were built for: 512 (AVX-512), 256 (AVX2 with
 // FMA) or 0 (the scalar loop: correct, too slow to use)
