@@ -181,7 +181,8 @@ def test_stats_count_positions(tiny_model):
 
 def test_drafting_time_is_the_drafters_calls_not_the_engines_bookkeeping(tiny_model, step_clock, monkeypatch):
     """A round's drafting time is its proposal and the drafter's calls after the verify pass;
-    the engine's own bookkeeping (committing the tokens, the policy, the reports) is "other"."""
+    the engine's own bookkeeping (planning the round, committing the tokens, the policy, the
+    reports), which plain decoding pays as well, is "other"."""
     from specdraft.engine import engine
 
     prompt = repetitive_prompts(64)[0]
@@ -201,12 +202,19 @@ def test_drafting_time_is_the_drafters_calls_not_the_engines_bookkeeping(tiny_mo
         step_clock.now += 100.0
         return commit(self, *args)
 
+    plan = engine.Engine._plan
+
+    def slow_plan(self, *args):
+        step_clock.now += 100.0
+        return plan(self, *args)
+
     monkeypatch.setattr(engine.Engine, "_commit", slow_commit)
+    monkeypatch.setattr(engine.Engine, "_plan", slow_plan)
     dec = SpeculativeDecoder(tiny_model, None, drafter=Timed({tuple(prompt): reference}, correct=2), spec_length=3,
                              adaptive=False)
     s = dec.generate_ids([prompt], max_new_tokens=12)[0].stats
     assert s.target_passes == 4
-    # 1.5 s of the drafter's own per round, and a few 1 ms clock readings; none of the 100 s commits
+    # 1.5 s of the drafter's own per round, and a few 1 ms clock readings; none of the 100 s plans and commits
     assert 4 * 1.5 <= s.draft_time_s < 4 * 1.5 + 0.1
 
 

@@ -190,10 +190,10 @@ class Engine:
                 self.memory.fit([])  # idle: memory back
 
     def _round(self, batch: list[Sequence]) -> None:
-        t0 = time.perf_counter()
         if self.memory is not None:  # room for the widest pass after the longest row
             self.memory.fit(self.scheduler.running)
-        plan = self._plan(batch)
+        plan = self._plan(batch)  # the engine's, paid by plain decoding too: "other", not drafting
+        t0 = time.perf_counter()
         draft = self._call("propose", plan.ctx, plan.k) if plan.k > 0 else None
         proposal = self.verifier.proposal(draft, plan.caps, plan.predicted)  # validated once; a chain or a tree
         t1 = time.perf_counter()

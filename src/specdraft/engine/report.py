@@ -64,7 +64,7 @@ class StepReport:
     kind: Literal["round", "prefill", "finish"]
     rows: list[RowReport]
     time: float = field(default_factory=time.perf_counter)  # when it was reported
-    draft_s: float = 0.0  # a round's drafting (planning and the drafter's propose)
+    draft_s: float = 0.0  # a round's drafting (the drafter's propose and the proposal's checks)
     verify_s: float = 0.0  # a round's verify pass and acceptance
     prefill_s: float = 0.0  # a prefill pass
     reason: str | None = None
