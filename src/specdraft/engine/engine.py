@@ -113,6 +113,8 @@ class Engine:
         #: what requests do to the target's distribution, in order (see :mod:`.processors`)
         self.processors = (LogitBias(), GrammarMasks(), HoldStops())
         self._drafting = WaveDrafter(drafter, self.verifier) if waves else drafter  # what the rounds call
+        #: the drafter never proposes (``none``): rounds are plain steps, and it is not asked
+        self.never_drafts = bool(getattr(drafter, "never_drafts", False))
         #: draft-length policies per batch-size bucket: verify costs differ with the batch
         self.policies: dict[int, AdaptiveDraftLength] = {}
         #: what makes them, called with the most tokens a round drafts (benchmarks/policy_ab.py
@@ -237,12 +239,13 @@ class Engine:
     def _plan(self, batch: list[Sequence]) -> _Plan:
         """How far each row may draft this round (the length policy's choice, its budget and
         context left), the tree budget, and the drafter's context (with the penalties' counts)."""
-        policy = self.policy(len(batch)) if self.adaptive else None
+        policy = self.policy(len(batch)) if self.adaptive and not self.never_drafts else None
         if policy is not None:
             policy.measure_costs = not any(s.fixed_draft_length for s in batch)
         want = policy.choose() if policy is not None else self.spec_length
         left = [min(s.max_new_tokens - len(s.new_tokens) - 1, s.max_len - len(s.tokens)) for s in batch]
-        caps = [min(self.spec_length if s.fixed_draft_length else want, n) for s, n in zip(batch, left)]
+        caps = [0 if self.never_drafts else min(self.spec_length if s.fixed_draft_length else want, n)
+                for s, n in zip(batch, left)]
         predicted = {}
         for b, s in enumerate(batch):
             if s.prediction is not None:  # seeded sampling: a fixed length, the output a function of the seed

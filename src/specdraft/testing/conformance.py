@@ -132,6 +132,9 @@ def check_continuous_batching(
             f"{i} ({kind}, a {len(prompt)}-token prompt, max_new_tokens={n}) differs from plain greedy decoding\n"
             f"  got      {r.token_ids}\n  expected {expected}")
 
+    if getattr(dec.drafter, "never_drafts", False):  # ``none``: plain steps, and never asked
+        assert not proposals, f"{who} sets never_drafts but was asked to propose {len(proposals)} times"
+        return
     rounds = [list(ctx.seq_ids) for _, ctx, _ in proposals]
     seen: set[int] = set()
     joined_mid_flight = False

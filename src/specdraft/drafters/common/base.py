@@ -86,6 +86,11 @@ class Drafter(ABC):
     #: Options this drafter accepts (pydantic, ``extra="forbid"`` so typos fail loudly).
     Options: ClassVar[type[BaseModel]] = NoOptions
 
+    #: True for a drafter that never proposes anything (``none``): the engine then makes plain steps
+    #: without asking it, nor planning a draft length (each ask and its empty proposal cost about
+    #: 2% of a one-token step of the default model on a 2-core CPU). Its other hooks still run.
+    never_drafts: ClassVar[bool] = False
+
     #: Drafters that set this get the target's last-layer hidden states (see
     #: ``on_hidden_states``); the verifier collects them only for such drafters.
     needs_hidden_states: ClassVar[bool] = False
