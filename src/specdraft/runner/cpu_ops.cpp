@@ -706,6 +706,16 @@ inline void store_columns(V16 v, const T* bias, T* out, int64_t col, int64_t N) 
 #endif
 
 #if defined(SPECDRAFT_V16)
+// a tile's MB x NB sums (and the bias) into rows out .. out + (MB - 1) N, columns n0 .. (fewer past N)
+template <typename T, int MB, int NB>
+inline void store_tile(const V16 (&acc)[MB][NB], const T* bias, T* out, int64_t N, int64_t n0) {
+    for (int j = 0; j < NB; ++j) {
+        const int64_t col = n0 + LANES * j;
+        if (col >= N) break;
+        for (int m = 0; m < MB; ++m) store_columns(acc[m][j], bias, out + m * N, col, N);
+    }
+}
+
 // MB rows x NB panels from panel p (output columns n0 .. n0 + 16 * NB, fewer past N)
 template <typename T, int MB, int NB>
 inline void panel_tile(const float* x, int64_t K, const T* p, T* out, int64_t N, const T* bias, int64_t n0) {
@@ -725,11 +735,7 @@ inline void panel_tile(const float* x, int64_t K, const T* p, T* out, int64_t N,
             for (int j = 0; j < NB; ++j) acc[m][j] = v16_fmadd(xb, w[j], acc[m][j]);
         }
     }
-    for (int j = 0; j < NB; ++j) {
-        const int64_t col = n0 + LANES * j;
-        if (col >= N) break;
-        for (int m = 0; m < MB; ++m) store_columns(acc[m][j], bias, out + m * N, col, N);
-    }
+    store_tile(acc, bias, out, N, n0);
 }
 
 // the walk of M rows over NB panels: 12 x 2 tiles while there are 12 rows and NB is even (the most
@@ -808,7 +814,7 @@ constexpr bool BF16_PAIRS = true;
 template <int MB, int NB>
 inline void pair_tile(const uint32_t* xs, int64_t K2, const c10::BFloat16* p, c10::BFloat16* out, int64_t N,
                       const c10::BFloat16* bias, int64_t n0) {
-    __m512 acc[MB][NB];
+    V16 acc[MB][NB];  // __m512 here
     for (int m = 0; m < MB; ++m)
         for (int j = 0; j < NB; ++j) acc[m][j] = _mm512_setzero_ps();
     const int64_t ps = K2 * 2 * LANES;  // a panel's bfloat16 values
@@ -824,11 +830,7 @@ inline void pair_tile(const uint32_t* xs, int64_t K2, const c10::BFloat16* p, c1
             for (int j = 0; j < NB; ++j) acc[m][j] = _mm512_dpbf16_ps(acc[m][j], xb, w[j]);
         }
     }
-    for (int j = 0; j < NB; ++j) {
-        const int64_t col = n0 + LANES * j;
-        if (col >= N) break;
-        for (int m = 0; m < MB; ++m) store_columns(acc[m][j], bias, out + m * N, col, N);
-    }
+    store_tile(acc, bias, out, N, n0);
 }
 
 #else
