@@ -187,6 +187,24 @@ def test_text_without_the_stop_token_and_stop_strings_after_min_tokens(plain):
     assert (free.token_ids, free.finish_reason, free.text) == (plain, "length", " ".join(words))
 
 
+def test_generate_decodes_its_text_once_and_a_stream_adds_up_to_it(plain):
+    """``generate`` makes no text per burst (each would decode the whole output so far, on a thread
+    beside the engine's steps): its text is decoded once, at the end, and equals what a stream's
+    bursts put together give (each burst decoding)."""
+    tok = tiny_tokenizer(64)
+    lengths, decode = [], tok.decode
+    tok.decode = lambda ids, **kw: lengths.append(len(ids)) or decode(ids, **kw)
+    dec = SpeculativeDecoder(_shared_model(None), tok, drafter="ngram", spec_length=4)
+    [r] = dec.generate_ids([PROMPTS[0]], max_new_tokens=N)
+    assert r.text == " ".join(f"t{t}" for t in plain) and r.stats.target_passes >= 3
+    assert lengths == [N]
+    lengths.clear()
+    stream = dec.stream_ids(PROMPTS[0], max_new_tokens=N)
+    chunks = list(stream)
+    assert "".join(c.text for c in chunks) == r.text == stream.result.text
+    assert len(lengths) > len([c for c in chunks if c.token_ids]) >= 3
+
+
 # -- sampled -------------------------------------------------------------------------------------
 
 SAMPLED_PROMPT = [3, 5, 3, 5, 3]

@@ -63,10 +63,14 @@ class Stream:
     """Iterate to get a request's output burst by burst (:class:`StreamChunk`); ``result`` holds the
     :class:`~specdraft.GenerationResult` once it has finished. ``close()`` (or leaving a ``with``
     block) stops the request at once if it is still running. Iteration raises the request's error
-    (a :class:`~specdraft.errors.DrafterError` naming the drafter, say) if it failed."""
+    (a :class:`~specdraft.errors.DrafterError` naming the drafter, say) if it failed.
 
-    def __init__(self, loop, seq: Sequence, tokenizer) -> None:
-        self._loop, self.seq = loop, seq
+    ``texts=False``: the bursts carry no text (each ``text`` is ""), for a reader that wants only the
+    result (whose text is whole): a burst's text decodes the whole output so far, and on a
+    machine with few cores that reader's decoding slows the engine's steps (:meth:`wait` reads so)."""
+
+    def __init__(self, loop, seq: Sequence, tokenizer, *, texts: bool = True) -> None:
+        self._loop, self.seq, self.texts = loop, seq, texts
         self._text = TextSoFar(tokenizer, seq.stop, min_tokens=seq.min_tokens, stop_token_ids=seq.stop_token_ids)
         self.result: GenerationResult | None = None
         self._done = False
@@ -85,6 +89,14 @@ class Stream:
             if chunk is not None:
                 return chunk
         raise StopIteration
+
+    def wait(self) -> GenerationResult:
+        """Wait for the end, making no bursts (so no text per burst); returns :attr:`result` (and
+        raises the request's error, as iteration does)."""
+        self.texts = False
+        while not self._done:
+            self._take(self.seq.events.get())
+        return self.result
 
     def poll(self) -> StreamChunk | None:
         """The next burst if one has arrived, else None, without waiting; raises StopIteration at
@@ -110,13 +122,13 @@ class Stream:
         if kind == "tokens":
             start, self._read = self._read, self._read + len(tokens)
             logprobs = None if seq.logprobs is None else seq.output_logprobs[start : self._read]
-            return StreamChunk(self._text.delta(seq.new_tokens), tokens, logprobs)
+            return StreamChunk(self._text.delta(seq.new_tokens) if self.texts else "", tokens, logprobs)
         self._done = True  # "done"
         if seq.error is not None:
             raise seq.error
         rest = self._text.delta(seq.new_tokens, seq.finish_reason)
         self.result = result_of(seq, self._text.emitted if self._text.tokenizer is not None else None)
-        if rest:
+        if rest and self.texts:
             return StreamChunk(rest, [], None if seq.logprobs is None else [])
         return None
 

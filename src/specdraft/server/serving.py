@@ -275,7 +275,9 @@ class GeneratingRoutes:
         self.metrics.record(stream.result, time.monotonic() - started, "abort")
 
     async def run_to_end(self, request: Request, stream, started: float):
-        """Read the stream to its end; the client going away closes it (None is returned)."""
+        """Read the stream to its end; the client going away closes it (None is returned). Its
+        bursts carry no text: only the result's is replied."""
+        stream.texts = False
         done, error = False, None
         try:
             async with anyio.create_task_group() as group:
