@@ -330,14 +330,27 @@ def process_logits(logits: "torch.Tensor", params: Params, counts: TokenCounts |
     return logits
 
 
+def argmax(logits: "torch.Tensor") -> "torch.Tensor":
+    """``logits.argmax(-1)``: the first index of the largest entry ``# [...]`` of ``logits # [...,
+    vocab]``. On a CPU, bfloat16 and float16 logits are widened to float32 first: the same index
+    (widening is exact, so order, ties and NaNs stay as they were), and torch's own reduction over
+    half-width entries is five times slower there (0.17 ms against 0.03 ms a row of 49,152 on an
+    AMD EPYC: 2% of the default model's step)."""
+    import torch
+
+    if logits.device.type == "cpu" and logits.dtype in (torch.bfloat16, torch.float16):
+        logits = logits.float()
+    return logits.argmax(-1)
+
+
 def greedy_tokens(logits: "torch.Tensor", params: Params, counts: TokenCounts | None = None) -> "torch.Tensor":
     """Greedy decoding's choice ``# [...]``: the argmax of the penalized logits ``# [..., vocab]``
     (of the logits as they are when no penalty is on, so ties break as plain decoding's do)."""
     if isinstance(params, RowSampling):
         return _per_row(greedy_tokens, logits, params, counts)
     if not params.penalized:
-        return logits.argmax(-1)
-    return penalize(logits, params, counts).argmax(-1)
+        return argmax(logits)
+    return argmax(penalize(logits, params, counts))
 
 
 def logits_to_probs(logits: "torch.Tensor", params: Params, counts: TokenCounts | None = None) -> "torch.Tensor":

@@ -145,3 +145,21 @@ def test_logits_to_probs_filters():
     assert (logits_to_probs(logits, SamplingParams(temperature=1.0, top_p=0.01))[0] > 0).sum() == 1
     hot = logits_to_probs(logits, SamplingParams(temperature=0.5))
     assert torch.allclose(hot, (logits / 0.5).softmax(-1))
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16, torch.float32])
+def test_the_greedy_argmax_is_torchs_first_largest_with_ties_and_nans(dtype):
+    """``sampling.argmax`` (half-width logits widened on a CPU) picks what ``Tensor.argmax`` picks:
+    the first of tied largest entries (common in bfloat16), a NaN if any, over rows of a real vocabulary."""
+    from specdraft.sampling import argmax
+
+    g = torch.Generator().manual_seed(0)
+    logits = (torch.randn(3, 5, 49152, generator=g) * 2).round().to(dtype)  # rounded: ties at the top
+    logits[0, 1, 17] = logits[0, 1, 40000] = logits[0, 1].max() + 1  # a tie: the first wins
+    logits[1, 2, 30000] = float("nan")
+    logits[2, 0, :] = float("-inf")
+    chosen = argmax(logits)
+    assert torch.equal(chosen, logits.argmax(-1))
+    assert chosen[0, 1] == 17 and chosen[1, 2] == 30000 and chosen[2, 0] == 0
+    ties = (logits == logits.max(-1, keepdim=True).values).sum(-1)
+    assert int((ties > 1).sum()) >= 8  # the ties were really there

@@ -22,7 +22,7 @@ from dataclasses import dataclass
 
 import torch
 
-from ..sampling import RowSampling, TokenCounts, greedy_tokens, logits_to_probs
+from ..sampling import RowSampling, TokenCounts, argmax, greedy_tokens, logits_to_probs
 from ..types import TargetRunner
 from .chain import greedy_accept, rejection_sample
 from .proposal import DEBUG, Proposal, empty_proposal, make_proposal
@@ -140,7 +140,7 @@ def _greedy_chain(logits: torch.Tensor, hidden: torch.Tensor | None, token_ids: 
     """Greedy acceptance of a chain from its pass's ``logits # [batch, width + 1, vocab]``, as
     :func:`accept` does it for greedy rows without penalties: ``(num_accepted, next_token)``, and
     ``hidden`` when the pass gave states."""
-    num_accepted, next_token = greedy_accept(token_ids, lengths, logits.argmax(-1))
+    num_accepted, next_token = greedy_accept(token_ids, lengths, argmax(logits))
     return (num_accepted, next_token) + (() if hidden is None else (hidden,))
 
 
