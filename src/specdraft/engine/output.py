@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import re
+import weakref
 from typing import Sequence
 
 from ..types import GenerationResult
@@ -20,6 +22,48 @@ def stop_floor(tokenizer, token_ids: list[int], min_tokens: int) -> int:
     if min_tokens <= 1:
         return 0
     return len(tokenizer.decode(token_ids[: min_tokens - 1], skip_special_tokens=True))
+
+
+def cleans_up_spaces(tokenizer) -> bool:
+    """Whether the tokenizer's decoding takes out spaces before punctuation and clitics
+    (transformers' ``clean_up_tokenization_spaces``, or a decoder with ``cleanup``, as BERT's
+    WordPiece): then a later token can rewrite the end of the text before it (``they '`` and
+    ``ve`` decode to ``they've``)."""
+    if getattr(tokenizer, "clean_up_tokenization_spaces", False):
+        return True
+    decoder = getattr(getattr(tokenizer, "backend_tokenizer", None), "decoder", None)
+    try:
+        return b'"cleanup":true' in decoder.__getstate__()
+    except Exception:  # noqa: BLE001 - no backend decoder to ask (a slow tokenizer): it does not
+        return False
+
+
+#: byte-fallback tokens' strings (SentencePiece's ``<0xE6>``)
+_BYTE_TOKEN = re.compile(r"<0x[0-9A-F]{2}>")
+_byte_ids: "weakref.WeakKeyDictionary" = weakref.WeakKeyDictionary()
+
+
+def byte_fallback_ids(tokenizer) -> frozenset[int]:
+    """The ids of a byte-fallback decoder's byte tokens (Llama 2's, Mistral's ``<0x..>``; empty
+    for other decoders): a run of them decodes as one, so a later byte can rewrite the text of
+    those before it (a whole character and the first byte of the next decode to one ``\ufffd``
+    per byte until the next completes it)."""
+    try:
+        return _byte_ids[tokenizer]
+    except (KeyError, TypeError):
+        pass
+    decoder = getattr(getattr(tokenizer, "backend_tokenizer", None), "decoder", None)
+    try:
+        falls_back = b'"ByteFallback"' in decoder.__getstate__()
+    except Exception:  # noqa: BLE001 - no backend decoder to ask (a slow tokenizer)
+        falls_back = False
+    ids = frozenset(i for t, i in tokenizer.get_vocab().items() if _BYTE_TOKEN.fullmatch(t)) if falls_back \
+        else frozenset()
+    try:
+        _byte_ids[tokenizer] = ids
+    except TypeError:  # not weakly referable: computed each time
+        pass
+    return ids
 
 
 def first_stop(text: str, stop: Sequence[str], floor: int = 0) -> int | None:

@@ -7,7 +7,7 @@ from typing import Sequence as Seq
 
 from ..types import GenerationResult, TokenLogprob
 from .sequence import Sequence, Status
-from .output import INCOMPLETE, first_stop, output_text, stop_floor
+from .output import INCOMPLETE, byte_fallback_ids, cleans_up_spaces, first_stop, output_text, stop_floor
 
 
 @dataclass
@@ -24,13 +24,38 @@ class StreamChunk:
 
 class TextSoFar:
     """Text deltas of a growing token list whose concatenation is exactly the final text
-    (:func:`~specdraft.engine.output.output_text`): what could still change is held back."""
+    (:func:`~specdraft.engine.output.output_text`): what could still change is held back.
+
+    Each delta decodes only the tokens past those already settled (and :attr:`CONTEXT` before
+    them, for what the tokenizer makes of a boundary: a leading space, a character split over
+    tokens), as vLLM's incremental detokenizer does, not the whole output again: the text is
+    the settled text plus what that window adds to it. Where the window's text does not start
+    with its settled part's (a tokenizer's clean-up changed text across the boundary), the
+    whole output is decoded instead: the text is the whole output's decode wherever a later token
+    rewrites text at most :attr:`CONTEXT` tokens back (tests/engine/test_text_so_far.py holds it to
+    that on byte-level BPE, SentencePiece's byte fallback and clean-up's rewrites). A tokenizer
+    that cleans up spaces (:func:`~specdraft.engine.output.cleans_up_spaces`) can take one out of the
+    last three characters when the next token comes: those wait from their first space on; and a
+    run of byte-fallback tokens at the end (:func:`~specdraft.engine.output.byte_fallback_ids`)
+    waits for the token after it."""
+
+    #: tokens decoded again before the settled ones, for the tokenizer's context at the boundary
+    CONTEXT = 5
+    #: new tokens past the settled ones before they settle (each settling decodes its context once)
+    SETTLE = 16
 
     def __init__(self, tokenizer, stop: Seq[str] = (), *, min_tokens: int = 0, stop_token_ids: Seq[int] = ()) -> None:
         self.tokenizer, self.stop = tokenizer, tuple(stop)
         self.min_tokens, self.stop_token_ids = min_tokens, frozenset(stop_token_ids)
         self.emitted = ""
         self._floor: int | None = None  # stop_floor, once the tokens it reads are all there
+        self._cleans_up = tokenizer is not None and cleans_up_spaces(tokenizer)
+        held = frozenset() if tokenizer is None else byte_fallback_ids(tokenizer)
+        # with the special tokens, which decode to nothing: a byte run goes on past them
+        self._held = held | frozenset(tokenizer.all_special_ids) if held else held
+        # tokens[:_settled] decode to _settled_text (a prefix of every later decode, so far);
+        # tokens[_settled - CONTEXT:_settled] decode to _context_text
+        self._settled, self._settled_text, self._context_text = 0, "", ""
 
     def delta(self, tokens: list[int], finish_reason: str | None = None) -> str:
         if self.tokenizer is None:
@@ -41,14 +66,39 @@ class TextSoFar:
         else:
             if tokens and tokens[-1] in self.stop_token_ids:  # it ends the request, and is not in the text
                 tokens = tokens[:-1]
-            text = self.tokenizer.decode(tokens, skip_special_tokens=True).rstrip(INCOMPLETE)
+            end = len(tokens)
+            while end and tokens[end - 1] in self._held:  # a byte run's text is not final before its end
+                end -= 1
+            text = self.decode(tokens[:end]).rstrip(INCOMPLETE)
             if self.stop:  # never past a stop string, and its start may be at the end: hold that back
                 cut = first_stop(text, self.stop, self._stop_floor(tokens))
                 text = text[:cut] if cut is not None else text[: max(0, len(text) - max(len(s) for s in self.stop) + 1)]
+            if self._cleans_up:  # its patterns (" .", " 's", " ' ", " n't", ...) are at most four characters
+                space = text.find(" ", max(0, len(text) - 3))
+                text = text if space < 0 else text[:space]
         if not text.startswith(self.emitted):  # a tokenizer's clean-up changed earlier text: wait
             return ""
         out, self.emitted = text[len(self.emitted):], text
         return out
+
+    def decode(self, tokens: list[int]) -> str:
+        """``tokenizer.decode(tokens, skip_special_tokens=True)`` for a list that grew from the
+        last call's, decoding the tokens past the settled ones (see the class)."""
+        decode, settled = self.tokenizer.decode, self._settled
+        text = None
+        if 0 < settled <= len(tokens):
+            window = decode(tokens[max(0, settled - self.CONTEXT) :], skip_special_tokens=True)
+            if window.startswith(self._context_text):
+                text = self._settled_text + window[len(self._context_text) :]
+        if text is None:  # nothing settled yet, or the boundary's text changed: the whole output
+            text = decode(tokens, skip_special_tokens=True)
+            settled = 0
+        if len(tokens) - settled >= self.SETTLE and not text.endswith(INCOMPLETE):
+            self._settled, self._settled_text = len(tokens), text
+            self._context_text = decode(tokens[max(0, len(tokens) - self.CONTEXT) :], skip_special_tokens=True)
+        elif settled == 0:
+            self._settled = 0
+        return text
 
     def _stop_floor(self, tokens: list[int]) -> int:
         if self._floor is not None:
