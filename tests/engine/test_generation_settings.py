@@ -188,9 +188,9 @@ def test_text_without_the_stop_token_and_stop_strings_after_min_tokens(plain):
 
 
 def test_generate_decodes_its_text_once_and_a_stream_adds_up_to_it(plain):
-    """``generate`` makes no text per burst (each would decode the whole output so far, on a thread
-    beside the engine's steps): its text is decoded once, at the end, and equals what a stream's
-    bursts put together give (each burst decoding)."""
+    """``generate`` makes no text per burst (each a decode, on a thread beside the engine's steps):
+    its text is decoded once, at the end, and equals what a stream's bursts put together give
+    (each burst decoding)."""
     tok = tiny_tokenizer(64)
     lengths, decode = [], tok.decode
     tok.decode = lambda ids, **kw: lengths.append(len(ids)) or decode(ids, **kw)

@@ -116,8 +116,8 @@ class Stream:
     (a :class:`~specdraft.errors.DrafterError` naming the drafter, say) if it failed.
 
     ``texts=False``: the bursts carry no text (each ``text`` is ""), for a reader that wants only the
-    result (whose text is whole): a burst's text decodes the whole output so far, and on a
-    machine with few cores that reader's decoding slows the engine's steps (:meth:`wait` reads so)."""
+    result (whose text is whole), which then decodes its text once, at the end, on no thread beside
+    the engine's (:meth:`wait` reads so)."""
 
     def __init__(self, loop, seq: Sequence, tokenizer, *, texts: bool = True) -> None:
         self._loop, self.seq, self.texts = loop, seq, texts
