@@ -117,3 +117,13 @@ def test_the_deltas_add_up_to_the_final_text(tokenizer):
         assert streamed == output_text(tokenizer, tokens, "length")
         whole += len(streamed)
     assert early > 0.8 * whole  # streamed as it came, not held to the end
+
+
+def test_which_tokenizers_rewrite_text_already_decoded():
+    from specdraft.engine.output import byte_fallback_ids, cleans_up_spaces
+
+    assert cleans_up_spaces(word_pieces_with_clean_up()) and not cleans_up_spaces(byte_level_bpe())
+    assert not cleans_up_spaces(tiny_tokenizer(64)) and not cleans_up_spaces(object())
+    sp = sentencepiece_like()
+    assert byte_fallback_ids(sp) == frozenset(sp.convert_tokens_to_ids([f"<0x{b:02X}>" for b in range(256)]))
+    assert byte_fallback_ids(byte_level_bpe()) == frozenset() == byte_fallback_ids(object())

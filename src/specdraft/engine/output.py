@@ -29,13 +29,17 @@ def cleans_up_spaces(tokenizer) -> bool:
     (transformers' ``clean_up_tokenization_spaces``, or a decoder with ``cleanup``, as BERT's
     WordPiece): then a later token can rewrite the end of the text before it (``they '`` and
     ``ve`` decode to ``they've``)."""
-    if getattr(tokenizer, "clean_up_tokenization_spaces", False):
-        return True
+    return bool(getattr(tokenizer, "clean_up_tokenization_spaces", False)) or b'"cleanup":true' in _decoder(tokenizer)
+
+
+def _decoder(tokenizer) -> bytes:
+    """The tokenizer's decoder as its JSON (a fast tokenizer's ``backend_tokenizer.decoder``), or b""."""
     decoder = getattr(getattr(tokenizer, "backend_tokenizer", None), "decoder", None)
     try:
-        return b'"cleanup":true' in decoder.__getstate__()
-    except Exception:  # noqa: BLE001 - no backend decoder to ask (a slow tokenizer): it does not
-        return False
+        state = decoder.__getstate__()
+    except Exception:  # noqa: BLE001 - no backend decoder to ask (a slow tokenizer)
+        return b""
+    return state if isinstance(state, bytes) else b""
 
 
 #: byte-fallback tokens' strings (SentencePiece's ``<0xE6>``)
@@ -46,19 +50,14 @@ _byte_ids: "weakref.WeakKeyDictionary" = weakref.WeakKeyDictionary()
 def byte_fallback_ids(tokenizer) -> frozenset[int]:
     """The ids of a byte-fallback decoder's byte tokens (Llama 2's, Mistral's ``<0x..>``; empty
     for other decoders): a run of them decodes as one, so a later byte can rewrite the text of
-    those before it (a whole character and the first byte of the next decode to one ``\ufffd``
-    per byte until the next completes it)."""
+    those before it (a whole character and the first byte of the next decode to one U+FFFD per
+    byte until the next completes it)."""
     try:
         return _byte_ids[tokenizer]
     except (KeyError, TypeError):
         pass
-    decoder = getattr(getattr(tokenizer, "backend_tokenizer", None), "decoder", None)
-    try:
-        falls_back = b'"ByteFallback"' in decoder.__getstate__()
-    except Exception:  # noqa: BLE001 - no backend decoder to ask (a slow tokenizer)
-        falls_back = False
-    ids = frozenset(i for t, i in tokenizer.get_vocab().items() if _BYTE_TOKEN.fullmatch(t)) if falls_back \
-        else frozenset()
+    ids = frozenset(i for t, i in tokenizer.get_vocab().items() if _BYTE_TOKEN.fullmatch(t)) \
+        if b'"ByteFallback"' in _decoder(tokenizer) else frozenset()
     try:
         _byte_ids[tokenizer] = ids
     except TypeError:  # not weakly referable: computed each time
