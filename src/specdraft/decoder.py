@@ -372,7 +372,7 @@ class SpeculativeDecoder:
 
         each = self._each_prompt(settings, options, self._prompt_count(prompt_ids), text=False)
         seqs = self._sequences(self._check_prompt_ids(prompt_ids, each), each)
-        streams = [Stream(self._loop, s, self.tokenizer, texts=False) for s in seqs]
+        streams = [Stream(self._loop, s, self.tokenizer) for s in seqs]
         self._loop.submit(seqs, limit=False)
         try:
             for stream in streams:

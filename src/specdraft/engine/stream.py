@@ -84,20 +84,16 @@ class TextSoFar:
     def decode(self, tokens: list[int]) -> str:
         """``tokenizer.decode(tokens, skip_special_tokens=True)`` for a list that grew from the
         last call's, decoding the tokens past the settled ones (see the class)."""
-        decode, settled = self.tokenizer.decode, self._settled
-        text = None
-        if 0 < settled <= len(tokens):
-            window = decode(tokens[max(0, settled - self.CONTEXT) :], skip_special_tokens=True)
+        decode, text = self.tokenizer.decode, None
+        if 0 < self._settled <= len(tokens):
+            window = decode(tokens[max(0, self._settled - self.CONTEXT) :], skip_special_tokens=True)
             if window.startswith(self._context_text):
                 text = self._settled_text + window[len(self._context_text) :]
         if text is None:  # nothing settled yet, or the boundary's text changed: the whole output
-            text = decode(tokens, skip_special_tokens=True)
-            settled = 0
-        if len(tokens) - settled >= self.SETTLE and not text.endswith(INCOMPLETE):
+            text, self._settled = decode(tokens, skip_special_tokens=True), 0
+        if len(tokens) - self._settled >= self.SETTLE and not text.endswith(INCOMPLETE):
             self._settled, self._settled_text = len(tokens), text
             self._context_text = decode(tokens[max(0, len(tokens) - self.CONTEXT) :], skip_special_tokens=True)
-        elif settled == 0:
-            self._settled = 0
         return text
 
     def _stop_floor(self, tokens: list[int]) -> int:
@@ -115,12 +111,13 @@ class Stream:
     block) stops the request at once if it is still running. Iteration raises the request's error
     (a :class:`~specdraft.errors.DrafterError` naming the drafter, say) if it failed.
 
-    ``texts=False``: the bursts carry no text (each ``text`` is ""), for a reader that wants only the
-    result (whose text is whole), which then decodes its text once, at the end, on no thread beside
-    the engine's (:meth:`wait` reads so)."""
+    ``texts`` set False: the bursts carry no text (each ``text`` is ""), for a reader that wants
+    only the result (whose text is whole), which then decodes its text once, at the end (:meth:`wait`
+    reads so; the server's non-streamed replies too)."""
 
-    def __init__(self, loop, seq: Sequence, tokenizer, *, texts: bool = True) -> None:
-        self._loop, self.seq, self.texts = loop, seq, texts
+    def __init__(self, loop, seq: Sequence, tokenizer) -> None:
+        self._loop, self.seq = loop, seq
+        self.texts = True
         self._text = TextSoFar(tokenizer, seq.stop, min_tokens=seq.min_tokens, stop_token_ids=seq.stop_token_ids)
         self.result: GenerationResult | None = None
         self._done = False
