@@ -189,6 +189,28 @@ def test_rope_write_of_a_wide_pass_is_each_token_alone(dtype):
     assert bufs[0].any()
 
 
+@pytest.mark.parametrize("dtype", DTYPES + [torch.float64])
+@pytest.mark.parametrize("window", [None, 1, 3])
+def test_pass_tables_are_what_run_blocks_computes_in_torch(dtype, window):
+    """One call's positions, mask and rotary rows equal pass_positions', attention_mask's and
+    rope_lookup's, bit for bit: ragged starts, widths 1 to 5, a span past the pass's end."""
+    from specdraft.cache.static import attention_mask, pass_positions
+    from specdraft.runner.model import rope_lookup, rope_table
+
+    inv_freq = 1.0 / 10000 ** (torch.arange(0, 16, 2).float() / 16)
+    starts = torch.tensor([0, 5, 17])
+    for width in range(1, 6):
+        span = 17 + width + 4
+        table = rope_table(inv_freq, dtype, 64, starts.device)
+        positions, mask, cos, sin = ops.pass_tables(starts, width, span, table, window)
+        assert torch.equal(positions, pass_positions(starts, width))
+        assert torch.equal(mask, attention_mask(starts, width, span, window=window))
+        want_cos, want_sin = rope_lookup(inv_freq, positions, dtype, 64)
+        assert cos.dtype == dtype and torch.equal(cos, want_cos) and torch.equal(sin, want_sin)
+    with pytest.raises(RuntimeError, match="outside the rotary table"):
+        ops.pass_tables(torch.tensor([63]), 2, 70, table, None)
+
+
 def _sequential_products(x, weight, bias):
     """What ``specdraft_cpu::linear`` computes, one fused multiply-add at a time: per output, a float32
     sum over the inputs in order, each step rounded once (float32 products are exact in float64),

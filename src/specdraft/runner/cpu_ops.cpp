@@ -1,4 +1,4 @@
-// The decoder layer's glue and attention on CPU as five operators (specdraft_cpu::*), each one
+// The decoder layer's glue and attention on CPU as operators (specdraft_cpu::*: five for the layer, pass_tables around it), each one
 // loop over rows that computes a row the same way whatever else the call holds: row-invariant by
 // construction, like the Triton kernels of cuda_kernels.py. Built once per machine by
 // cpu_ops.py (torch's cpp_extension); see that module for what each one replaces.
@@ -599,6 +599,45 @@ inline int64_t attend(const float* qf, int64_t G, int64_t D, const T* keys, int6
         for (int64_t g = 0; g < G; ++g) weighted_sum<T>(scores + g * L, seen, n, D - i, acc + g * D + i);
     }
     return n;
+}
+
+// What a pass without a tree attends with, in one call (run_blocks' pass_positions, attention_mask and
+// rope_lookup: the same values, a tenth of their dispatch): starts # [B] long, each row's length
+// before the pass; table # [2, T, D], cos and sin at every position below T; window, a sliding
+// window of that many positions (the query's own included) or none. Returns positions # [B, W]
+// long (starts + 0..W-1), mask # [B, 1, W, span] bool (a query sees the positions at or before its
+// own, within the window) and cos, sin # [B, 1, W, D], the table's rows at the positions.
+std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> pass_tables(const at::Tensor& starts_, int64_t width,
+                                                                       int64_t span, const at::Tensor& table_,
+                                                                       c10::optional<int64_t> window) {
+    auto starts = starts_.to(at::kLong).contiguous();
+    auto table = table_.contiguous();
+    TORCH_CHECK(starts.dim() == 1 && table.dim() == 3 && table.size(0) == 2, "specdraft_cpu::pass_tables: shapes");
+    const int64_t B = starts.size(0), T = table.size(1), D = table.size(2);
+    auto positions = at::empty({B, width}, starts.options());
+    auto mask = at::empty({B, 1, width, span}, starts.options().dtype(at::kBool));
+    auto cos = at::empty({B, 1, width, D}, table.options());
+    auto sin = at::empty({B, 1, width, D}, table.options());
+    const int64_t row = D * table.element_size();
+    const char* pt = static_cast<const char*>(table.data_ptr());
+    const int64_t* ps = starts.data_ptr<int64_t>();
+    int64_t* pp = positions.data_ptr<int64_t>();
+    bool* pm = mask.data_ptr<bool>();
+    char* pc = static_cast<char*>(cos.data_ptr());
+    char* pn = static_cast<char*>(sin.data_ptr());
+    for (int64_t b = 0; b < B; ++b) {
+        for (int64_t w = 0; w < width; ++w) {
+            const int64_t i = b * width + w, p = ps[b] + w;
+            TORCH_CHECK(p >= 0 && p < T, "specdraft_cpu::pass_tables: position ", p, " outside the rotary table of ", T);
+            pp[i] = p;
+            const int64_t first = window.has_value() ? std::max<int64_t>(p - *window + 1, 0) : 0;
+            bool* visible = pm + i * span;
+            for (int64_t c = 0; c < span; ++c) visible[c] = c <= p && c >= first;
+            std::memcpy(pc + i * row, pt + p * row, row);
+            std::memcpy(pn + i * row, pt + (T + p) * row, row);
+        }
+    }
+    return {positions, mask, cos, sin};
 }
 
 // Attention of q # [B, H, W, D] over the cache buffers k_buf, v_buf # [slots, kvH, L, D] of the
@@ -1440,6 +1479,7 @@ TORCH_LIBRARY(specdraft_cpu, m) {
           "Tensor positions, int heads, int kv_heads) -> Tensor");
     m.def("attention(Tensor q, Tensor k_buf, Tensor v_buf, Tensor slot, Tensor mask, float scale, "
           "Tensor? order) -> Tensor");
+    m.def("pass_tables(Tensor starts, int width, int span, Tensor table, int? window) -> (Tensor, Tensor, Tensor, Tensor)");
     m.def("linear(Tensor x, Tensor panels, Tensor? bias, int out_features) -> Tensor");
     m.def("block_linear(Tensor x, Tensor q, Tensor d, Tensor? mn, Tensor? bias, int out_features) -> Tensor");
     m.def("copy_choose(Tensor small, Tensor hidden, Tensor ids, Tensor lengths, Tensor? slot, Tensor? head_ids, "
@@ -1460,6 +1500,7 @@ TORCH_LIBRARY_IMPL(specdraft_cpu, CPU, m) {
     m.impl("silu_mul", &silu_mul);
     m.impl("rope_write", &rope_write);
     m.impl("attention", &attention);
+    m.impl("pass_tables", &pass_tables);
     m.impl("linear", &linear);
     m.impl("block_linear", &block_linear);
     m.impl("decoder_layer", &decoder_layer);

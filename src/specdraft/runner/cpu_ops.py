@@ -16,6 +16,10 @@ construction, as the products of :mod:`.kernels` are by check):
   tree pass's positions in the order its one-token step meets them;
 * ``silu_mul(g) -> silu(gate) * up`` of the fused gate/up product.
 
+and around the layers, ``pass_tables(starts, width, span, table, window) -> (positions, mask, cos,
+sin)``: what a pass without a tree attends with, in one call (:data:`PASS_TABLES`, read by
+:func:`~.model.run_blocks`).
+
 With the four products (:class:`~specdraft.runner.kernels.PackedLinear`) a layer dispatches ten
 operators that do work. Arithmetic is float32 with each output rounded once to the model's dtype
 (float32, bfloat16, float16); float64 models keep torch's operators (the parity tests' dtype).
@@ -46,6 +50,9 @@ FLAGS = ["-O3", "-march=native", "-fopenmp"]
 NO_OPENMP = "no-openmp"
 #: why the extension runs on one thread ("" when it runs on torch's threads); set by :func:`load`
 ONE_THREAD = ""
+#: ``specdraft_cpu::pass_tables`` once :func:`load` has loaded the extension (what
+#: :func:`~.model.run_blocks` computes a pass's positions, mask and rotary rows with on CPU), else None
+PASS_TABLES = None
 #: dtypes the operators serve
 DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 
@@ -56,7 +63,9 @@ def load() -> str:
     registered, else why not (no compiler, a build error, ``SPECDRAFT_CPU_OPS=torch``)."""
     if os.environ.get("SPECDRAFT_CPU_OPS", "").lower() == "torch":
         return "SPECDRAFT_CPU_OPS=torch"
+    global ONE_THREAD, PASS_TABLES
     if hasattr(torch.ops, "specdraft_cpu") and hasattr(torch.ops.specdraft_cpu, "attention"):
+        PASS_TABLES = torch.ops.specdraft_cpu.pass_tables.default
         return ""
     from ..models import cache_dir
 
@@ -68,7 +77,6 @@ def load() -> str:
     except Exception as exc:  # noqa: BLE001
         return f"the C++ extension cannot be built here ({_first_error(exc)}); torch's operators run instead"
 
-    global ONE_THREAD
     errors: list[str] = []
     threaded = _build_dir(FLAGS, cache_dir())
     for flags in (FLAGS, [f for f in FLAGS if f != "-fopenmp"]):  # a compiler without OpenMP: one thread, still built
@@ -93,6 +101,7 @@ def load() -> str:
         (threaded / NO_OPENMP).write_text(errors[0])
         ONE_THREAD = f"built without OpenMP ({errors[0][:120]})"
     _register_fakes()
+    PASS_TABLES = torch.ops.specdraft_cpu.pass_tables.default
     return ""
 
 
@@ -132,6 +141,12 @@ def _register_fakes() -> None:
     @torch.library.register_fake(lib + "attention")
     def _(q, k_buf, v_buf, slot, mask, scale, order):
         return q.new_empty(q.shape[0], q.shape[2], q.shape[1] * q.shape[3])
+
+    @torch.library.register_fake(lib + "pass_tables")
+    def _(starts, width, span, table, window):
+        rows, dim = starts.shape[0], table.shape[2]
+        return (starts.new_empty(rows, width), starts.new_empty(rows, 1, width, span, dtype=torch.bool),
+                table.new_empty(rows, 1, width, dim), table.new_empty(rows, 1, width, dim))
 
     @torch.library.register_fake(lib + "linear")
     def _(x, panels, bias, out_features):

@@ -26,6 +26,7 @@ from torch import nn
 from torch.utils.weak import WeakIdKeyDictionary
 
 from ..cache.static import KVCache, attention_mask, pass_positions, write_kv
+from . import cpu_ops
 from .kernels import decode_attention, decode_attention_applies, tree_attention, tree_order
 
 
@@ -140,12 +141,18 @@ def rope_lookup(inv_freq: torch.Tensor, positions: torch.Tensor, dtype: torch.dt
 
     A table is made again only when ``length`` (a cache's) grows, which reallocates the cache and
     so makes its runner capture its CUDA graphs again (their warm-up makes the table first)."""
-    table = _ROPE_TABLES.get(inv_freq)
-    if table is None or table.shape[1] < length or table.dtype != dtype or table.device != positions.device:
-        cos, sin = rope_tables(inv_freq, torch.arange(length, device=positions.device)[None], dtype)
-        table = _ROPE_TABLES[inv_freq] = torch.stack([cos[0, 0], sin[0, 0]])  # [2, length, head_dim]
-    cos, sin = table[:, positions][:, :, None]  # one gather, [2, B, 1, W, head_dim]
+    cos, sin = rope_table(inv_freq, dtype, length, positions.device)[:, positions][:, :, None]  # [2, B, 1, W, head_dim]
     return cos, sin
+
+
+def rope_table(inv_freq: torch.Tensor, dtype: torch.dtype, length: int, device) -> torch.Tensor:
+    """:func:`rope_lookup`'s cos and sin tables side by side for every position below ``length`` (at
+    least), made once per ``inv_freq``, dtype and device.  # [2, T, head_dim], T >= length"""
+    table = _ROPE_TABLES.get(inv_freq)
+    if table is None or table.shape[1] < length or table.dtype != dtype or table.device != device:
+        cos, sin = rope_tables(inv_freq, torch.arange(length, device=device)[None], dtype)
+        table = _ROPE_TABLES[inv_freq] = torch.stack([cos[0, 0], sin[0, 0]])  # [2, length, head_dim]
+    return table
 
 
 def rotate_half(x: torch.Tensor) -> torch.Tensor:
@@ -305,11 +312,15 @@ def run_blocks(blocks, x: torch.Tensor, cache: KVCache, rows: torch.Tensor | Non
     batch, width = x.shape[:2]
     span = cache.max_len if span is None else span
     starts = cache.starts(rows)  # [B]
-    positions = pass_positions(starts, width)  # [B, W]
-    mask = attention_mask(starts, width, span, tree_mask, window, depths, positions)  # [B, 1, W, span]
-    rotated = positions if depths is None else starts[:, None] + depths  # [B, W]
     # every position a pass writes (or rotates a tree's token to) is below the cache's length
-    cos, sin = rope_lookup(inv_freq, rotated, x.dtype, cache.max_len)  # [B, 1, W, head_dim]
+    if tree_mask is None and depths is None and x.device.type == "cpu" and cpu_ops.PASS_TABLES is not None:
+        table = rope_table(inv_freq, x.dtype, cache.max_len, x.device)  # the next three in one call
+        positions, mask, cos, sin = cpu_ops.PASS_TABLES(starts, width, span, table, window)
+    else:
+        positions = pass_positions(starts, width)  # [B, W]
+        mask = attention_mask(starts, width, span, tree_mask, window, depths, positions)  # [B, 1, W, span]
+        rotated = positions if depths is None else starts[:, None] + depths  # [B, W]
+        cos, sin = rope_lookup(inv_freq, rotated, x.dtype, cache.max_len)  # [B, 1, W, head_dim]
     order = tree_order(mask) if tree_mask is not None and width <= CUDA_DECODE_WIDTH else None  # [B, W, span]
     slot = torch.arange(cache.slots, device=x.device) if rows is None else rows  # [B]
     if layers_fn is not None:
