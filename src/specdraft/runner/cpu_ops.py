@@ -228,6 +228,8 @@ class PanelLinear(torch.nn.Module):
         self.register_buffer("bias", None if linear.bias is None else linear.bias.detach().clone())
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if x.dim() == 2:  # [rows, in] already: a drafter's head, one row per sequence
+            return torch.ops.specdraft_cpu.linear(x, self.panels, self.bias, self.out_features)
         flat = x.reshape(-1, self.in_features)  # [rows, in]
         out = torch.ops.specdraft_cpu.linear(flat, self.panels, self.bias, self.out_features)
         return out.reshape(*x.shape[:-1], self.out_features)
