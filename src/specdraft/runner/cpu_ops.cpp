@@ -1,6 +1,7 @@
-// The decoder layer's glue and attention on CPU as operators (specdraft_cpu::*: five for the layer, pass_tables around it), each one
-// loop over rows that computes a row the same way whatever else the call holds: row-invariant by
-// construction, like the Triton kernels of cuda_kernels.py. Built once per machine by
+// The decoder layer's glue and attention on CPU as operators (specdraft_cpu::*: five for the
+// layer, pass_tables around it), each one loop over rows that computes a row the same way
+// whatever else the call holds: row-invariant by construction, like the Triton kernels of
+// cuda_kernels.py. Built once per machine by
 // cpu_ops.py (torch's cpp_extension); see that module for what each one replaces.
 //
 // Arithmetic: float32 throughout, inputs widened from the tensor's dtype (float32, bfloat16 or

@@ -60,12 +60,21 @@ DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 @functools.lru_cache(maxsize=1)
 def load() -> str:
     """Build (once per machine and source) and load the extension; ``""`` when its operators are
-    registered, else why not (no compiler, a build error, ``SPECDRAFT_CPU_OPS=torch``)."""
+    registered (and :data:`PASS_TABLES` set), else why not (no compiler, a build error,
+    ``SPECDRAFT_CPU_OPS=torch``)."""
+    global PASS_TABLES
+    reason = _load()
+    if not reason:
+        PASS_TABLES = torch.ops.specdraft_cpu.pass_tables.default
+    return reason
+
+
+def _load() -> str:
+    """:func:`load`'s work: the extension registered, or why not."""
     if os.environ.get("SPECDRAFT_CPU_OPS", "").lower() == "torch":
         return "SPECDRAFT_CPU_OPS=torch"
-    global ONE_THREAD, PASS_TABLES
+    global ONE_THREAD
     if hasattr(torch.ops, "specdraft_cpu") and hasattr(torch.ops.specdraft_cpu, "attention"):
-        PASS_TABLES = torch.ops.specdraft_cpu.pass_tables.default
         return ""
     from ..models import cache_dir
 
@@ -101,7 +110,6 @@ def load() -> str:
         (threaded / NO_OPENMP).write_text(errors[0])
         ONE_THREAD = f"built without OpenMP ({errors[0][:120]})"
     _register_fakes()
-    PASS_TABLES = torch.ops.specdraft_cpu.pass_tables.default
     return ""
 
 

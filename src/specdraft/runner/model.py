@@ -314,7 +314,7 @@ def run_blocks(blocks, x: torch.Tensor, cache: KVCache, rows: torch.Tensor | Non
     starts = cache.starts(rows)  # [B]
     # every position a pass writes (or rotates a tree's token to) is below the cache's length
     if tree_mask is None and depths is None and x.device.type == "cpu" and cpu_ops.PASS_TABLES is not None:
-        table = rope_table(inv_freq, x.dtype, cache.max_len, x.device)  # the next three in one call
+        table = rope_table(inv_freq, x.dtype, cache.max_len, x.device)  # what the branch below computes, in one call
         positions, mask, cos, sin = cpu_ops.PASS_TABLES(starts, width, span, table, window)
     else:
         positions = pass_positions(starts, width)  # [B, W]
