@@ -286,6 +286,15 @@ def test_panels_replace_float32_products_and_bfloat16_ones_without_amx(monkeypat
     assert not cpu_ops.panels_apply(torch.nn.Linear(16, 8).double())  # float64: torch's products
 
 
+def test_a_prefetch_setting_the_products_would_not_understand_is_refused(monkeypatch):
+    for value in ("T0", "T1"):
+        monkeypatch.setenv(cpu_ops.PREFETCH_ENV, value)
+        cpu_ops.check_prefetch_env()
+    monkeypatch.setenv(cpu_ops.PREFETCH_ENV, "t1")
+    with pytest.raises(ValueError, match="T0 .* or T1"):
+        cpu_ops.check_prefetch_env()
+
+
 def test_compiled_panel_products_equal_eager():
     torch.manual_seed(2)
     panel = cpu_ops.PanelLinear(torch.nn.Linear(64, 40))

@@ -13,10 +13,12 @@
 
 #include <algorithm>
 #include <cmath>
+#include <cstdlib>
 #include <cstring>
 #if defined(__AVX512F__) || (defined(__AVX2__) && defined(__FMA__))
 #include <immintrin.h>
 #endif
+#include <string>
 #include <tuple>
 #include <type_traits>
 #include <vector>
@@ -30,6 +32,28 @@ constexpr int64_t ROW_GRAIN = 8;
 // alone stops at each 4 KiB page and ramps up again; 2 KiB ahead took a whole step's one-row
 // products from 14.7 to 16.3 GB/s on a 2-core Xeon (family 6 model 85; 4 KiB and 8 KiB gained less)
 constexpr int64_t PREFETCH_BYTES = 2048;
+
+#if defined(__AVX512F__) || (defined(__AVX2__) && defined(__FMA__))
+// where those prefetches land: L1 (_MM_HINT_T0) on Intel, as measured above; L2 (_MM_HINT_T1) on AMD:
+// on a 2-core Zen 4 EPYC (family 25 model 17) a step's 121 one-row bfloat16 products took 12.4-15.1
+// ms (medians, three processes) prefetching into L1 and 8.5-12.0 into L2, the step 13.4 ms against
+// 12.3 (docs/benchmarks.md); SPECDRAFT_PREFETCH=T0 or T1 chooses instead, to measure it
+inline bool prefetch_to_l2() {
+    static const bool l2 = [] {
+        if (const char* v = std::getenv("SPECDRAFT_PREFETCH")) return std::string(v) == "T1";
+        __builtin_cpu_init();
+        return static_cast<bool>(__builtin_cpu_is("amd"));
+    }();
+    return l2;
+}
+
+inline void prefetch_line(const void* line, bool l2) {
+    if (l2)
+        _mm_prefetch(reinterpret_cast<const char*>(line), _MM_HINT_T1);
+    else
+        _mm_prefetch(reinterpret_cast<const char*>(line), _MM_HINT_T0);
+}
+#endif
 
 // the dtype's value as a float32 (bfloat16: its bits shifted, which the compiler vectorises)
 inline float widen(float v) { return v; }
@@ -764,11 +788,12 @@ inline void panel_tile(const float* x, int64_t K, const T* p, T* out, int64_t N,
         for (int j = 0; j < NB; ++j) acc[m][j] = v16_zero();
     const int64_t ps = K * LANES;
     constexpr int64_t per_line = 64 / (LANES * sizeof(T));  // k steps per cache line of a panel
+    const bool l2 = prefetch_to_l2();
     for (int64_t k = 0; k < K; ++k) {
         V16 w[NB];
         if (k % per_line == 0)  // each panel's line PREFETCH_BYTES ahead (the next panel's, near its end)
             for (int j = 0; j < NB; ++j)
-                _mm_prefetch(reinterpret_cast<const char*>(p + j * ps + k * LANES) + PREFETCH_BYTES, _MM_HINT_T0);
+                prefetch_line(reinterpret_cast<const char*>(p + j * ps + k * LANES) + PREFETCH_BYTES, l2);
         for (int j = 0; j < NB; ++j) w[j] = load16(p + j * ps + k * LANES);
         for (int m = 0; m < MB; ++m) {
             const V16 xb = v16_set1(x[m * K + k]);
@@ -858,11 +883,12 @@ inline void pair_tile(const uint32_t* xs, int64_t K2, const c10::BFloat16* p, c1
     for (int m = 0; m < MB; ++m)
         for (int j = 0; j < NB; ++j) acc[m][j] = _mm512_setzero_ps();
     const int64_t ps = K2 * 2 * LANES;  // a panel's bfloat16 values
+    const bool l2 = prefetch_to_l2();
     for (int64_t i = 0; i < K2; ++i) {  // one 64-byte line of each panel a pair
         __m512bh w[NB];
         for (int j = 0; j < NB; ++j) {
             const c10::BFloat16* line = p + j * ps + i * 2 * LANES;
-            _mm_prefetch(reinterpret_cast<const char*>(line) + PREFETCH_BYTES, _MM_HINT_T0);
+            prefetch_line(reinterpret_cast<const char*>(line) + PREFETCH_BYTES, l2);
             w[j] = (__m512bh)_mm512_loadu_si512(line);
         }
         for (int m = 0; m < MB; ++m) {

@@ -73,6 +73,7 @@ def _load() -> str:
     """:func:`load`'s work: the extension registered, or why not."""
     if os.environ.get("SPECDRAFT_CPU_OPS", "").lower() == "torch":
         return "SPECDRAFT_CPU_OPS=torch"
+    check_prefetch_env()
     global ONE_THREAD
     if hasattr(torch.ops, "specdraft_cpu") and hasattr(torch.ops.specdraft_cpu, "attention"):
         return ""
@@ -111,6 +112,19 @@ def _load() -> str:
         ONE_THREAD = f"built without OpenMP ({errors[0][:120]})"
     _register_fakes()
     return ""
+
+
+#: ``T0`` or ``T1``: where the panel products' software prefetches land, L1 or L2, instead of the
+#: choice by vendor (L2 on AMD, L1 elsewhere: see ``prefetch_to_l2`` in cpu_ops.cpp); to measure it
+PREFETCH_ENV = "SPECDRAFT_PREFETCH"
+
+
+def check_prefetch_env() -> None:
+    """Refuse a :data:`PREFETCH_ENV` the products would not understand (the C++ side reads it)."""
+    value = os.environ.get(PREFETCH_ENV)
+    if value is not None and value not in ("T0", "T1"):
+        raise ValueError(f"{PREFETCH_ENV}={value!r}: set it to T0 (the products prefetch into L1) or T1 (into L2), "
+                         "or unset it to choose by the processor's vendor")
 
 
 def _build_dir(flags: list[str], cache: Path) -> Path:
