@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import collections
 import copy
+import os
 
 import pytest
 import torch
@@ -293,6 +294,19 @@ def test_a_prefetch_setting_the_products_would_not_understand_is_refused(monkeyp
     monkeypatch.setenv(cpu_ops.PREFETCH_ENV, "t1")
     with pytest.raises(ValueError, match="T0 .* or T1"):
         cpu_ops.check_prefetch_env()
+
+
+@pytest.mark.skipif(cpu_ops.vector_bits() == 0, reason="the scalar build does not prefetch")
+def test_the_prefetch_setting_chooses_where_the_products_prefetch():
+    """Chosen by the vendor, or by the setting (read once per process, so each in a process of its own)."""
+    import subprocess
+    import sys
+
+    code = "import torch; from specdraft.runner import cpu_ops; cpu_ops.load(); print(torch.ops.specdraft_cpu.prefetch_level())"
+    for value, level in (("T0", "1"), ("T1", "2")):
+        env = {**os.environ, cpu_ops.PREFETCH_ENV: value}
+        out = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, check=True)
+        assert out.stdout.strip() == level, (value, out.stdout, out.stderr[-500:])
 
 
 def test_compiled_panel_products_equal_eager():

@@ -1494,10 +1494,21 @@ int64_t vector_bits() {
 #endif
 }
 
+// the cache level the panel products prefetch their weights into: 1, 2 (see prefetch_to_l2), or 0
+// (the scalar loop, which does not prefetch)
+int64_t prefetch_level() {
+#if defined(SPECDRAFT_V16)
+    return prefetch_to_l2() ? 2 : 1;
+#else
+    return 0;
+#endif
+}
+
 }  // namespace
 
 TORCH_LIBRARY(specdraft_cpu, m) {
     m.def("vector_bits() -> int", &vector_bits);
+    m.def("prefetch_level() -> int", &prefetch_level);
     m.def("bf16_pairs(int inputs) -> bool", &bf16_pairs);
     m.def("rms_norm(Tensor x, Tensor weight, float eps) -> Tensor");
     m.def("add_rms_norm(Tensor x, Tensor y, Tensor weight, float eps) -> (Tensor, Tensor)");

@@ -297,8 +297,9 @@ def use(model) -> dict:
         model.fused_layers = fused_layers(model.layers)
         whole = len(model.layers) if model.fused_layers is not None else 0
     report = {"cpu_ops": f"yes, on one thread: {ONE_THREAD}" if ONE_THREAD else "yes"}
+    level = int(ops.prefetch_level())  # where the panel products' prefetches land (PREFETCH_ENV)
     return report | ({"fused_layers": fused} if fused else {}) | ({"layers_in_one_call": whole} if whole else {}) | \
-        ({"huge_pages": pages} if pages else {})
+        ({"huge_pages": pages} if pages else {}) | ({"prefetch": f"L{level}"} if level else {})
 
 
 #: 2 MiB: the size of a transparent huge page on x86-64 and arm64 Linux
