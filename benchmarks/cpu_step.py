@@ -70,7 +70,7 @@ def measure(mode: str, context: int, reps: int, dtype: str | None = None) -> dic
             class Count(TorchDispatchMode):
                 def __init__(self):
                     super().__init__()
-                    self.work, self.step, self.on, self.blocks = collections.Counter(), collections.Counter(), False, 0
+                    self.work, self.step, self.on, self.in_python = collections.Counter(), collections.Counter(), False, False
 
                 def __torch_dispatch__(self, func, types, a=(), kw=None):
                     r = func._schema.returns
@@ -81,7 +81,7 @@ def measure(mode: str, context: int, reps: int, dtype: str | None = None) -> dic
                     return func(*a, **(kw or {}))
 
             def enter(*_):
-                count.on, count.blocks = True, count.blocks + 1
+                count.on = count.in_python = True
 
             count = Count()
             hooks = [h for block in runner.model.layers for h in (
@@ -94,7 +94,7 @@ def measure(mode: str, context: int, reps: int, dtype: str | None = None) -> dic
                 h.remove()
             out["ops_per_step"] = sum(count.step.values())
             # every layer in one operator (specdraft_cpu::decoder_layers): no block is called from Python
-            out["ops_per_layer"] = round(sum(count.work.values()) / args.n_layers, 1) if count.blocks else "one call"
+            out["ops_per_layer"] = round(sum(count.work.values()) / args.n_layers, 1) if count.in_python else "one call"
     return out
 
 

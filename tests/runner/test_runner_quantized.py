@@ -20,12 +20,12 @@ def _plain(model, prompts, n, quantize="int8", **kw):
     return [r.token_ids for r in dec.generate_ids(prompts, max_new_tokens=n)]
 
 
-
 def _cpu_ops() -> dict:
     """What the runner's kernels say of specdraft's C++ operators here: built, and where the
     products prefetch (by the processor's vendor)."""
     level = int(torch.ops.specdraft_cpu.prefetch_level())
     return {"cpu_ops": "yes"} | ({"prefetch": f"L{level}"} if level else {})
+
 
 @pytest.mark.parametrize("quantize", ["int8", "int4"])
 @pytest.mark.parametrize("drafter", ["ngram", "prompt-lookup"])

@@ -33,28 +33,6 @@ constexpr int64_t ROW_GRAIN = 8;
 // products from 14.7 to 16.3 GB/s on a 2-core Xeon (family 6 model 85; 4 KiB and 8 KiB gained less)
 constexpr int64_t PREFETCH_BYTES = 2048;
 
-#if defined(__AVX512F__) || (defined(__AVX2__) && defined(__FMA__))
-// where those prefetches land: L1 (_MM_HINT_T0) on Intel, as measured above; L2 (_MM_HINT_T1) on AMD:
-// on a 2-core Zen 4 EPYC (family 25 model 17) a step's 121 one-row bfloat16 products took 12.4-15.1
-// ms (medians, three processes) prefetching into L1 and 8.5-12.0 into L2, the step 13.4 ms against
-// 12.3 (docs/benchmarks.md); SPECDRAFT_PREFETCH=T0 or T1 chooses instead, to measure it
-inline bool prefetch_to_l2() {
-    static const bool l2 = [] {
-        if (const char* v = std::getenv("SPECDRAFT_PREFETCH")) return std::string(v) == "T1";
-        __builtin_cpu_init();
-        return static_cast<bool>(__builtin_cpu_is("amd"));
-    }();
-    return l2;
-}
-
-inline void prefetch_line(const void* line, bool l2) {
-    if (l2)
-        _mm_prefetch(reinterpret_cast<const char*>(line), _MM_HINT_T1);
-    else
-        _mm_prefetch(reinterpret_cast<const char*>(line), _MM_HINT_T0);
-}
-#endif
-
 // the dtype's value as a float32 (bfloat16: its bits shifted, which the compiler vectorises)
 inline float widen(float v) { return v; }
 inline float widen(c10::Half v) { return static_cast<float>(v); }
@@ -121,6 +99,29 @@ inline __m128 halves16(V16 v) {  // lanes i + 8 and i, then i + 4 and i
     return _mm_add_ps(_mm256_castps256_ps128(s), _mm256_extractf128_ps(s, 1));
 }
 inline float reduce16(V16 v) { return sum4_tree(halves16(v)); }
+#endif
+
+#if defined(SPECDRAFT_V16)
+// where the products' prefetches (PREFETCH_BYTES ahead) land: L1 (_MM_HINT_T0) on Intel, as measured
+// on the Xeon there; L2 (_MM_HINT_T1) on AMD: on a 2-core Zen 4 EPYC (family 25 model 17) a step's
+// 121 one-row bfloat16 products took 12.4-15.1 ms (medians, three processes) prefetching into L1 and
+// 8.5-12.0 into L2, the step 13.4 ms against 12.3 (docs/benchmarks.md); SPECDRAFT_PREFETCH=T0 or T1
+// chooses instead, to measure it (cpu_ops.py refuses any other value)
+inline bool prefetch_to_l2() {
+    static const bool l2 = [] {
+        if (const char* v = std::getenv("SPECDRAFT_PREFETCH")) return std::string(v) == "T1";
+        __builtin_cpu_init();
+        return static_cast<bool>(__builtin_cpu_is("amd"));
+    }();
+    return l2;
+}
+
+inline void prefetch_line(const void* line, bool l2) {
+    if (l2)
+        _mm_prefetch(reinterpret_cast<const char*>(line), _MM_HINT_T1);
+    else
+        _mm_prefetch(reinterpret_cast<const char*>(line), _MM_HINT_T0);
+}
 #endif
 
 // sum of a[i] * b[i]: 16 lanes, the lanes added in a fixed order at the end
