@@ -5,6 +5,7 @@ choice is made when a model loads), interleaved ``--rounds`` times so that a bus
 machine does not favour one of them:
 
     cpp       the C++ operators of specdraft.runner.cpu_ops (the default where they build)
+    onednn    the same with oneDNN's products instead of the panels (SPECDRAFT_CPU_PRODUCTS=onednn)
     torch     torch's operators (SPECDRAFT_CPU_OPS=torch: what runs without a compiler)
     compiled  torch's operators, each block compiled by inductor's C++ backend (compile=True), the
               products and attention as opaque operators in the graph
@@ -16,7 +17,7 @@ weight where that reads faster: llama_pair_costs.read_bandwidth), and the operat
 layer and in all that do work (views not counted; eager only: dynamo refuses a dispatch mode; "one call"
 where every layer runs in one operator).
 
-    python benchmarks/cpu_step.py                       # all three, 3 rounds
+    python benchmarks/cpu_step.py                       # all four, 3 rounds
     python benchmarks/cpu_step.py --modes cpp torch --rounds 5
     python benchmarks/cpu_step.py --modes cpp --dtype float32
 """
@@ -31,7 +32,8 @@ import subprocess
 import sys
 import time
 
-MODES = {"cpp": ({}, False), "torch": ({"SPECDRAFT_CPU_OPS": "torch"}, False), "compiled": ({"SPECDRAFT_CPU_OPS": "torch"}, True)}
+MODES = {"cpp": ({}, False), "onednn": ({"SPECDRAFT_CPU_PRODUCTS": "onednn"}, False),
+         "torch": ({"SPECDRAFT_CPU_OPS": "torch"}, False), "compiled": ({"SPECDRAFT_CPU_OPS": "torch"}, True)}
 
 
 def measure(mode: str, context: int, reps: int, dtype: str | None = None) -> dict:

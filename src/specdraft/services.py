@@ -67,7 +67,7 @@ class DrafterServices:
         """Make the ``nn.Linear`` layers inside ``module`` (a drafter's own heads, for inference: no
         gradients) run on the fastest product specdraft has for them on this processor, in place:
         :class:`~specdraft.runner.cpu_ops.PanelLinear` where it serves their dtype (float32 on a
-        CPU with AVX-512 or AVX2, bfloat16 there without AMX), else left as they are.
+        CPU with AVX-512 or AVX2, and bfloat16 there), else left as they are.
         Submodules named in ``skip`` (attribute names at any depth) are left alone. Returns how many
         were replaced. A drafter's products need not be row-invariant; these are, and faster."""
         from .runner import cpu_ops

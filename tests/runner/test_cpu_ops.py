@@ -274,17 +274,28 @@ def test_panel_products_do_not_depend_on_the_threads():
     assert torch.equal(panel(x), on_one_thread(panel, x))
 
 
-def test_panels_replace_float32_products_and_bfloat16_ones_without_amx(monkeypatch):
-    import specdraft.models
+def test_panels_replace_float32_and_bfloat16_products_where_the_extension_has_vectors(monkeypatch):
+    f32, bf16 = torch.nn.Linear(16, 8), torch.nn.Linear(16, 8).to(torch.bfloat16)
+    for bits, want in ((512, True), (256, True), (0, False)):  # AVX-512, AVX2, scalar
+        monkeypatch.setattr(cpu_ops, "vector_bits", lambda bits=bits: bits)
+        assert (cpu_ops.panels_apply(f32), cpu_ops.panels_apply(bf16)) == (want, want), bits
+    assert not cpu_ops.panels_apply(torch.nn.Linear(16, 8).double())  # float64: torch's products
+
+
+def test_the_products_setting_gives_onednn_what_it_serves_and_refuses_what_it_does_not_know(monkeypatch):
+    from specdraft.runner import kernels
 
     f32, bf16 = torch.nn.Linear(16, 8), torch.nn.Linear(16, 8).to(torch.bfloat16)
-    for flags, bits, want in (({"avx512f"}, 512, (True, True)), ({"avx512f", "avx512_bf16"}, 512, (True, True)),
-                              ({"avx512f", "avx512_bf16", "amx_bf16"}, 512, (True, False)), ({"avx2", "fma"}, 256, (True, True)),
-                              ({"sse4_2"}, 0, (False, False))):
-        monkeypatch.setattr(specdraft.models, "cpu_flags", lambda flags=flags: flags)
-        monkeypatch.setattr(cpu_ops, "vector_bits", lambda bits=bits: bits)
-        assert (cpu_ops.panels_apply(f32), cpu_ops.panels_apply(bf16)) == want, flags
-    assert not cpu_ops.panels_apply(torch.nn.Linear(16, 8).double())  # float64: torch's products
+    monkeypatch.setattr(cpu_ops, "vector_bits", lambda: 512)
+    monkeypatch.setenv(cpu_ops.PRODUCTS_ENV, "onednn")
+    assert cpu_ops.panels_apply(f32) == (not kernels.packable(f32))
+    monkeypatch.setattr(kernels, "packable", lambda linear: linear.weight.dtype == torch.float32)
+    assert (cpu_ops.panels_apply(f32), cpu_ops.panels_apply(bf16)) == (False, True)  # no oneDNN bfloat16: panels
+    monkeypatch.setenv(cpu_ops.PRODUCTS_ENV, "panels")
+    assert (cpu_ops.panels_apply(f32), cpu_ops.panels_apply(bf16)) == (True, True)
+    monkeypatch.setenv(cpu_ops.PRODUCTS_ENV, "oneDNN")
+    with pytest.raises(ValueError, match="panels .* or onednn"):
+        cpu_ops.panels_apply(f32)
 
 
 def test_a_prefetch_setting_the_products_would_not_understand_is_refused(monkeypatch):

@@ -74,6 +74,7 @@ def _load() -> str:
     if os.environ.get("SPECDRAFT_CPU_OPS", "").lower() == "torch":
         return "SPECDRAFT_CPU_OPS=torch"
     check_prefetch_env()
+    products_setting()  # refuses a value it does not know before anything is built
     global ONE_THREAD
     if hasattr(torch.ops, "specdraft_cpu") and hasattr(torch.ops.specdraft_cpu, "attention"):
         return ""
@@ -189,21 +190,38 @@ PANEL = 16
 
 
 def panels_apply(linear: torch.nn.Module) -> bool:
-    """Whether :class:`PanelLinear` replaces ``linear`` (a CPU ``nn.Linear``) on this machine: the
-    extension built with AVX-512 or AVX2 and FMA (``vector_bits``; without them the operator is a
-    correct but scalar loop), and the weight float32, or bfloat16 where the processor has no AMX
-    (with AMX oneDNN's products stay: its tiles take many rows for the price of one). With
-    ``avx512_bf16`` alone they are panels too: on a 2-core Zen 4 EPYC (family 25 model 17) a step's
-    one-row products took 21.8 ms on oneDNN against 15.2 on the panels, and the step 24.3 against
-    12.9 ms; by pairs of inputs (:func:`pack_panels`) the products took 12.1 ms against oneDNN's 19.4
-    in a later run (docs/benchmarks.md)."""
-    from ..models import cpu_flags
+    """Whether :class:`PanelLinear` replaces ``linear`` (a CPU ``nn.Linear``, float32 or bfloat16) on
+    this machine: the extension built with AVX-512 or AVX2 and FMA (``vector_bits``; without them the
+    operator is a correct but scalar loop), unless :data:`PRODUCTS_ENV` asks for oneDNN's products
+    and oneDNN serves the linear's dtype here. With ``avx512_bf16`` bfloat16 is multiplied by pairs of
+    inputs (:func:`pack_panels`). On a 2-core Zen 4 EPYC (family 25 model 17, no AMX) a step's one-row
+    products took 12.1 ms against oneDNN's 19.4; on a 2-core Xeon with AMX (family 6 model 167) 9.7
+    against 15.6, and a decode step 10.7 ms against 20.0, though oneDNN's AMX tiles take a 256-row
+    prefill's products in a third of the panels' time (docs/benchmarks.md)."""
+    from .kernels import packable
 
     if type(linear) is not torch.nn.Linear or linear.weight.device.type != "cpu":
         return False
-    dtype = linear.weight.dtype
-    wanted = dtype == torch.float32 or (dtype == torch.bfloat16 and "amx_bf16" not in cpu_flags())
-    return wanted and vector_bits() > 0
+    if linear.weight.dtype not in (torch.float32, torch.bfloat16) or vector_bits() == 0:
+        return False
+    return products_setting() == "panels" or not packable(linear)
+
+
+#: ``panels`` (the default) or ``onednn``: which kernel runs a CPU model's float32 and bfloat16
+#: products where both can (:func:`panels_apply`). oneDNN's are row-invariant by a load-time check
+#: (:func:`~.kernels.checked_row_counts`); on a processor with AMX they prefill long prompts about
+#: 2.5x faster and decode about half as fast, so a server whose requests are long prompts with short
+#: answers may want them there
+PRODUCTS_ENV = "SPECDRAFT_CPU_PRODUCTS"
+
+
+def products_setting() -> str:
+    """:data:`PRODUCTS_ENV`'s value, ``panels`` where it is unset; any other value is refused."""
+    value = os.environ.get(PRODUCTS_ENV, "panels")
+    if value not in ("panels", "onednn"):
+        raise ValueError(f"{PRODUCTS_ENV}={value!r}: set it to panels (specdraft's products, the default) or "
+                         "onednn (oneDNN's, checked at load: faster prefill on a processor with AMX, slower decoding)")
+    return value
 
 
 def vector_bits() -> int:

@@ -58,12 +58,12 @@ them on any machine:
   float16 with blocks did for 1..32 tokens (up to 96 query rows per KV head) and spans to 16384
   (the blocks are not measured on the EPYC yet). float64 uses SDPA.
 * **Quantized layers** (int8/int4, :mod:`.quantize`) compute each row alone already.
-* **Products in panels** (:class:`~.cpu_ops.PanelLinear`): on a CPU with AVX-512 or AVX2, float32 linears,
-  and bfloat16 ones where the processor has no AMX (with ``avx512_bf16``, by pairs of inputs in
-  the same order), take specdraft's own product instead of oneDNN's: one fused multiply-add per
-  input in order for each output, so
-  row-invariant by construction (no check), and faster there at the row counts of decoding (see
-  ``docs/algorithm.md``, "Products in panels").
+* **Products in panels** (:class:`~.cpu_ops.PanelLinear`): on a CPU with AVX-512 or AVX2, float32 and
+  bfloat16 linears (with ``avx512_bf16``, by pairs of inputs in the same order) take specdraft's
+  own product instead of oneDNN's: one fused multiply-add per input in order for each output, so
+  row-invariant by construction (no check), and faster at the row counts of decoding, AMX's tiles
+  included (see ``docs/algorithm.md``, "Products in panels"); ``SPECDRAFT_CPU_PRODUCTS=onednn``
+  keeps oneDNN's checked products, which prefill faster on AMX.
 
 CUDA has its own rules and Triton kernels: :mod:`.cuda_kernels`. Not covered: float64 (the
 parity tests' dtype: its rounding is too fine to flip a greedy argmax).
@@ -279,7 +279,7 @@ def pack_linears(model: nn.Module) -> dict[str, int]:
     from . import cpu_ops
 
     def pack(linear):
-        if cpu_ops.panels_apply(linear):  # AVX-512 or AVX2: float32, and bfloat16 without AMX
+        if cpu_ops.panels_apply(linear):  # AVX-512 or AVX2, unless SPECDRAFT_CPU_PRODUCTS=onednn
             return cpu_ops.PanelLinear(linear)
         packed = PackedLinear(linear)
         packed.counts = checked_row_counts(packed)
