@@ -298,13 +298,16 @@ def test_the_products_setting_gives_onednn_what_it_serves_and_refuses_what_it_do
         cpu_ops.panels_apply(f32)
 
 
-def test_a_prefetch_setting_the_products_would_not_understand_is_refused(monkeypatch):
-    for value in ("T0", "T1"):
-        monkeypatch.setenv(cpu_ops.PREFETCH_ENV, value)
-        cpu_ops.check_prefetch_env()
-    monkeypatch.setenv(cpu_ops.PREFETCH_ENV, "t1")
-    with pytest.raises(ValueError, match="T0 .* or T1"):
-        cpu_ops.check_prefetch_env()
+def test_a_kernel_setting_the_products_would_not_understand_is_refused(monkeypatch):
+    for name, values, wrong, hint in ((cpu_ops.PREFETCH_ENV, ("T0", "T1"), "t1", "T0 .* or T1"),
+                                      (cpu_ops.PAIRS_ENV, ("0", "1"), "yes", "1 .* or 0")):
+        for value in values:
+            monkeypatch.setenv(name, value)
+            cpu_ops.check_kernel_envs()
+        monkeypatch.setenv(name, wrong)
+        with pytest.raises(ValueError, match=f"{name}='{wrong}': set it to {hint}"):
+            cpu_ops.check_kernel_envs()
+        monkeypatch.delenv(name)
 
 
 @pytest.mark.skipif(cpu_ops.vector_bits() == 0, reason="the scalar build does not prefetch")
@@ -318,6 +321,27 @@ def test_the_prefetch_setting_chooses_where_the_products_prefetch():
         env = {**os.environ, cpu_ops.PREFETCH_ENV: value}
         out = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, check=True)
         assert out.stdout.strip() == level, (value, out.stdout, out.stderr[-500:])
+
+
+@pytest.mark.skipif(cpu_ops.vector_bits() != 512, reason="pairs are an AVX-512 path")
+def test_bfloat16_products_by_pairs_and_in_float32_lanes_both_sum_in_order():
+    """The vendor chooses the bfloat16 path (pairs of inputs on AMD, float32 lanes elsewhere), or the
+    setting does (read once per process): each way the panel tests above pass, in a process of its own."""
+    import subprocess
+    import sys
+
+    from specdraft.models import cpu_flags
+
+    code = "import torch; from specdraft.runner import cpu_ops; cpu_ops.load(); print(torch.ops.specdraft_cpu.bf16_pairs(64))"
+    for value in ("0", "1"):
+        env = {**os.environ, cpu_ops.PAIRS_ENV: value}
+        out = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, check=True)
+        native = "avx512_bf16" in cpu_flags()  # the extension is built with the instruction (-march=native)
+        assert out.stdout.strip() == str(value == "1" and native), (value, out.stdout, out.stderr[-500:])
+        tests = subprocess.run([sys.executable, "-m", "pytest", "-q", "-n", "0", "-p", "no:cacheprovider", __file__,
+                                "-k", "sum_each_output_in_order or input_k_before"],
+                               env=env, capture_output=True, text=True)
+        assert tests.returncode == 0 and " passed" in tests.stdout, (value, tests.stdout[-2000:])
 
 
 def test_compiled_panel_products_equal_eager():

@@ -904,9 +904,25 @@ inline void pair_tile(const uint32_t* xs, int64_t K2, const c10::BFloat16* p, c1
 constexpr bool BF16_PAIRS = false;
 #endif
 
+// whether bfloat16 products go by pairs on this processor: on AMD, where vdpbf16ps does twice the
+// work of a fused multiply-add (a step's 121 one-row products 12.1 ms by pairs against 15.2 widened
+// on a 2-core Zen 4 EPYC); not on Intel, where it ran at a third of fma's rate (a 2-core Xeon with
+// AMX, family 6 model 167: the products about even at one row, 20.2 ms widened against 24.6 by pairs
+// at 16 rows, 227 against 318 at 256). SPECDRAFT_BF16_PAIRS=1 or 0 chooses instead, to measure and
+// test both (cpu_ops.py refuses any other value). Either way each output is the same sequential sum,
+// but for subnormals, which only the instruction flushes.
+inline bool pairs_here() {
+    static const bool on = [] {
+        if (const char* v = std::getenv("SPECDRAFT_BF16_PAIRS")) return std::string(v) == "1";
+        __builtin_cpu_init();
+        return static_cast<bool>(__builtin_cpu_is("amd"));
+    }();
+    return on;
+}
+
 // whether a bfloat16 weight of K inputs is stored and multiplied by pairs (pack_panels asks through
 // specdraft_cpu::bf16_pairs)
-bool bf16_pairs(int64_t K) { return BF16_PAIRS && K % 2 == 0; }
+bool bf16_pairs(int64_t K) { return BF16_PAIRS && K % 2 == 0 && pairs_here(); }
 
 // f(std::integral_constant<int, nb>) for a group of nb = 1..4 panels: the tiles' panel count is a
 // template argument

@@ -73,7 +73,7 @@ def _load() -> str:
     """:func:`load`'s work: the extension registered, or why not."""
     if os.environ.get("SPECDRAFT_CPU_OPS", "").lower() == "torch":
         return "SPECDRAFT_CPU_OPS=torch"
-    check_prefetch_env()
+    check_kernel_envs()
     products_setting()  # refuses a value it does not know before anything is built
     global ONE_THREAD
     if hasattr(torch.ops, "specdraft_cpu") and hasattr(torch.ops.specdraft_cpu, "attention"):
@@ -118,14 +118,26 @@ def _load() -> str:
 #: ``T0`` or ``T1``: where the panel products' software prefetches land, L1 or L2, instead of the
 #: choice by vendor (L2 on AMD, L1 elsewhere: see ``prefetch_to_l2`` in cpu_ops.cpp); to measure it
 PREFETCH_ENV = "SPECDRAFT_PREFETCH"
+#: ``1`` or ``0``: bfloat16 panels multiplied by pairs of inputs (``avx512_bf16``) or in widened
+#: float32 lanes, instead of the choice by vendor (pairs on AMD: see ``pairs_here`` in cpu_ops.cpp);
+#: to measure and test both
+PAIRS_ENV = "SPECDRAFT_BF16_PAIRS"
+#: what the C++ side understands of each variable it reads, and what to tell a user who set another value
+_KERNEL_ENVS = {
+    PREFETCH_ENV: (("T0", "T1"), "set it to T0 (the products prefetch into L1) or T1 (into L2), "
+                                 "or unset it to choose by the processor's vendor"),
+    PAIRS_ENV: (("0", "1"), "set it to 1 (bfloat16 products by pairs of inputs, avx512_bf16) or 0 (in float32 "
+                            "lanes), or unset it to choose by the processor's vendor"),
+}
 
 
-def check_prefetch_env() -> None:
-    """Refuse a :data:`PREFETCH_ENV` the products would not understand (the C++ side reads it)."""
-    value = os.environ.get(PREFETCH_ENV)
-    if value is not None and value not in ("T0", "T1"):
-        raise ValueError(f"{PREFETCH_ENV}={value!r}: set it to T0 (the products prefetch into L1) or T1 (into L2), "
-                         "or unset it to choose by the processor's vendor")
+def check_kernel_envs() -> None:
+    """Refuse a value of :data:`PREFETCH_ENV` or :data:`PAIRS_ENV` the products would not understand
+    (the C++ side reads them)."""
+    for name, (values, hint) in _KERNEL_ENVS.items():
+        value = os.environ.get(name)
+        if value is not None and value not in values:
+            raise ValueError(f"{name}={value!r}: {hint}")
 
 
 def _build_dir(flags: list[str], cache: Path) -> Path:
