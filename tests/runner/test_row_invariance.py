@@ -47,6 +47,19 @@ def test_tiny_models_are_row_invariant(kind, setting):
     _assert_row_invariant(runner, 96)
 
 
+@pytest.mark.parametrize("setting", ["float32", "bfloat16"])
+def test_oneDNN_products_keep_the_rows_invariant_when_asked_for(monkeypatch, setting):
+    """``SPECDRAFT_CPU_PRODUCTS=onednn``: every float linear oneDNN serves here is its checked
+    product instead of a panel (the default on AMX processors until 2026-12-02), and exact."""
+    monkeypatch.setenv(cpu_ops.PRODUCTS_ENV, "onednn")
+    dtype, _ = SETTINGS[setting]
+    runner = load_runner(tiny_hf(KINDS[0], dtype=dtype))
+    onednn = packable(torch.nn.Linear(2, 2).to(dtype))  # else the panels serve (a CPU without oneDNN's bfloat16)
+    assert runner.model.kernels["packed"] == 4 * 2 + 1
+    assert runner.model.kernels.get("panels", 0) == (0 if onednn or cpu_ops.vector_bits() == 0 else 4 * 2 + 1)
+    _assert_row_invariant(runner, 96)
+
+
 @pytest.mark.e2e
 @pytest.mark.parametrize("setting", list(SETTINGS))
 def test_default_model_is_row_invariant(request, setting):
