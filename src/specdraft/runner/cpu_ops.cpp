@@ -102,17 +102,22 @@ inline float reduce16(V16 v) { return sum4_tree(halves16(v)); }
 #endif
 
 #if defined(SPECDRAFT_V16)
+// a kernel's choice by the processor's vendor, made once per process by its caller's static: whether
+// the environment variable `name` equals `on` where it is set, else whether the processor is AMD's
+// (x86 builds only, as the builtins are)
+inline bool setting_or_amd(const char* name, const char* on) {
+    if (const char* v = std::getenv(name)) return std::string(v) == on;
+    __builtin_cpu_init();
+    return static_cast<bool>(__builtin_cpu_is("amd"));
+}
+
 // where the products' prefetches (PREFETCH_BYTES ahead) land: L1 (_MM_HINT_T0) on Intel, as measured
 // on the Xeon there; L2 (_MM_HINT_T1) on AMD: on a 2-core Zen 4 EPYC (family 25 model 17) a step's
 // 121 one-row bfloat16 products took 12.4-15.1 ms (medians, three processes) prefetching into L1 and
 // 8.5-12.0 into L2, the step 13.4 ms against 12.3 (docs/benchmarks.md); SPECDRAFT_PREFETCH=T0 or T1
 // chooses instead, to measure it (cpu_ops.py refuses any other value)
 inline bool prefetch_to_l2() {
-    static const bool l2 = [] {
-        if (const char* v = std::getenv("SPECDRAFT_PREFETCH")) return std::string(v) == "T1";
-        __builtin_cpu_init();
-        return static_cast<bool>(__builtin_cpu_is("amd"));
-    }();
+    static const bool l2 = setting_or_amd("SPECDRAFT_PREFETCH", "T1");
     return l2;
 }
 
@@ -875,6 +880,18 @@ inline void panel_rows(int64_t M, const float* x, int64_t K, const T* p, T* out,
 // Layout of a weight with an even K: [P, K / 2, 16, 2], viewed as [P, K, 16].
 constexpr bool BF16_PAIRS = true;
 
+// whether bfloat16 products go by pairs on this processor: on AMD, where vdpbf16ps does twice the
+// work of a fused multiply-add (a step's 121 one-row products 12.1 ms by pairs against 15.2 widened
+// on a 2-core Zen 4 EPYC); not on Intel, where it ran at a third of fma's rate (a 2-core Xeon with
+// AMX, family 6 model 167: the products about even at one row, 20.2 ms widened against 24.6 by pairs
+// at 16 rows, 227 against 318 at 256). SPECDRAFT_BF16_PAIRS=1 or 0 chooses instead, to measure and
+// test both (cpu_ops.py refuses any other value). Either way each output is the same sequential sum,
+// but for subnormals, which only the instruction flushes.
+inline bool pairs_here() {
+    static const bool on = setting_or_amd("SPECDRAFT_BF16_PAIRS", "1");
+    return on;
+}
+
 // MB rows x NB panels of pairs (walked as panel_rows' AVX-512 tiles are); xs: each row's K / 2
 // pairs, swapped (x[k + 1] low, x[k] high)
 template <int MB, int NB>
@@ -902,23 +919,8 @@ inline void pair_tile(const uint32_t* xs, int64_t K2, const c10::BFloat16* p, c1
 
 #else
 constexpr bool BF16_PAIRS = false;
+inline bool pairs_here() { return false; }
 #endif
-
-// whether bfloat16 products go by pairs on this processor: on AMD, where vdpbf16ps does twice the
-// work of a fused multiply-add (a step's 121 one-row products 12.1 ms by pairs against 15.2 widened
-// on a 2-core Zen 4 EPYC); not on Intel, where it ran at a third of fma's rate (a 2-core Xeon with
-// AMX, family 6 model 167: the products about even at one row, 20.2 ms widened against 24.6 by pairs
-// at 16 rows, 227 against 318 at 256). SPECDRAFT_BF16_PAIRS=1 or 0 chooses instead, to measure and
-// test both (cpu_ops.py refuses any other value). Either way each output is the same sequential sum,
-// but for subnormals, which only the instruction flushes.
-inline bool pairs_here() {
-    static const bool on = [] {
-        if (const char* v = std::getenv("SPECDRAFT_BF16_PAIRS")) return std::string(v) == "1";
-        __builtin_cpu_init();
-        return static_cast<bool>(__builtin_cpu_is("amd"));
-    }();
-    return on;
-}
 
 // whether a bfloat16 weight of K inputs is stored and multiplied by pairs (pack_panels asks through
 // specdraft_cpu::bf16_pairs)
