@@ -324,9 +324,11 @@ def test_the_prefetch_setting_chooses_where_the_products_prefetch():
 
 
 @pytest.mark.skipif(cpu_ops.vector_bits() != 512, reason="pairs are an AVX-512 path")
-def test_bfloat16_products_by_pairs_and_in_float32_lanes_both_sum_in_order():
+def test_bfloat16_products_by_pairs_and_in_float32_lanes_both_sum_in_order(tmp_path):
     """The vendor chooses the bfloat16 path (pairs of inputs on AMD, float32 lanes elsewhere), or the
-    setting does (read once per process): each way the panel tests above pass, in a process of its own."""
+    setting does (read once per process): each way the panel tests above pass, in a process of its own
+    (a pytest of its own, with its own temporary folder: one that numbered its own would remove the
+    oldest of the suite's, still in use)."""
     import subprocess
     import sys
 
@@ -339,7 +341,7 @@ def test_bfloat16_products_by_pairs_and_in_float32_lanes_both_sum_in_order():
         native = "avx512_bf16" in cpu_flags()  # the extension is built with the instruction (-march=native)
         assert out.stdout.strip() == str(value == "1" and native), (value, out.stdout, out.stderr[-500:])
         tests = subprocess.run([sys.executable, "-m", "pytest", "-q", "-n", "0", "-p", "no:cacheprovider", __file__,
-                                "-k", "sum_each_output_in_order or input_k_before"],
+                                f"--basetemp={tmp_path / value}", "-k", "sum_each_output_in_order or input_k_before"],
                                env=env, capture_output=True, text=True)
         assert tests.returncode == 0 and " passed" in tests.stdout, (value, tests.stdout[-2000:])
 
