@@ -152,7 +152,7 @@ that failed to load, and names claimed by more than one plugin, are reported on 
 | `SPECDRAFT_LOAD_PLUGINS` | comma-separated plugin names to load (distribution or entry-point names); empty = none; unset = all. Built-ins always load. |
 | `SPECDRAFT_CACHE_DIR` | where converted GGUF models are kept (default `$XDG_CACHE_HOME/specdraft` or `~/.cache/specdraft`) |
 | `SPECDRAFT_CPU_OPS` | `torch`: torch's operators instead of specdraft's C++ ones on CPU (as exact, slower; what runs where no compiler builds them) |
-| `SPECDRAFT_CPU_PRODUCTS` | `panels` (the default) or `onednn`: which kernel runs a CPU model's float32 and bfloat16 products. oneDNN's, checked row-invariant at load, prefill long prompts about 2.5x faster on a processor with AMX and decode about half as fast ([why](algorithm.md#products-in-panels-row-invariant-by-construction)) |
+| `SPECDRAFT_CPU_PRODUCTS` | `panels` (the default) or `onednn`: which kernel runs a CPU model's float32 and bfloat16 products. oneDNN's, checked row-invariant at load, prefill long prompts about twice as fast on a processor with AMX and decode about half as fast ([why](algorithm.md#products-in-panels-row-invariant-by-construction)) |
 | `SPECDRAFT_PREFETCH` | `T0` or `T1`: the CPU products prefetch their weights into L1 or L2 instead of by vendor (L2 on AMD, L1 elsewhere); to measure it |
 | `SPECDRAFT_BF16_PAIRS` | `1` or `0`: bfloat16 CPU products multiply pairs of inputs (`avx512_bf16`) or widen them to float32 lanes, instead of by vendor (pairs on AMD); the same sums either way; to measure it |
 MD

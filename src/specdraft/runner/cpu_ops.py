@@ -205,11 +205,11 @@ def panels_apply(linear: torch.nn.Module) -> bool:
     """Whether :class:`PanelLinear` replaces ``linear`` (a CPU ``nn.Linear``, float32 or bfloat16) on
     this machine: the extension built with AVX-512 or AVX2 and FMA (``vector_bits``; without them the
     operator is a correct but scalar loop), unless :data:`PRODUCTS_ENV` asks for oneDNN's products
-    and oneDNN serves the linear's dtype here. With ``avx512_bf16`` bfloat16 is multiplied by pairs of
-    inputs (:func:`pack_panels`). On a 2-core Zen 4 EPYC (family 25 model 17, no AMX) a step's one-row
-    products took 12.1 ms against oneDNN's 19.4; on a 2-core Xeon with AMX (family 6 model 167) 9.7
-    against 15.6, and a decode step 10.7 ms against 20.0, though oneDNN's AMX tiles take a 256-row
-    prefill's products in a third of the panels' time (docs/benchmarks.md)."""
+    and oneDNN serves the linear's dtype here. On AMD processors with ``avx512_bf16`` bfloat16 is
+    multiplied by pairs of inputs (:func:`pack_panels`). On a 2-core Zen 4 EPYC (family 25 model 17,
+    no AMX) a step's one-row products took 12.1 ms against oneDNN's 19.4; on a 2-core Xeon with AMX
+    (family 6 model 167) 10.3-10.6 against 15.5-16.3, and a decode step 10.2 ms against 20.3, though
+    oneDNN's AMX tiles take a 256-row prefill's products in half the panels' time (docs/benchmarks.md)."""
     from .kernels import packable
 
     if type(linear) is not torch.nn.Linear or linear.weight.device.type != "cpu":
@@ -222,7 +222,7 @@ def panels_apply(linear: torch.nn.Module) -> bool:
 #: ``panels`` (the default) or ``onednn``: which kernel runs a CPU model's float32 and bfloat16
 #: products where both can (:func:`panels_apply`). oneDNN's are row-invariant by a load-time check
 #: (:func:`~.kernels.checked_row_counts`); on a processor with AMX they prefill long prompts about
-#: 2.5x faster and decode about half as fast, so a server whose requests are long prompts with short
+#: twice as fast and decode about half as fast, so a server whose requests are long prompts with short
 #: answers may want them there
 PRODUCTS_ENV = "SPECDRAFT_CPU_PRODUCTS"
 

@@ -59,7 +59,7 @@ them on any machine:
   (the blocks are not measured on the EPYC yet). float64 uses SDPA.
 * **Quantized layers** (int8/int4, :mod:`.quantize`) compute each row alone already.
 * **Products in panels** (:class:`~.cpu_ops.PanelLinear`): on a CPU with AVX-512 or AVX2, float32 and
-  bfloat16 linears (with ``avx512_bf16``, by pairs of inputs in the same order) take specdraft's
+  bfloat16 linears (on AMD with ``avx512_bf16``, by pairs of inputs in the same order) take specdraft's
   own product instead of oneDNN's: one fused multiply-add per input in order for each output, so
   row-invariant by construction (no check), and faster at the row counts of decoding, AMX's tiles
   included (see ``docs/algorithm.md``, "Products in panels"); ``SPECDRAFT_CPU_PRODUCTS=onednn``
