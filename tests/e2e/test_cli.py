@@ -41,6 +41,17 @@ def test_bad_input_in_a_fresh_process_is_one_line_and_exit_2(tmp_path):
                           "file\n")
 
 
+@pytest.mark.parametrize("name, value", [("SPECDRAFT_CPU_PRODUCTS", "amx"), ("SPECDRAFT_BF16_PAIRS", "yes"),
+                                         ("SPECDRAFT_PREFETCH", "L2")])
+def test_a_cpu_kernel_setting_it_does_not_know_is_one_line_and_exit_2(monkeypatch, name, value):
+    """The C++ operators' variables, read when the model loads: a value they do not know is the
+    CLI's one line, saying which values they take, not a traceback."""
+    monkeypatch.setenv(name, value)
+    out = specdraft_command("generate", "--max-new-tokens", "1", "hi")
+    assert out.returncode == 2 and out.stdout == "", out.stderr[-2000:]
+    assert out.stderr.startswith(f"specdraft: error: {name}={value!r}: set it to ") and out.stderr.count("\n") == 1
+
+
 @pytest.mark.parametrize("drafter", ["ngram", "draft-model", "medusa", "eagle", "mlp-speculator"])
 def test_generate_prints_plain_text_and_the_apis_stats(cli, monkeypatch, days, drafter):
     """Built-in and shipped learnt drafters, offline: stdout is plain greedy decoding's text, stderr

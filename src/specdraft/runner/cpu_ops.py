@@ -42,6 +42,8 @@ from typing import NamedTuple
 
 import torch
 
+from ..errors import ConfigError
+
 SOURCE = Path(__file__).with_name("cpu_ops.cpp")
 #: the compiler's flags: the machine's own vector units, and OpenMP, without which ``at::parallel_for``
 #: in the extension runs on one thread
@@ -137,7 +139,7 @@ def check_kernel_envs() -> None:
     for name, (values, hint) in _KERNEL_ENVS.items():
         value = os.environ.get(name)
         if value is not None and value not in values:
-            raise ValueError(f"{name}={value!r}: {hint}")
+            raise ConfigError(f"{name}={value!r}: {hint}")
 
 
 def _build_dir(flags: list[str], cache: Path) -> Path:
@@ -231,7 +233,7 @@ def products_setting() -> str:
     """:data:`PRODUCTS_ENV`'s value, ``panels`` where it is unset; any other value is refused."""
     value = os.environ.get(PRODUCTS_ENV, "panels")
     if value not in ("panels", "onednn"):
-        raise ValueError(f"{PRODUCTS_ENV}={value!r}: set it to panels (specdraft's products, the default) or "
+        raise ConfigError(f"{PRODUCTS_ENV}={value!r}: set it to panels (specdraft's products, the default) or "
                          "onednn (oneDNN's, checked at load: faster prefill on a processor with AMX, slower decoding)")
     return value
 
