@@ -324,26 +324,34 @@ def test_the_prefetch_setting_chooses_where_the_products_prefetch():
 
 
 @pytest.mark.skipif(cpu_ops.vector_bits() != 512, reason="pairs are an AVX-512 path")
-def test_bfloat16_products_by_pairs_and_in_float32_lanes_both_sum_in_order(tmp_path):
+def test_bfloat16_products_by_pairs_and_in_float32_lanes_both_sum_in_order():
     """The vendor chooses the bfloat16 path (pairs of inputs on AMD, float32 lanes elsewhere), or the
-    setting does (read once per process): each way the panel tests above pass, in a process of its own
-    (a pytest of its own, with its own temporary folder: one that numbered its own would remove the
-    oldest of the suite's, still in use)."""
+    setting does (read once per process): each way, in a process of its own, the panels give the
+    sequential sum bit for bit at every row count of :data:`PANEL_ROWS`, and add input k before k + 1
+    (the sums of :func:`test_panel_products_add_input_k_before_input_k_plus_one`)."""
     import subprocess
     import sys
 
     from specdraft.models import cpu_flags
 
-    code = "import torch; from specdraft.runner import cpu_ops; cpu_ops.load(); print(torch.ops.specdraft_cpu.bf16_pairs(64))"
+    code = f"""
+import importlib.util, torch
+from specdraft.runner import cpu_ops
+spec = importlib.util.spec_from_file_location("panel_tests", {__file__!r})
+tests = importlib.util.module_from_spec(spec)
+spec.loader.exec_module(tests)
+cpu_ops.load()
+for inputs, outputs, bias in tests.PANEL_SHAPES:
+    tests.test_panel_products_sum_each_output_in_order_whatever_the_rows(torch.bfloat16, inputs, outputs, bias)
+tests.test_panel_products_add_input_k_before_input_k_plus_one(torch.bfloat16)
+print(torch.ops.specdraft_cpu.bf16_pairs(64))
+"""
     for value in ("0", "1"):
         env = {**os.environ, cpu_ops.PAIRS_ENV: value}
-        out = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, check=True)
+        out = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True)
         native = "avx512_bf16" in cpu_flags()  # the extension is built with the instruction (-march=native)
-        assert out.stdout.strip() == str(value == "1" and native), (value, out.stdout, out.stderr[-500:])
-        tests = subprocess.run([sys.executable, "-m", "pytest", "-q", "-n", "0", "-p", "no:cacheprovider", __file__,
-                                f"--basetemp={tmp_path / value}", "-k", "sum_each_output_in_order or input_k_before"],
-                               env=env, capture_output=True, text=True)
-        assert tests.returncode == 0 and " passed" in tests.stdout, (value, tests.stdout[-2000:])
+        assert out.returncode == 0 and out.stdout.strip() == str(value == "1" and native), (value, out.stdout,
+                                                                                             out.stderr[-2000:])
 
 
 def test_compiled_panel_products_equal_eager():
