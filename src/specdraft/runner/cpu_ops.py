@@ -75,8 +75,7 @@ def _load() -> str:
     """:func:`load`'s work: the extension registered, or why not."""
     if os.environ.get("SPECDRAFT_CPU_OPS", "").lower() == "torch":
         return "SPECDRAFT_CPU_OPS=torch"
-    check_kernel_envs()
-    products_setting()  # refuses a value it does not know before anything is built
+    check_kernel_envs()  # a value the kernels do not know is refused before anything is built
     global ONE_THREAD
     if hasattr(torch.ops, "specdraft_cpu") and hasattr(torch.ops.specdraft_cpu, "attention"):
         return ""
@@ -124,22 +123,37 @@ PREFETCH_ENV = "SPECDRAFT_PREFETCH"
 #: float32 lanes, instead of the choice by vendor (pairs on AMD: see ``pairs_here`` in cpu_ops.cpp);
 #: to measure and test both
 PAIRS_ENV = "SPECDRAFT_BF16_PAIRS"
-#: what the C++ side understands of each variable it reads, and what to tell a user who set another value
+#: ``panels`` (the default) or ``onednn``: which kernel runs a CPU model's float32 and bfloat16
+#: products where both can (:func:`panels_apply`). oneDNN's are row-invariant by a load-time check
+#: (:func:`~.kernels.checked_row_counts`); on a processor with AMX they prefill long prompts about
+#: twice as fast and decode about half as fast, so a server whose requests are long prompts with short
+#: answers may want them there
+PRODUCTS_ENV = "SPECDRAFT_CPU_PRODUCTS"
+#: the values the kernels understand of each variable they read, and what to tell a user who set another
 _KERNEL_ENVS = {
     PREFETCH_ENV: (("T0", "T1"), "set it to T0 (the products prefetch into L1) or T1 (into L2), "
                                  "or unset it to choose by the processor's vendor"),
     PAIRS_ENV: (("0", "1"), "set it to 1 (bfloat16 products by pairs of inputs, avx512_bf16) or 0 (in float32 "
                             "lanes), or unset it to choose by the processor's vendor"),
+    PRODUCTS_ENV: (("panels", "onednn"), "set it to panels (specdraft's products, the default) or onednn (oneDNN's, "
+                                         "checked at load: faster prefill on a processor with AMX, slower decoding)"),
 }
 
 
+def kernel_env(name: str, default: str | None = None) -> str | None:
+    """The variable ``name`` of :data:`_KERNEL_ENVS` (``default`` where it is unset); a value the
+    kernels would not understand is refused."""
+    values, hint = _KERNEL_ENVS[name]
+    value = os.environ.get(name)
+    if value is not None and value not in values:
+        raise ConfigError(f"{name}={value!r}: {hint}")
+    return default if value is None else value
+
+
 def check_kernel_envs() -> None:
-    """Refuse a value of :data:`PREFETCH_ENV` or :data:`PAIRS_ENV` the products would not understand
-    (the C++ side reads them)."""
-    for name, (values, hint) in _KERNEL_ENVS.items():
-        value = os.environ.get(name)
-        if value is not None and value not in values:
-            raise ConfigError(f"{name}={value!r}: {hint}")
+    """Refuse a value of any of :data:`_KERNEL_ENVS` that the kernels would not understand."""
+    for name in _KERNEL_ENVS:
+        kernel_env(name)
 
 
 def _build_dir(flags: list[str], cache: Path) -> Path:
@@ -218,24 +232,7 @@ def panels_apply(linear: torch.nn.Module) -> bool:
         return False
     if linear.weight.dtype not in (torch.float32, torch.bfloat16) or vector_bits() == 0:
         return False
-    return products_setting() == "panels" or not packable(linear)
-
-
-#: ``panels`` (the default) or ``onednn``: which kernel runs a CPU model's float32 and bfloat16
-#: products where both can (:func:`panels_apply`). oneDNN's are row-invariant by a load-time check
-#: (:func:`~.kernels.checked_row_counts`); on a processor with AMX they prefill long prompts about
-#: twice as fast and decode about half as fast, so a server whose requests are long prompts with short
-#: answers may want them there
-PRODUCTS_ENV = "SPECDRAFT_CPU_PRODUCTS"
-
-
-def products_setting() -> str:
-    """:data:`PRODUCTS_ENV`'s value, ``panels`` where it is unset; any other value is refused."""
-    value = os.environ.get(PRODUCTS_ENV, "panels")
-    if value not in ("panels", "onednn"):
-        raise ConfigError(f"{PRODUCTS_ENV}={value!r}: set it to panels (specdraft's products, the default) or "
-                         "onednn (oneDNN's, checked at load: faster prefill on a processor with AMX, slower decoding)")
-    return value
+    return kernel_env(PRODUCTS_ENV, "panels") == "panels" or not packable(linear)
 
 
 def vector_bits() -> int:
