@@ -60,6 +60,26 @@ def test_oneDNN_products_keep_the_rows_invariant_when_asked_for(monkeypatch, set
     _assert_row_invariant(runner, 96)
 
 
+@pytest.mark.parametrize("drafter", ["ngram", "prompt-lookup"])
+def test_greedy_speculation_on_oneDNN_products_equals_their_plain_decoding(monkeypatch, drafter):
+    """bfloat16 on oneDNN's checked products (``SPECDRAFT_CPU_PRODUCTS=onednn``): speculative greedy
+    output token for token that of plain decoding on the same products, ragged batch and one row."""
+    from specdraft import SpeculativeDecoder
+    from specdraft.testing import repetitive_prompts
+
+    monkeypatch.setenv(cpu_ops.PRODUCTS_ENV, "onednn")
+    model = tiny_hf(KINDS[0], dtype=torch.bfloat16)
+    prompts = repetitive_prompts(96, seed=0)[:3]
+    with SpeculativeDecoder(model, None, drafter="none") as plain:
+        assert "panels" not in plain.runner_info["kernels"] or not packable(torch.nn.Linear(2, 2).bfloat16())
+        expected = [r.token_ids for r in plain.generate_ids(prompts, max_new_tokens=24)]
+    with SpeculativeDecoder(model, None, drafter=drafter, spec_length=4) as dec:
+        results = dec.generate_ids(prompts, max_new_tokens=24)
+        assert [r.token_ids for r in results] == expected
+        assert sum(r.stats.accepted_tokens for r in results) > 0  # drafts were accepted, not just bonus tokens
+        assert dec.generate_ids(prompts[:1], max_new_tokens=24)[0].token_ids == expected[0]
+
+
 @pytest.mark.e2e
 @pytest.mark.parametrize("setting", list(SETTINGS))
 def test_default_model_is_row_invariant(request, setting):
