@@ -13,6 +13,25 @@ from __future__ import annotations
 from typing import Any
 
 
+#: the values of a drafter's ``quantize`` option (:meth:`DrafterServices.drafting_quantize`)
+QUANTIZE = ("auto", "none", "q8_0")
+
+
+def _fast(linear, quantize: str | None, ask: bool = False):
+    """``linear``'s fast product (:meth:`DrafterServices.fast_linears`): 8-bit blocks where ``quantize``
+    is ``"q8_0"`` and the width allows, else panels where they serve its dtype, else None. ``ask``:
+    only whether there is one (nothing is built)."""
+    from .runner import cpu_ops
+
+    from .runner.gguf_blocks import q8_0_fits, q8_0_linear
+
+    if quantize == "q8_0" and q8_0_fits(linear):
+        return True if ask else q8_0_linear(linear)
+    if not cpu_ops.panels_apply(linear):
+        return None
+    return True if ask else cpu_ops.PanelLinear(linear)
+
+
 class DrafterServices:
     """specdraft's own runners and model loading, lent to drafters through ``TargetInfo.services``."""
 
@@ -38,7 +57,8 @@ class DrafterServices:
                 raise
             return load_runner(model, compile=False)
 
-    def layer_runner(self, hf_layers, config, compile: bool | None = None, attention_norm: bool = True):
+    def layer_runner(self, hf_layers, config, compile: bool | None = None, attention_norm: bool = True,
+                     quantize: str | None = None):
         """A runner of its own for a drafter's transformers decoder layers (EAGLE's layer).
 
         ``hf_layers``: one layer or a sequence run in order; ``config``: their transformers config.
@@ -46,8 +66,9 @@ class DrafterServices:
         ``forward(x # [rows, W, dim], advance=None, slots=None, tree_mask=None, depths=None) ->
         [rows, W, dim]``, the last layer's output. ``attention_norm=False``: the layers skip their
         input norm (EAGLE-1). Compiled per pass width when ``compile`` (None: the device's
-        default). Raises :class:`~specdraft.ConfigError` naming what specdraft's layer code does
-        not reproduce.
+        default). ``quantize="q8_0"``: the layers' products on 8-bit blocks (see
+        :meth:`drafting_quantize`). Raises :class:`~specdraft.ConfigError` naming what specdraft's
+        layer code does not reproduce.
         """
         import torch
 
@@ -58,38 +79,75 @@ class DrafterServices:
         layers = hf_layers if isinstance(hf_layers, torch.nn.Module) else torch.nn.ModuleList(hf_layers)
         if compile is None:
             compile = default_compile(next(layers.parameters()).device)
-        runner, reason = layers_from_transformers(layers, config, attention_norm=attention_norm, compile=compile)
+        runner, reason = layers_from_transformers(layers, config, attention_norm=attention_norm, compile=compile,
+                                                  quantize=quantize)
         if runner is None:
             raise ConfigError(f"specdraft cannot run these decoder layers: {reason}")
         return runner
 
-    def fast_linears(self, module, skip: tuple[str, ...] = ()) -> int:
+    def drafting_quantize(self, quantize: str, device, dtype) -> str | None:
+        """What a drafter's ``quantize`` option (``"auto"``, ``"none"`` or ``"q8_0"``) means for
+        products of ``dtype`` on ``device``: ``"q8_0"`` or None (the weights as loaded).
+
+        ``q8_0``: each product's weight as 8-bit blocks with a float16 scale per 32 inputs (llama.cpp's
+        Q8_0, :func:`~specdraft.runner.gguf_blocks.quantize_q8_0`), multiplied by specdraft's CPU
+        operator on inputs rounded to 8 bits per group of 32 (``specdraft_cpu::block_linear``, exact
+        integer sums): half the bytes of bfloat16, a quarter of float32's. A drafter's products
+        need not equal the float ones: the verifier accepts by the distribution the drafter
+        reports, so drafts change a little and the output never. ``auto`` is ``q8_0`` on a CPU
+        where the operator runs (float32 and bfloat16, the C++ extension loaded), else None.
+        Raises :class:`~specdraft.ConfigError` for ``q8_0`` where it cannot run (float64 runs
+        the blocks' dequantised weights, for tests)."""
+        import torch
+
+        from .errors import ConfigError
+        from .runner import cpu_ops
+
+        if quantize not in QUANTIZE:
+            raise ConfigError(f"quantize={quantize!r}: use one of {', '.join(QUANTIZE)}")
+        if quantize == "none":
+            return None
+        device = torch.device(device)
+        if device.type != "cpu":
+            why = "the blocks' product is a CPU operator"
+        elif dtype == torch.float64:  # the dequantised weights in float64 when asked for (tests), else none
+            why = "" if quantize == "q8_0" else "float64"
+        elif dtype not in (torch.float32, torch.bfloat16):
+            why = f"it multiplies float32 and bfloat16 inputs (this drafter runs {str(dtype).removeprefix('torch.')})"
+        else:
+            why = cpu_ops.load()  # "" when the C++ extension's operators are there
+        if not why:
+            return "q8_0"
+        if quantize == "q8_0":
+            raise ConfigError(f"quantize='q8_0' cannot run here: {why}; use --drafter-option quantize=none")
+        return None
+
+    def fast_linears(self, module, skip: tuple[str, ...] = (), quantize: str | None = None) -> int:
         """Make the ``nn.Linear`` layers inside ``module`` (a drafter's own heads, for inference: no
         gradients) run on the fastest product specdraft has for them on this processor, in place:
-        :class:`~specdraft.runner.cpu_ops.PanelLinear` where it serves their dtype (float32 on a
-        CPU with AVX-512 or AVX2, and bfloat16 there), else left as they are.
-        Submodules named in ``skip`` (attribute names at any depth) are left alone. Returns how many
-        were replaced. A drafter's products need not be row-invariant; these are, and faster."""
-        from .runner import cpu_ops
+        with ``quantize="q8_0"`` (:meth:`drafting_quantize`) 8-bit blocks where the width allows
+        (a multiple of 32 inputs), else :class:`~specdraft.runner.cpu_ops.PanelLinear` where it
+        serves their dtype (float32 on a CPU with AVX-512 or AVX2, and bfloat16 there), else left
+        as they are. Submodules named in ``skip`` (attribute names at any depth) are left alone.
+        Returns how many were replaced. A drafter's products need not be row-invariant; these are,
+        and faster."""
         from .runner.kernels import replace_linears
 
         skipped = [m for name, m in module.named_modules() if name.rsplit(".", 1)[-1] in skip]
         inside = {id(m) for s in skipped for m in s.modules()}
-        return len(replace_linears(module, cpu_ops.PanelLinear,
-                                   when=lambda lin: id(lin) not in inside and cpu_ops.panels_apply(lin)))
+        return len(replace_linears(module, lambda lin: _fast(lin, quantize),
+                                   when=lambda lin: id(lin) not in inside and _fast(lin, quantize, ask=True)))
 
-    def fast_linear(self, weight, bias=None):
+    def fast_linear(self, weight, bias=None, quantize: str | None = None):
         """``(x) -> x @ weight.T + bias`` on the product :meth:`fast_linears` would choose, or None
         where that is ``F.linear``'s (for a head that keeps a bare weight)."""
         import torch
-
-        from .runner import cpu_ops
 
         linear = torch.nn.Linear(weight.shape[1], weight.shape[0], bias=bias is not None, device="meta")
         linear.weight = torch.nn.Parameter(weight.detach(), requires_grad=False)
         if bias is not None:
             linear.bias = torch.nn.Parameter(bias.detach(), requires_grad=False)
-        return cpu_ops.PanelLinear(linear) if cpu_ops.panels_apply(linear) else None
+        return _fast(linear, quantize)
 
     def cpu_operator(self, name: str):
         """specdraft's C++ operator ``name`` on CPU (``torch.ops.specdraft_cpu.<name>``: for example

@@ -620,7 +620,7 @@ def test_heads_draft_on_the_product_the_services_lend(tiny_model, tmp_path, monk
             calls.append(x.shape)
             return super().forward(x)
 
-    def lend(self, weight, bias=None):
+    def lend(self, weight, bias=None, quantize=None):
         linear = Recording(weight.shape[1], weight.shape[0], bias=bias is not None, dtype=weight.dtype)
         linear.weight.data.copy_(weight)
         if bias is not None:

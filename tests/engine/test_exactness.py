@@ -13,6 +13,7 @@ import pytest
 import torch
 
 from specdraft import Draft, Drafter, SamplingParams, SpeculativeDecoder
+from specdraft.runner import cpu_ops
 from specdraft.sampling import TokenCounts
 from specdraft.testing import SIGNIFICANCE as ALPHA
 from specdraft.testing import (
@@ -168,16 +169,19 @@ def test_sampling_through_compiled_and_quantized_runners_in_bfloat16(runner):
     assert pvalue > ALPHA
 
 
-@pytest.mark.parametrize("kind", ["eagle", "mlp-speculator"])
-def test_head_sampling_in_bfloat16(tmp_path, kind):
+@pytest.mark.parametrize(("kind", "quantize"), [("eagle", "auto"), ("eagle", "none"), ("mlp-speculator", "auto")])
+def test_head_sampling_in_bfloat16(tmp_path, kind, quantize):
     """No filter here: the reference reads transformers' bfloat16 forward and the runner computes
     its own, whose rounding differs, so a top-k boundary can fall between two tokens whose
     logits differ by one bfloat16 step (seen: the 8th and 9th, -0.1807 and -0.1816). The filters
-    are tested in float64 above; this test is about the acceptance arithmetic."""
+    are tested in float64 above; this test is about the acceptance arithmetic. ``auto``: the
+    drafter's products on Q8_0 blocks where the C++ operators load (its distribution is its own,
+    the output's must stay the target's), ``none``: on the bfloat16 weights."""
     target = _sharp(torch.bfloat16)
     heads = random_heads(kind, target, tmp_path / kind, seed=3, scale=2.0)
     dec = SpeculativeDecoder(target, None, drafter=kind, spec_length=3, adaptive=False, max_batch=512,
-                             drafter_options={"heads": str(heads), "min_confidence": 0.0})
+                             drafter_options={"heads": str(heads), "min_confidence": 0.0, "quantize": quantize})
+    assert dec.drafter.quantize == (None if quantize == "none" or cpu_ops.load() else "q8_0")
     pvalue, results = sampled_joint_pvalue(dec, PROMPT, SamplingParams(temperature=0.8), seed=6)
     drafted, accepted = _traffic(results)
     assert drafted >= len(results) and 0 < accepted < drafted

@@ -182,3 +182,20 @@ def test_the_blocks_are_read_once_then_from_beside_the_model(tmp_path, monkeypat
     os.utime(path, ns=(0, 0))  # another file now: the cache does not hold its blocks
     with pytest.raises(AssertionError, match="parsed again"):
         file_blocks(path, cache)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_q8_0_blocks_made_as_llama_cpp_makes_them(dtype):
+    """A weight without a GGUF file (a drafter's) quantized as gguf-py's reference of llama.cpp's
+    ``quantize_row_q8_0`` does, bit for bit, a group of zeros included."""
+    import gguf
+
+    from specdraft.runner.gguf_blocks import quantize_q8_0
+
+    weight = torch.from_numpy(np.random.default_rng(5).standard_normal((7, 96)).astype(np.float32)) * 3
+    weight[2, 32:64] = 0
+    weight = weight.to(dtype)
+    raw = gguf.quants.quantize(weight.float().numpy(), gguf.GGMLQuantizationType.Q8_0)
+    want_q, want_d, _ = read_blocks(raw, "Q8_0", 7, 96)
+    q, d, m = quantize_q8_0(weight)
+    assert m is None and torch.equal(q, want_q) and torch.equal(d, want_d)

@@ -81,6 +81,31 @@ def quantize_q4_1(weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, tor
     return q.reshape(n, k), d, m
 
 
+def quantize_q8_0(weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, None]:
+    """``weight # [N, K]`` (K a multiple of 32) as Q8_0 blocks ``(q, d, None)``, as llama.cpp makes
+    them (``quantize_row_q8_0_ref``: ``d = absmax / 127`` per group, ``q = round(w / d)`` with the
+    reciprocal of ``d`` in float32, ``d`` stored as float16): for weights that come without a GGUF
+    file (a drafter's products, :meth:`specdraft.services.DrafterServices.fast_linear`)."""
+    n, k = weight.shape
+    w = weight.detach().float().reshape(n, k // BLOCK, BLOCK)
+    d = w.abs().amax(-1) / 127
+    inverse = torch.where(d == 0, torch.zeros_like(d), 1 / d)
+    q = torch.round(w * inverse[..., None]).to(torch.int8)  # |w / d| <= 127: no clamp needed
+    return q.reshape(n, k), d.half(), None
+
+
+def q8_0_fits(linear: nn.Linear) -> bool:
+    """Whether :func:`q8_0_linear` takes ``linear``: its inputs a whole number of blocks."""
+    return linear.in_features % BLOCK == 0
+
+
+def q8_0_linear(linear: nn.Linear) -> "BlockLinear":
+    """``linear`` (:func:`q8_0_fits`) as a :class:`BlockLinear` of its weight's Q8_0 blocks
+    (:func:`quantize_q8_0`), its bias as it is."""
+    bias = None if linear.bias is None else linear.bias.detach()
+    return BlockLinear(*quantize_q8_0(linear.weight), bias=bias, kind="Q8_0")
+
+
 def dequantize(q: torch.Tensor, d: torch.Tensor, m: torch.Tensor | None, dtype=torch.float32) -> torch.Tensor:
     """``d * q + m`` per group, in ``dtype``."""
     n, k = q.shape
@@ -307,5 +332,5 @@ def use_blocks(model, folder: str | Path) -> dict:
     return {"gguf_blocks": f"{done} of {total} layers ({', '.join(sorted(kinds))})"}
 
 
-__all__ = ["BLOCKS_CACHE", "BLOCK_BYTES", "BlockLinear", "dequantize", "file_blocks", "pack_blocks", "quantize_q4_1",
-           "llama_permutation", "read_blocks", "unpack_blocks", "use_blocks"]
+__all__ = ["BLOCKS_CACHE", "BLOCK_BYTES", "BlockLinear", "dequantize", "file_blocks", "pack_blocks", "q8_0_fits",
+           "q8_0_linear", "quantize_q4_1", "quantize_q8_0", "llama_permutation", "read_blocks", "unpack_blocks", "use_blocks"]

@@ -20,7 +20,8 @@ from torch import nn
 from .base import attention_backends
 from ..cache import KVCache
 from .convert import ARCHITECTURES, block_weights, config_args, placement_reason
-from .kernels import pack_linears
+from .gguf_blocks import q8_0_fits, q8_0_linear
+from .kernels import pack_linears, replace_linears
 from .model import ModelArgs, RMSNorm, TransformerBlock, rope_inv_freq, run_block, run_blocks
 from .runner import ModelRunner, _tree_kwargs
 
@@ -126,8 +127,8 @@ class LayerRunner(ModelRunner):
         return torch.zeros((rows, width, self.model.input_dim), dtype=self.dtype, device=self.device)
 
 
-def layers_from_transformers(hf_layers, config, attention_norm: bool = True,
-                             compile: bool = False) -> tuple[LayerRunner | None, str]:
+def layers_from_transformers(hf_layers, config, attention_norm: bool = True, compile: bool = False,
+                             quantize: str | None = None) -> tuple[LayerRunner | None, str]:
     """``(runner, "")`` running transformers decoder layers (one, or a sequence run in order) on
     specdraft's blocks, or ``(None, reason)`` for anything they do not reproduce exactly.
 
@@ -135,6 +136,9 @@ def layers_from_transformers(hf_layers, config, attention_norm: bool = True,
     or llama3 rope). q/k/v and gate/up are fused into new tensors; the other weights are the
     layers' own. ``attention_norm=False``: the blocks skip their input norm (EAGLE-1, whose
     layer has an ``nn.Identity`` there); True needs the layers' input norm weights.
+    ``quantize="q8_0"``: the products whose width allows on 8-bit blocks (a drafter's choice, see
+    :meth:`~specdraft.services.DrafterServices.drafting_quantize`), on a CPU one call per layer as
+    a target's GGUF blocks are.
     """
     layers = [hf_layers] if isinstance(hf_layers, nn.Module) and not isinstance(hf_layers, nn.ModuleList) \
         else list(hf_layers)
@@ -177,6 +181,8 @@ def layers_from_transformers(hf_layers, config, attention_norm: bool = True,
         raise RuntimeError(f"converting {kinds[0]}: missing {missing}, unexpected {unexpected}")
     stack.rope_inv_freq = rope_inv_freq(args).to(stack.device)  # the meta one holds no values
     stack.requires_grad_(False).eval()
+    if quantize == "q8_0":
+        replace_linears(stack, q8_0_linear, when=q8_0_fits)
     stack.kernels = pack_linears(stack)
     if stack.device.type == "cpu" and stack.dtype != torch.float64:  # see .cpu_ops
         from . import cpu_ops

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import heapq
 from abc import ABC, abstractmethod
-from typing import ClassVar
+from typing import ClassVar, Literal
 
 from pydantic import BaseModel, ConfigDict, Field
 
@@ -43,6 +43,12 @@ class HeadOptions(LearntDrafterOptions):
                                                 "it; the speculators format's EAGLE-3 and EAGLE), or a Hugging "
                                                 "Face hub id of one (the cache alone when offline); default: the "
                                                 "heads shipped for the target, if any. See docs/published-heads.md")
+    quantize: Literal["auto", "none", "q8_0"] = Field(
+        "auto", description="the heads' products (their layers and the LM head rows they read): q8_0 multiplies "
+                            "8-bit blocks (llama.cpp's Q8_0: half the bytes of bfloat16) on specdraft's CPU "
+                            "operators, none keeps the weights as loaded; auto: q8_0 on a CPU where those run "
+                            "(float32, bfloat16), none elsewhere. Drafts change a little, the output never: "
+                            "the verifier accepts by the drafter's own distribution")
 
 
 class TreeHeadOptions(HeadOptions, TreeOptions):

@@ -47,9 +47,12 @@ class HeadDrafter(Drafter):
         self.module, self.head, self.meta = load_heads(path, target, self.kind)
         # drafting's own products on the fastest kernel here (the decoder layers run on a layer runner)
         services = getattr(target, "services", None)
+        #: "q8_0" where the drafting products run on 8-bit blocks (``options.quantize``), else None
+        self.quantize = None
         if hasattr(services, "fast_linears"):
-            services.fast_linears(self.module, skip=("layer", "midlayer", "lm_head", "copy_gate"))
-            self.head.product = services.fast_linear(self.head.weight, self.head.bias)
+            self.quantize = services.drafting_quantize(options.quantize, target.device, target.dtype)
+            services.fast_linears(self.module, skip=("layer", "midlayer", "lm_head", "copy_gate"), quantize=self.quantize)
+            self.head.product = services.fast_linear(self.head.weight, self.head.bias, quantize=self.quantize)
         gate = getattr(self.module, "copy_gate", None) if options.copy_gate else None
         self.copier = CopyDrafting(gate, self.head.head_ids, target.vocab_size, services) if gate is not None else None
         super().__init__(options, target)
@@ -180,7 +183,13 @@ class EagleDrafter(HeadDrafter):
 
     def _layer_runner(self):
         """The draft layer on specdraft's own block, over a KV cache of its own."""
-        return self.target.services.layer_runner(self.module.layer, self.module.llama_config, attention_norm=False)
+        return self.target.services.layer_runner(self.module.layer, self.module.llama_config, attention_norm=False,
+                                                 **self._quantized())
+
+    def _quantized(self) -> dict:
+        """The layer runner's ``quantize`` argument, where the drafting products are quantized (a
+        test's services may not take one otherwise)."""
+        return {"quantize": self.quantize} if self.quantize else {}
 
     def reset(self) -> None:
         super().reset()
@@ -334,7 +343,7 @@ class Eagle3Drafter(EagleDrafter):
         self.hidden_layers = self.module.aux_layers
 
     def _layer_runner(self):
-        return self.target.services.layer_runner(self.module.midlayer, self.module.llama_config)
+        return self.target.services.layer_runner(self.module.midlayer, self.module.llama_config, **self._quantized())
 
     def features(self, states: torch.Tensor) -> torch.Tensor:
         """``fc`` over the chosen layers' states side by side, once per catch-up rather than per
