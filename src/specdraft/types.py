@@ -75,7 +75,9 @@ class TargetInfo:
     hidden_size: int = 0
     #: what a drafter that runs a model of its own borrows (see :mod:`specdraft.services`):
     #: ``model_runner(model, compile=None)``, ``layer_runner(hf_layers, config, compile=None,
-    #: attention_norm=True)``, ``attention_backends(device)``, ``load_model(source, dtype, device)``,
+    #: attention_norm=True, quantize=None)``, ``fast_linears(module, skip, quantize=None)``,
+    #: ``fast_linear(weight, bias, quantize=None)``, ``drafting_quantize(quantize, device, dtype)``,
+    #: ``attention_backends(device)``, ``load_model(source, dtype, device)``,
     #: ``resolve_device(device)``, ``resolve_dtype(dtype, device)``; a TargetInfo built by hand gets
     #: specdraft's own, a test may pass any object with the methods it needs
     services: Any = field(default_factory=default_services, compare=False, repr=False)
