@@ -17,19 +17,16 @@ from typing import Any
 QUANTIZE = ("auto", "none", "q8_0")
 
 
-def _fast(linear, quantize: str | None, ask: bool = False):
-    """``linear``'s fast product (:meth:`DrafterServices.fast_linears`): 8-bit blocks where ``quantize``
-    is ``"q8_0"`` and the width allows, else panels where they serve its dtype, else None. ``ask``:
-    only whether there is one (nothing is built)."""
+def _fast_product(linear, quantize: str | None):
+    """How :meth:`DrafterServices.fast_linears` makes ``linear``'s product (a function of it), or None
+    where it stays as it is: 8-bit blocks where ``quantize`` is ``"q8_0"`` and the width allows,
+    else panels where they serve its dtype."""
     from .runner import cpu_ops
-
     from .runner.gguf_blocks import q8_0_fits, q8_0_linear
 
     if quantize == "q8_0" and q8_0_fits(linear):
-        return True if ask else q8_0_linear(linear)
-    if not cpu_ops.panels_apply(linear):
-        return None
-    return True if ask else cpu_ops.PanelLinear(linear)
+        return q8_0_linear
+    return cpu_ops.PanelLinear if cpu_ops.panels_apply(linear) else None
 
 
 class DrafterServices:
@@ -135,8 +132,8 @@ class DrafterServices:
 
         skipped = [m for name, m in module.named_modules() if name.rsplit(".", 1)[-1] in skip]
         inside = {id(m) for s in skipped for m in s.modules()}
-        return len(replace_linears(module, lambda lin: _fast(lin, quantize),
-                                   when=lambda lin: id(lin) not in inside and _fast(lin, quantize, ask=True)))
+        return len(replace_linears(module, lambda lin: _fast_product(lin, quantize)(lin),
+                                   when=lambda lin: id(lin) not in inside and _fast_product(lin, quantize)))
 
     def fast_linear(self, weight, bias=None, quantize: str | None = None):
         """``(x) -> x @ weight.T + bias`` on the product :meth:`fast_linears` would choose, or None
@@ -147,7 +144,8 @@ class DrafterServices:
         linear.weight = torch.nn.Parameter(weight.detach(), requires_grad=False)
         if bias is not None:
             linear.bias = torch.nn.Parameter(bias.detach(), requires_grad=False)
-        return _fast(linear, quantize)
+        make = _fast_product(linear, quantize)
+        return make(linear) if make else None
 
     def cpu_operator(self, name: str):
         """specdraft's C++ operator ``name`` on CPU (``torch.ops.specdraft_cpu.<name>``: for example
